@@ -1,0 +1,58 @@
+"""Weir's one contract: the wire schema every writer and reader goes through.
+
+Endpoint state, commands, tenant quotas, handoff credits, continuations, the pool policy
+and finish reasons are defined here once, with a schema version. Records are msgspec
+structs: immutable, typed, strictly validated on decode. `codec` turns them into compact
+bytes (msgpack for Redis, JSON for humans and HTTP) and rejects unknown schema versions and
+malformed input with `SchemaError`, overwriting nothing.
+"""
+
+from controlplane.contract.codec import SchemaError, decode, decode_json, encode, encode_json
+from controlplane.contract.models import (
+    SCHEMA_VERSION,
+    CacheIdentity,
+    Command,
+    CommandKind,
+    Continuation,
+    EndpointState,
+    FinishReason,
+    HandoffCredit,
+    Lifecycle,
+    Role,
+    TenantQuota,
+    WatermarkState,
+)
+from controlplane.contract.policy import (
+    AutoscalingPolicy,
+    KVPolicy,
+    PoolPolicy,
+    PreemptionMode,
+    RoutingPolicy,
+    SchedulingPolicy,
+)
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "AutoscalingPolicy",
+    "CacheIdentity",
+    "Command",
+    "CommandKind",
+    "Continuation",
+    "EndpointState",
+    "FinishReason",
+    "HandoffCredit",
+    "KVPolicy",
+    "Lifecycle",
+    "PoolPolicy",
+    "PreemptionMode",
+    "Role",
+    "RoutingPolicy",
+    "SchedulingPolicy",
+    "SchemaError",
+    "TenantQuota",
+    "WatermarkState",
+    "decode",
+    "decode_json",
+    "encode",
+    "encode_json",
+]

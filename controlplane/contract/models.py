@@ -1,0 +1,217 @@
+"""Records shared by the router, the sidecars, the operator and the simulator.
+
+Every record carries `schema` (the contract's version) so a reader can refuse what it does
+not understand instead of misreading it. Times are seconds; `*_at` fields written by a
+client are informational only: liveness is decided by Redis server time (leases).
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+SCHEMA_VERSION = 1
+
+
+class Role(enum.StrEnum):
+    MIXED = "mixed"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class Lifecycle(enum.StrEnum):
+    READY = "ready"
+    DRAINING = "draining"
+    GONE = "gone"
+
+
+class WatermarkState(enum.StrEnum):
+    """KV pressure zones, mildest first. Ordered: compare with `.rank`."""
+
+    NORMAL = "normal"
+    PRESSURE = "pressure"
+    CRITICAL = "critical"
+    EXHAUSTED = "exhausted"
+
+    @property
+    def rank(self) -> int:
+        return _WATERMARK_RANK[self]
+
+
+_WATERMARK_RANK = {
+    WatermarkState.NORMAL: 0,
+    WatermarkState.PRESSURE: 1,
+    WatermarkState.CRITICAL: 2,
+    WatermarkState.EXHAUSTED: 3,
+}
+
+
+class FinishReason(enum.StrEnum):
+    """Why a request ended. Capacity actions are never disguised as completions.
+
+    `preempted` means state was saved and the request will resume: it is never final to a
+    client. `overload` is a refusal before admission, retryable, with Retry-After.
+    """
+
+    STOP = "stop"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+    DEADLINE = "deadline"
+    PREEMPTED = "preempted"
+    OVERLOAD = "overload"
+    ABORTED = "aborted"
+    ERROR = "error"
+
+    @property
+    def is_final(self) -> bool:
+        return self is not FinishReason.PREEMPTED
+
+
+class CacheIdentity(msgspec.Struct, frozen=True, kw_only=True):
+    """What must match for two requests to share KV: model, adapter, cache schema version
+    and security domain (a tenant, when tenants must not share KV)."""
+
+    model: str
+    adapter: str = ""
+    cache_schema: int = 1
+    security_domain: str = ""
+
+    def seed(self) -> bytes:
+        """Stable bytes that seed the chained prompt-block hashes."""
+        return f"{self.model}\x1f{self.adapter}\x1f{self.cache_schema}\x1f{self.security_domain}".encode()
+
+
+class EndpointState(msgspec.Struct, frozen=True, kw_only=True):
+    """One engine's state as its sidecar reports it in every heartbeat.
+
+    `epoch` is the fencing token handed out at registration; `version` increases with every
+    heartbeat of that epoch. The store rejects a write with an older epoch or a
+    non-increasing version.
+    """
+
+    schema: int = SCHEMA_VERSION
+    pool: str
+    endpoint_id: str
+    address: str
+    model: str
+    adapters: tuple[str, ...] = ()
+    role: Role = Role.MIXED
+    cache_schema: int = 1
+    security_domain: str = ""
+    epoch: int = 0
+    version: int = 0
+    lifecycle: Lifecycle = Lifecycle.READY
+    watermark: WatermarkState = WatermarkState.NORMAL
+    page_size: int = 1
+    kv_capacity_tokens: int = 0
+    kv_used_tokens: int = 0
+    kv_reserved_growth_tokens: int = 0
+    kv_growth_tokens_per_s: float = 0.0
+    waiting_prefill_tokens: int = 0
+    running_requests: int = 0
+    queued_requests: int = 0
+    preemptions_per_s: float = 0.0
+    predicted_ttft_s: float = 0.0
+    predicted_tpot_s: float = 0.0
+    started_at: float = 0.0
+    updated_at: float = 0.0
+
+    @property
+    def kv_free_tokens(self) -> int:
+        return max(
+            0, self.kv_capacity_tokens - self.kv_used_tokens - self.kv_reserved_growth_tokens
+        )
+
+    @property
+    def kv_pressure(self) -> float:
+        """Fraction of capacity committed, counting reserved growth; 1.0 when unknown."""
+        if self.kv_capacity_tokens <= 0:
+            return 1.0
+        return (self.kv_used_tokens + self.kv_reserved_growth_tokens) / self.kv_capacity_tokens
+
+    def cache_identity(self, adapter: str = "") -> CacheIdentity:
+        return CacheIdentity(
+            model=self.model,
+            adapter=adapter,
+            cache_schema=self.cache_schema,
+            security_domain=self.security_domain,
+        )
+
+
+class CommandKind(enum.StrEnum):
+    DRAIN = "drain"
+    PAUSE_ADMISSION = "pause_admission"
+    RESUME_ADMISSION = "resume_admission"
+    PREEMPT_REQUEST = "preempt_request"
+    PREEMPT_TENANT = "preempt_tenant"
+    SET_PRIORITY = "set_priority"
+
+
+class Command(msgspec.Struct, frozen=True, kw_only=True):
+    """An instruction to one endpoint's sidecar, delivered through its Redis stream.
+
+    `command_id` makes delivery idempotent: a sidecar executes an id at most once and
+    acknowledges it; unacknowledged commands are redelivered.
+    """
+
+    schema: int = SCHEMA_VERSION
+    command_id: str
+    pool: str
+    endpoint_id: str
+    kind: CommandKind
+    request_id: str = ""
+    tenant: str = ""
+    priority: int = 0
+    deadline_s: float = 0.0
+    issued_at: float = 0.0
+
+
+class TenantQuota(msgspec.Struct, frozen=True, kw_only=True):
+    """A tenant's limits. Zero means unlimited for rate and size limits."""
+
+    schema: int = SCHEMA_VERSION
+    name: str
+    priority_class: str = "standard"
+    weight: float = 1.0
+    max_concurrency: int = 0
+    input_tokens_per_min: int = 0
+    output_tokens_per_min: int = 0
+    kv_token_seconds_per_min: int = 0
+    reserved_fraction: float = 0.0
+
+
+class HandoffCredit(msgspec.Struct, frozen=True, kw_only=True):
+    """Decode capacity promised to one prefill: KV bytes on a decode class, until expiry."""
+
+    schema: int = SCHEMA_VERSION
+    credit_id: str
+    pool: str
+    decode_class: str
+    kv_bytes: int
+    expires_at: float
+
+
+class Continuation(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything needed to resume a request elsewhere or later, as a fresh engine request.
+
+    The engine re-prefills `prompt_ids + generated_ids` (its prefix cache often makes this
+    cheap) and generates at most `max_new_tokens - len(generated_ids)` more tokens. Partial
+    KV is never spliced across engines.
+    """
+
+    schema: int = SCHEMA_VERSION
+    request_id: str
+    tenant: str
+    model: str
+    prompt_ids: tuple[int, ...]
+    generated_ids: tuple[int, ...]
+    max_new_tokens: int
+    sampling: dict[str, object] = msgspec.field(default_factory=dict)
+    priority: int = 0
+    deadline_at: float = 0.0
+    preemptions: int = 0
+
+    @property
+    def remaining_tokens(self) -> int:
+        return max(0, self.max_new_tokens - len(self.generated_ids))

@@ -1,0 +1,97 @@
+"""The pool policy: what the operator renders from an InferencePool spec into a ConfigMap,
+and what sidecars and routers obey. Mirrors the CRD's spec sections (see crds/)."""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+from controlplane.contract.models import SCHEMA_VERSION, Role, TenantQuota
+
+
+class PreemptionMode(enum.StrEnum):
+    RECOMPUTE = "recompute"
+    MIGRATE = "migrate"
+    OFFLOAD = "offload"
+
+
+class KVPolicy(msgspec.Struct, frozen=True, kw_only=True):
+    """Watermarks are fractions of KV capacity: normal < low <= pressure < high <= critical
+    < emergency <= exhausted. `hysteresis` is how far usage must fall below a threshold
+    before the state steps down. The growth reserve covers the running sequences' growth
+    over `growth_horizon_steps` decode steps, bounded by each one's remaining tokens and
+    the `growth_quantile` of predicted output length."""
+
+    page_size: int = 16
+    low_watermark: float = 0.70
+    high_watermark: float = 0.85
+    emergency_watermark: float = 0.95
+    hysteresis: float = 0.03
+    headroom_tokens: int = 0
+    growth_horizon_steps: int = 256
+    growth_quantile: float = 0.9
+
+
+class SchedulingPolicy(msgspec.Struct, frozen=True, kw_only=True):
+    chunked_prefill_size: int = 8192
+    max_running_requests: int = 0
+    priority_scheduling: bool = True
+    aging_per_second: float = 1.0
+    preemption_modes: tuple[PreemptionMode, ...] = (
+        PreemptionMode.RECOMPUTE,
+        PreemptionMode.MIGRATE,
+    )
+    max_preemptions_per_request: int = 3
+    overload_may_abort: bool = False
+    local_queue_size: int = 256
+    local_queue_max_wait_s: float = 30.0
+
+
+class RoutingPolicy(msgspec.Struct, frozen=True, kw_only=True):
+    prefix_block_tokens: int = 64
+    prefix_blocks_for_owner: int = 4
+    virtual_nodes: int = 128
+    bounded_load_factor: float = 1.25
+    max_affinity_wait_s: float = 2.0
+    tenant_isolated_cache: bool = False
+    snapshot_staleness_s: float = 10.0
+
+
+class AutoscalingPolicy(msgspec.Struct, frozen=True, kw_only=True):
+    enabled: bool = False
+    target_kv_pressure: float = 0.75
+    target_waiting_prefill_tokens: int = 16384
+    target_ttft_s: float = 1.0
+    scale_up_stabilization_s: float = 30.0
+    scale_down_stabilization_s: float = 300.0
+
+
+class PoolPolicy(msgspec.Struct, frozen=True, kw_only=True):
+    schema: int = SCHEMA_VERSION
+    pool: str
+    model: str
+    role: Role = Role.MIXED
+    decode_pool: str = ""
+    context_length: int = 32768
+    kv: KVPolicy = msgspec.field(default_factory=KVPolicy)
+    scheduling: SchedulingPolicy = msgspec.field(default_factory=SchedulingPolicy)
+    routing: RoutingPolicy = msgspec.field(default_factory=RoutingPolicy)
+    autoscaling: AutoscalingPolicy = msgspec.field(default_factory=AutoscalingPolicy)
+    tenants: tuple[TenantQuota, ...] = ()
+
+    def __post_init__(self) -> None:
+        kv = self.kv
+        if not 0.0 < kv.low_watermark < kv.high_watermark < kv.emergency_watermark <= 1.0:
+            raise ValueError(
+                "kv watermarks must satisfy 0 < low < high < emergency <= 1, got "
+                f"low={kv.low_watermark} high={kv.high_watermark} emergency={kv.emergency_watermark}"
+            )
+        if self.role is Role.PREFILL and not self.decode_pool:
+            raise ValueError("a prefill pool must name its decode pool")
+
+    def tenant(self, name: str) -> TenantQuota | None:
+        for quota in self.tenants:
+            if quota.name == name:
+                return quota
+        return None

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Installs everything Weir needs on a fresh Debian machine, idempotently.
+#   scripts/bootstrap.sh run   - what `weir up` needs: a virtualenv with Weir and redis-server
+#   scripts/bootstrap.sh dev   - also test and lint tools, redis-sentinel, prometheus, helm/kubectl
+set -euo pipefail
+mode=${1:-dev}
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+venv=.venv
+
+apt_packages=(redis-server)
+if [ "$mode" = dev ]; then apt_packages+=(redis-sentinel prometheus); fi
+
+missing=()
+for pkg in "${apt_packages[@]}"; do
+  dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "bootstrap: installing ${missing[*]} with apt-get" >&2
+  sudo=""; [ "$(id -u)" = 0 ] || sudo=sudo
+  export DEBIAN_FRONTEND=noninteractive
+  $sudo apt-get update -qq
+  $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  # The Debian packages start system services; Weir starts its own servers on free ports.
+  for svc in redis-server redis-sentinel prometheus; do
+    $sudo systemctl disable --now "$svc" >/dev/null 2>&1 || $sudo service "$svc" stop >/dev/null 2>&1 || true
+  done
+fi
+
+if [ ! -x "$venv/bin/python" ]; then
+  python3.11 -m venv "$venv" 2>/dev/null || python3 -m venv "$venv"
+fi
+stamp="$venv/.weir-$mode-$(sha256sum pyproject.toml | cut -c1-16)"
+if [ ! -f "$stamp" ]; then
+  echo "bootstrap: installing Python packages into $venv ($mode)" >&2
+  "$venv/bin/python" -m pip install -q --upgrade "pip>=25.1"
+  if [ "$mode" = dev ]; then
+    "$venv/bin/python" -m pip install -q -e . --group dev
+  else
+    "$venv/bin/python" -m pip install -q -e .
+  fi
+  touch "$stamp"
+fi
+
+if [ "$mode" = dev ]; then
+  "$venv/bin/python" scripts/k8s_tools.py >/dev/null
+fi

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Runs every check in order and stops at the first failure. `--no-tests` skips pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bin=.venv/bin
+export PATH="$PWD/.cache/bin:$PATH"
+step() { printf '\n== %s ==\n' "$*"; }
+
+step "format (ruff format --check)"; $bin/ruff format --check .
+step "lint (ruff check)";            $bin/ruff check .
+step "types (mypy --strict)";        $bin/mypy
+step "import contracts";             PYTHONPATH=operator $bin/lint-imports
+if [ "${1:-}" != "--no-tests" ]; then
+  step "tests (pytest)";             $bin/pytest -q
+fi

@@ -1,0 +1,1 @@
+"""Subcommands of `weir`, one module each (see weir.cli)."""

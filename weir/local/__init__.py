@@ -1,0 +1,1 @@
+"""Running Weir's parts as plain local processes (development fleets and tests)."""
