@@ -192,25 +192,51 @@ class HandoffCredit(msgspec.Struct, frozen=True, kw_only=True):
     expires_at: float
 
 
-class Continuation(msgspec.Struct, frozen=True, kw_only=True):
-    """Everything needed to resume a request elsewhere or later, as a fresh engine request.
+class EngineAPI(enum.StrEnum):
+    """Which engine surface a request entered through; a continuation resumes on the same."""
 
-    The engine re-prefills `prompt_ids + generated_ids` (its prefix cache often makes this
-    cheap) and generates at most `max_new_tokens - len(generated_ids)` more tokens. Partial
-    KV is never spliced across engines.
+    GENERATE = "generate"
+    COMPLETIONS = "completions"
+    CHAT = "chat"
+
+
+class Continuation(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything needed to resume a request later or elsewhere, as a fresh engine request.
+
+    `body` is the client's request body as the engine first received it (sampling
+    parameters included, `stream` and `rid` excluded). The engine re-prefills the prompt
+    plus what was generated (its prefix cache often makes this cheap) and generates at most
+    `remaining_tokens` more; partial KV is never spliced across engines. How the prompt is
+    extended depends on `api`:
+
+    - generate: `input_ids = prompt_ids + generated_ids` when the ids are known, else
+      `text = body.text + generated_text`;
+    - completions: `prompt = body.prompt + generated_text`;
+    - chat: `messages + [{"role": "assistant", "content": generated_text}]` with
+      `continue_final_message: true`.
+
+    A migrating sidecar ends its response stream with an SSE event `weir.preempted` whose
+    data is this record as JSON; the router then posts it to another endpoint's
+    `/weir/v1/continue` and splices the client's stream. `preempted` is never final.
     """
 
     schema: int = SCHEMA_VERSION
     request_id: str
-    tenant: str
+    tenant: str = ""
     model: str
-    prompt_ids: tuple[int, ...]
-    generated_ids: tuple[int, ...]
+    api: EngineAPI
+    body: dict[str, object] = msgspec.field(default_factory=dict)
+    prompt_ids: tuple[int, ...] = ()
+    generated_ids: tuple[int, ...] = ()
+    generated_text: str = ""
     max_new_tokens: int
-    sampling: dict[str, object] = msgspec.field(default_factory=dict)
     priority: int = 0
     deadline_at: float = 0.0
     preemptions: int = 0
+
+    @property
+    def generated_tokens(self) -> int:
+        return len(self.generated_ids)
 
     @property
     def remaining_tokens(self) -> int:
