@@ -281,3 +281,20 @@ CATALOG: tuple[MetricSpec, ...] = SIDECAR + ROUTER
 def metric_names() -> frozenset[str]:
     """Every sample name Weir can export (histograms expand to _bucket/_sum/_count)."""
     return frozenset(name for spec in CATALOG for name in spec.series_names())
+
+
+def render_markdown() -> str:
+    """docs/metrics.md, generated from the catalogue (a test keeps the file current)."""
+    lines = [
+        "# Metrics",
+        "",
+        "Every metric family Weir exports, generated from `controlplane/telemetry/catalog.py`",
+        "(`python -m controlplane.telemetry > docs/metrics.md`). Dashboards query only these.",
+    ]
+    for title, specs in (("Sidecar (`weir sidecar`)", SIDECAR), ("Router (`weir router`)", ROUTER)):
+        lines += ["", f"## {title}", "", "| name | type | labels | meaning |", "|---|---|---|---|"]
+        lines += [
+            f"| `{s.name}` | {s.kind} | {', '.join(f'`{label}`' for label in s.labels)} | {s.help} |"
+            for s in specs
+        ]
+    return "\n".join(lines) + "\n"
