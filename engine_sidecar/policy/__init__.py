@@ -1,0 +1,75 @@
+"""Pure sidecar policy: functions and small deterministic objects over immutable inputs.
+
+No I/O and no clock of its own — every time is passed in — so the fleet simulator drives
+exactly this code on a virtual clock, and the live sidecar drives it on the real one.
+"""
+
+from engine_sidecar.policy.admission import (
+    AdmissionDecision,
+    AdmissionVerdict,
+    PoolOutlook,
+    SequenceOutlook,
+    decide_admission,
+    growth_reserve,
+    safety_tokens,
+    total_growth_reserve,
+)
+from engine_sidecar.policy.lifecycle import (
+    TRANSITIONS,
+    IllegalTransitionError,
+    RequestRecord,
+    RequestState,
+)
+from engine_sidecar.policy.prediction import LengthKey, OutputLengthPredictor
+from engine_sidecar.policy.queue import (
+    QueuedRequest,
+    effective_priority,
+    engine_priority,
+    expired,
+    queue_order,
+    retry_after_s,
+)
+from engine_sidecar.policy.relief import (
+    ReliefPlan,
+    Rung,
+    VictimCandidate,
+    VictimChoice,
+    VictimScore,
+    plan_relief,
+    score_victim,
+)
+from engine_sidecar.policy.watermark import GrowthRate, KVUsage, classify, reconcile_used
+
+__all__ = [
+    "TRANSITIONS",
+    "AdmissionDecision",
+    "AdmissionVerdict",
+    "GrowthRate",
+    "IllegalTransitionError",
+    "KVUsage",
+    "LengthKey",
+    "OutputLengthPredictor",
+    "PoolOutlook",
+    "QueuedRequest",
+    "ReliefPlan",
+    "RequestRecord",
+    "RequestState",
+    "Rung",
+    "SequenceOutlook",
+    "VictimCandidate",
+    "VictimChoice",
+    "VictimScore",
+    "classify",
+    "decide_admission",
+    "effective_priority",
+    "engine_priority",
+    "expired",
+    "growth_reserve",
+    "plan_relief",
+    "queue_order",
+    "reconcile_used",
+    "retry_after_s",
+    "safety_tokens",
+    "score_victim",
+    "total_growth_reserve",
+]

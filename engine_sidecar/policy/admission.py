@@ -1,0 +1,95 @@
+"""Local memory admission: committed KV + near-term growth reserve + safety ≤ capacity.
+
+The reserve is what the running sequences will add over the next `growth_horizon_steps`
+decode steps, each bounded by its remaining `max_new_tokens` and by the predicted-length
+quantile. Reserving full `max_tokens` would admit far too few requests; reserving nothing
+would admit requests the pool cannot grow into, and preempt constantly. A sequence with
+tokens left always reserves at least one.
+
+The safety margin is the emergency band above `emergency_watermark` plus the policy's
+absolute `headroom_tokens`. When the watermark is already critical or worse the sidecar
+admits nothing new (the relief ladder's second rung) whatever the arithmetic says.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from controlplane.contract import KVPolicy, WatermarkState
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceOutlook:
+    """A sequence's growth prospects: how much it has, may and is predicted to generate."""
+
+    generated_tokens: int
+    max_new_tokens: int
+    predicted_total_tokens: int
+
+
+def growth_reserve(seq: SequenceOutlook, horizon_steps: int) -> int:
+    """Tokens this sequence is expected to add over the next `horizon_steps` steps."""
+    remaining = seq.max_new_tokens - seq.generated_tokens
+    if remaining <= 0:
+        return 0
+    predicted = max(1, seq.predicted_total_tokens - seq.generated_tokens)
+    return max(1, min(horizon_steps, remaining, predicted))
+
+
+def total_growth_reserve(sequences: Iterable[SequenceOutlook], horizon_steps: int) -> int:
+    return sum(growth_reserve(seq, horizon_steps) for seq in sequences)
+
+
+def safety_tokens(capacity_tokens: int, policy: KVPolicy) -> int:
+    return int(capacity_tokens * (1.0 - policy.emergency_watermark)) + policy.headroom_tokens
+
+
+class AdmissionVerdict(enum.StrEnum):
+    ADMIT = "admit"
+    WAIT = "wait"  # fits in principle, not now: queue it
+    REFUSE = "refuse"  # can never fit, or admission is closed
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionDecision:
+    verdict: AdmissionVerdict
+    reason: str
+    needed_tokens: int
+    available_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class PoolOutlook:
+    """The KV pool as admission sees it."""
+
+    capacity_tokens: int
+    used_tokens: int
+    reserved_growth_tokens: int
+    watermark: WatermarkState
+    admission_open: bool = True
+
+
+def decide_admission(
+    candidate: SequenceOutlook, prompt_tokens: int, pool: PoolOutlook, policy: KVPolicy
+) -> AdmissionDecision:
+    """Whether a request with `prompt_tokens` and growth prospects `candidate` fits now."""
+    needed = prompt_tokens + growth_reserve(candidate, policy.growth_horizon_steps)
+    safety = safety_tokens(pool.capacity_tokens, policy)
+    available = max(
+        0, pool.capacity_tokens - pool.used_tokens - pool.reserved_growth_tokens - safety
+    )
+    if pool.capacity_tokens <= 0:
+        return AdmissionDecision(AdmissionVerdict.WAIT, "capacity_unknown", needed, 0)
+    if needed > pool.capacity_tokens - safety:
+        return AdmissionDecision(AdmissionVerdict.REFUSE, "too_large", needed, available)
+    if not pool.admission_open:
+        return AdmissionDecision(AdmissionVerdict.WAIT, "admission_paused", needed, available)
+    if pool.watermark.rank >= WatermarkState.CRITICAL.rank:
+        return AdmissionDecision(
+            AdmissionVerdict.WAIT, f"watermark_{pool.watermark}", needed, available
+        )
+    if needed > available:
+        return AdmissionDecision(AdmissionVerdict.WAIT, "kv_reserve", needed, available)
+    return AdmissionDecision(AdmissionVerdict.ADMIT, "fits", needed, available)

@@ -1,0 +1,214 @@
+"""The relief ladder and victim scoring: what to do, mildest first, when KV runs high.
+
+Rungs, in ARCHITECTURE.md's order:
+
+1. stop new routing — published with the watermark state (pressure and up);
+2. pause local prefill admission (critical and up);
+3. let near-done decodes finish first — they are raised in engine priority and are the
+   last to be chosen as victims;
+4. migrate what can move (lower the low-priority concurrency on this endpoint);
+5. recompute what can be resumed (abort in the engine, resume later in place);
+6. terminate — only where the pool's contract allows it (`overload_may_abort`).
+
+Rungs 4–6 act only when the pool is exhausted: enough victims are picked to bring the
+committed KV (held + reserved growth) back below the critical threshold. Victims are
+scored, not simply the largest; every `VictimScore` keeps its terms so that the decision
+can be logged and explained. A request preempted `max_preemptions_per_request` times is
+never picked again (no thrashing).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from controlplane.contract import PoolPolicy, PreemptionMode, WatermarkState
+from engine_sidecar.policy.watermark import KVUsage
+
+
+class Rung(enum.StrEnum):
+    STOP_ROUTING = "stop_routing"
+    PAUSE_ADMISSION = "pause_admission"
+    FAVOUR_NEAR_DONE = "favour_near_done"
+    MIGRATE = "migrate"
+    RECOMPUTE = "recompute"
+    TERMINATE = "terminate"
+
+
+@dataclass(frozen=True, slots=True)
+class VictimCandidate:
+    """A running sequence as victim selection sees it."""
+
+    rid: str
+    prompt_tokens: int
+    generated_tokens: int
+    max_new_tokens: int
+    predicted_total_tokens: int
+    reserved_growth_tokens: int
+    priority: int
+    deadline_at: float
+    preemptions: int
+    recomputable: bool
+    migratable: bool
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.prompt_tokens + self.generated_tokens
+
+    @property
+    def predicted_remaining(self) -> int:
+        return max(0, min(self.max_new_tokens, self.predicted_total_tokens) - self.generated_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class VictimScore:
+    """Why a candidate ranks where it does. Higher `total` = better victim."""
+
+    kv_freed_tokens: int
+    progress: float
+    remaining_tokens: int
+    recompute_tokens: int
+    priority: int
+    deadline_slack_s: float | None
+    preemptions: int
+    near_done: bool
+    total: float
+
+    def explain(self) -> str:
+        slack = "none" if self.deadline_slack_s is None else f"{self.deadline_slack_s:.1f}s"
+        return (
+            f"score={self.total:.3f} frees={self.kv_freed_tokens} progress={self.progress:.2f} "
+            f"remaining≈{self.remaining_tokens} recompute={self.recompute_tokens} "
+            f"priority={self.priority} deadline_slack={slack} preemptions={self.preemptions}"
+            f"{' near-done' if self.near_done else ''}"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class VictimChoice:
+    rid: str
+    mode: Rung
+    score: VictimScore
+
+
+@dataclass(frozen=True, slots=True)
+class ReliefPlan:
+    watermark: WatermarkState
+    rungs: tuple[Rung, ...]
+    victims: tuple[VictimChoice, ...]
+    needed_tokens: int
+    favoured: tuple[str, ...]
+
+    @property
+    def admission_paused(self) -> bool:
+        return Rung.PAUSE_ADMISSION in self.rungs
+
+
+# Deadline slack under which a request is treated as urgent and spared.
+_URGENT_SLACK_S = 30.0
+
+
+def score_victim(
+    cand: VictimCandidate,
+    now: float,
+    near_done_tokens: int,
+    scale_tokens: int,
+    priority_span: tuple[int, int],
+    max_preemptions: int,
+) -> VictimScore:
+    """Score one candidate. Terms are normalised to [0, 1] against the candidate set."""
+    scale = max(1, scale_tokens)
+    low, high = priority_span
+    predicted_total = max(1, min(cand.max_new_tokens, cand.predicted_total_tokens))
+    progress = min(1.0, cand.generated_tokens / predicted_total)
+    freed = cand.kv_tokens + cand.reserved_growth_tokens
+    slack = None if cand.deadline_at <= 0 else cand.deadline_at - now
+    urgency = 0.0 if slack is None else max(0.0, 1.0 - max(0.0, slack) / _URGENT_SLACK_S)
+    lowness = 1.0 if high == low else (high - cand.priority) / (high - low)
+    near_done = cand.predicted_remaining <= near_done_tokens
+    total = (
+        1.0 * freed / scale
+        + 1.0 * cand.predicted_remaining / scale
+        - 1.0 * progress
+        - 0.5 * cand.kv_tokens / scale
+        + 1.0 * lowness
+        - 1.0 * urgency
+        - 0.5 * cand.preemptions / max(1, max_preemptions)
+        - (2.0 if near_done else 0.0)
+    )
+    return VictimScore(
+        kv_freed_tokens=freed,
+        progress=progress,
+        remaining_tokens=cand.predicted_remaining,
+        recompute_tokens=cand.kv_tokens,
+        priority=cand.priority,
+        deadline_slack_s=slack,
+        preemptions=cand.preemptions,
+        near_done=near_done,
+        total=total,
+    )
+
+
+def _mode(cand: VictimCandidate, policy: PoolPolicy) -> Rung | None:
+    modes = policy.scheduling.preemption_modes
+    if cand.migratable and PreemptionMode.MIGRATE in modes:
+        return Rung.MIGRATE
+    if cand.recomputable and PreemptionMode.RECOMPUTE in modes:
+        return Rung.RECOMPUTE
+    if policy.scheduling.overload_may_abort:
+        return Rung.TERMINATE
+    return None
+
+
+def plan_relief(
+    usage: KVUsage,
+    watermark: WatermarkState,
+    candidates: Sequence[VictimCandidate],
+    policy: PoolPolicy,
+    now: float,
+) -> ReliefPlan:
+    """The rungs to apply and, when exhausted, the victims to preempt, best victim first."""
+    kv = policy.kv
+    near_done_tokens = max(1, kv.growth_horizon_steps // 8)
+    rungs: list[Rung] = []
+    if watermark.rank >= WatermarkState.PRESSURE.rank:
+        rungs.append(Rung.STOP_ROUTING)
+    if watermark.rank >= WatermarkState.CRITICAL.rank:
+        rungs += [Rung.PAUSE_ADMISSION, Rung.FAVOUR_NEAR_DONE]
+    favoured = tuple(
+        c.rid
+        for c in candidates
+        if Rung.FAVOUR_NEAR_DONE in rungs and c.predicted_remaining <= near_done_tokens
+    )
+    target = int(kv.high_watermark * usage.capacity_tokens)
+    needed = usage.committed_tokens - target if watermark is WatermarkState.EXHAUSTED else 0
+    if needed <= 0 or not candidates:
+        return ReliefPlan(watermark, tuple(rungs), (), max(0, needed), favoured)
+    cap = policy.scheduling.max_preemptions_per_request
+    scale = max(c.kv_tokens + c.reserved_growth_tokens for c in candidates)
+    span = (min(c.priority for c in candidates), max(c.priority for c in candidates))
+    scored = sorted(
+        (
+            (score_victim(c, now, near_done_tokens, scale, span, cap), c)
+            for c in candidates
+            if c.preemptions < cap
+        ),
+        key=lambda sc: (-sc[0].total, sc[1].rid),
+    )
+    victims: list[VictimChoice] = []
+    freed = 0
+    for score, cand in scored:
+        if freed >= needed:
+            break
+        mode = _mode(cand, policy)
+        if mode is None:
+            continue
+        victims.append(VictimChoice(cand.rid, mode, score))
+        freed += score.kv_freed_tokens
+    ordered = [
+        r
+        for r in (Rung.MIGRATE, Rung.RECOMPUTE, Rung.TERMINATE)
+        if any(v.mode is r for v in victims)
+    ]
+    return ReliefPlan(watermark, (*rungs, *ordered), tuple(victims), needed, favoured)

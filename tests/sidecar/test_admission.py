@@ -1,0 +1,86 @@
+"""Growth-reserve admission, the local queue's order, aging and engine priority."""
+
+from __future__ import annotations
+
+from controlplane.contract import KVPolicy, WatermarkState
+from engine_sidecar.policy import (
+    AdmissionVerdict,
+    PoolOutlook,
+    QueuedRequest,
+    SequenceOutlook,
+    decide_admission,
+    engine_priority,
+    expired,
+    growth_reserve,
+    queue_order,
+    retry_after_s,
+    safety_tokens,
+    total_growth_reserve,
+)
+
+POLICY = KVPolicy(emergency_watermark=0.95, growth_horizon_steps=100, headroom_tokens=10)
+
+
+def test_reserve_is_bounded_by_horizon_remaining_and_prediction() -> None:
+    assert growth_reserve(SequenceOutlook(0, 10_000, 5_000), 100) == 100  # horizon
+    assert growth_reserve(SequenceOutlook(990, 1000, 5_000), 100) == 10  # remaining
+    assert growth_reserve(SequenceOutlook(0, 10_000, 40), 100) == 40  # predicted
+    assert growth_reserve(SequenceOutlook(60, 10_000, 40), 100) == 1  # never zero
+    assert growth_reserve(SequenceOutlook(10, 10, 40), 100) == 0  # nothing left
+    assert total_growth_reserve([SequenceOutlook(0, 50, 50)] * 3, 100) == 150
+
+
+def _pool(used: int, reserved: int = 0, **kw: object) -> PoolOutlook:
+    return PoolOutlook(1000, used, reserved, kw.pop("watermark", WatermarkState.NORMAL), **kw)  # type: ignore[arg-type]
+
+
+def test_admits_what_fits_with_reserve_and_safety() -> None:
+    assert safety_tokens(1000, POLICY) == 60
+    cand = SequenceOutlook(0, 500, 100)
+    fits = decide_admission(cand, 100, _pool(500, 140), POLICY)
+    assert fits.verdict is AdmissionVerdict.ADMIT
+    assert fits.needed_tokens == 200
+    assert fits.available_tokens == 300
+    tight = decide_admission(cand, 100, _pool(600, 141), POLICY)
+    assert tight.verdict is AdmissionVerdict.WAIT
+    assert tight.reason == "kv_reserve"
+
+
+def test_never_full_max_tokens() -> None:
+    # max_tokens 100k would never fit; the reserve only counts the horizon.
+    d = decide_admission(SequenceOutlook(0, 100_000, 100_000), 100, _pool(0), POLICY)
+    assert d.verdict is AdmissionVerdict.ADMIT
+    assert d.needed_tokens == 200
+
+
+def test_refuses_what_never_fits_and_waits_when_closed_or_critical() -> None:
+    cand = SequenceOutlook(0, 10, 10)
+    assert decide_admission(cand, 995, _pool(0), POLICY).verdict is AdmissionVerdict.REFUSE
+    paused = decide_admission(cand, 10, _pool(0, admission_open=False), POLICY)
+    assert (paused.verdict, paused.reason) == (AdmissionVerdict.WAIT, "admission_paused")
+    crit = decide_admission(cand, 10, _pool(0, watermark=WatermarkState.CRITICAL), POLICY)
+    assert (crit.verdict, crit.reason) == (AdmissionVerdict.WAIT, "watermark_critical")
+    unknown = decide_admission(cand, 10, PoolOutlook(0, 0, 0, WatermarkState.NORMAL), POLICY)
+    assert unknown.verdict is AdmissionVerdict.WAIT
+
+
+def test_queue_orders_by_aged_priority_and_expires() -> None:
+    old_low = QueuedRequest("a", priority=0, enqueued_at=0.0, expires_at=100.0, prompt_tokens=1)
+    new_high = QueuedRequest("b", priority=5, enqueued_at=8.0, expires_at=9.0, prompt_tokens=1)
+    assert [q.rid for q in queue_order((old_low, new_high), 9.0, 0.1)] == ["b", "a"]
+    # With aging the old low-priority request overtakes: never starved.
+    assert [q.rid for q in queue_order((old_low, new_high), 9.0, 1.0)] == ["a", "b"]
+    assert expired((old_low, new_high), 9.0) == (new_high,)
+
+
+def test_engine_priority_rises_with_wait_and_urgency() -> None:
+    assert engine_priority(1, 0.0, None, 1.0) == 1
+    assert engine_priority(1, 5.0, None, 1.0) == 6
+    assert engine_priority(1, 0.0, 2.0, 1.0) == 9
+    assert engine_priority(1, 0.0, -5.0, 1.0) == 11
+
+
+def test_retry_after_grows_with_the_queue() -> None:
+    assert retry_after_s(0, 10, 30.0) == 1
+    assert retry_after_s(10, 10, 30.0) == 8
+    assert retry_after_s(5, 0, 30.0) == 8

@@ -1,0 +1,102 @@
+"""The relief ladder's order and victim scoring, with explanations and a preemption cap."""
+
+from __future__ import annotations
+
+import msgspec
+
+from controlplane.contract import (
+    KVPolicy,
+    PoolPolicy,
+    PreemptionMode,
+    SchedulingPolicy,
+    WatermarkState,
+)
+from engine_sidecar.policy import KVUsage, Rung, VictimCandidate, plan_relief
+
+W = WatermarkState
+POLICY = PoolPolicy(pool="p", model="m", kv=KVPolicy(growth_horizon_steps=80))
+
+
+def _cand(rid: str, **kw: object) -> VictimCandidate:
+    fields: dict[str, object] = {
+        "rid": rid,
+        "prompt_tokens": 100,
+        "generated_tokens": 100,
+        "max_new_tokens": 1000,
+        "predicted_total_tokens": 800,
+        "reserved_growth_tokens": 80,
+        "priority": 0,
+        "deadline_at": 0.0,
+        "preemptions": 0,
+        "recomputable": True,
+        "migratable": False,
+    }
+    fields.update(kw)
+    return VictimCandidate(**fields)  # type: ignore[arg-type]
+
+
+def _exhausted(committed: int = 960) -> KVUsage:
+    return KVUsage(capacity_tokens=1000, used_tokens=committed - 100, reserved_growth_tokens=100)
+
+
+def test_rungs_follow_the_ladder_by_state() -> None:
+    cands = [_cand("a")]
+    assert plan_relief(KVUsage(1000, 100, 0), W.NORMAL, cands, POLICY, 0).rungs == ()
+    assert plan_relief(KVUsage(1000, 750, 0), W.PRESSURE, cands, POLICY, 0).rungs == (
+        Rung.STOP_ROUTING,
+    )
+    crit = plan_relief(KVUsage(1000, 870, 0), W.CRITICAL, cands, POLICY, 0)
+    assert crit.rungs == (Rung.STOP_ROUTING, Rung.PAUSE_ADMISSION, Rung.FAVOUR_NEAR_DONE)
+    assert crit.admission_paused
+    assert crit.victims == ()
+
+
+def test_exhausted_picks_enough_victims_and_explains() -> None:
+    cands = [_cand("a"), _cand("b", generated_tokens=600), _cand("c", generated_tokens=10)]
+    plan = plan_relief(_exhausted(), W.EXHAUSTED, cands, POLICY, 0)
+    assert plan.needed_tokens == 960 - 850
+    assert plan.rungs[-1] is Rung.RECOMPUTE
+    assert sum(v.score.kv_freed_tokens for v in plan.victims) >= plan.needed_tokens
+    assert len(plan.victims) == 1
+    assert "frees=" in plan.victims[0].score.explain()
+
+
+def test_near_done_is_spared_and_favoured() -> None:
+    near = _cand("near", generated_tokens=790, prompt_tokens=2000)
+    far = _cand("far", generated_tokens=10)
+    plan = plan_relief(_exhausted(), W.EXHAUSTED, [near, far], POLICY, 0)
+    assert plan.victims[0].rid == "far"
+    assert plan.favoured == ("near",)
+
+
+def test_low_priority_and_slack_go_first() -> None:
+    hi = _cand("hi", priority=10)
+    lo = _cand("lo", priority=0)
+    assert plan_relief(_exhausted(), W.EXHAUSTED, [hi, lo], POLICY, 0).victims[0].rid == "lo"
+    urgent = _cand("urgent", deadline_at=5.0)
+    relaxed = _cand("relaxed", deadline_at=500.0)
+    plan = plan_relief(_exhausted(), W.EXHAUSTED, [urgent, relaxed], POLICY, 0)
+    assert plan.victims[0].rid == "relaxed"
+    assert plan.victims[0].score.deadline_slack_s == 500.0
+
+
+def test_preemption_cap_and_modes() -> None:
+    capped = _cand("capped", preemptions=POLICY.scheduling.max_preemptions_per_request)
+    assert plan_relief(_exhausted(), W.EXHAUSTED, [capped], POLICY, 0).victims == ()
+    movable = _cand("m", migratable=True)
+    plan = plan_relief(_exhausted(), W.EXHAUSTED, [movable], POLICY, 0)
+    assert plan.victims[0].mode is Rung.MIGRATE
+    assert Rung.MIGRATE in plan.rungs
+    recompute_only = msgspec.structs.replace(
+        POLICY, scheduling=SchedulingPolicy(preemption_modes=(PreemptionMode.RECOMPUTE,))
+    )
+    plan = plan_relief(_exhausted(), W.EXHAUSTED, [movable], recompute_only, 0)
+    assert plan.victims[0].mode is Rung.RECOMPUTE
+    pinned = _cand("pinned", recomputable=False)
+    assert plan_relief(_exhausted(), W.EXHAUSTED, [pinned], POLICY, 0).victims == ()
+    may_abort = msgspec.structs.replace(
+        POLICY, scheduling=SchedulingPolicy(overload_may_abort=True)
+    )
+    plan = plan_relief(_exhausted(), W.EXHAUSTED, [pinned], may_abort, 0)
+    assert plan.victims[0].mode is Rung.TERMINATE
+    assert plan.rungs[-1] is Rung.TERMINATE
