@@ -1,0 +1,69 @@
+"""Routing policy: which endpoint serves a request, and who waits when none can.
+
+Pure over immutable snapshots with an injected clock, so the gateway runs it live and the
+fleet simulator runs it in virtual time:
+
+- `snapshot`: `PoolSnapshot`, `EndpointView`, `RouteRequest`, `RoutingContext`;
+- `framework`: the `Filter` / `Scorer` / `Picker` protocols and the `Profile` pipeline
+  (filters → weighted scorers → picker) that returns a `Decision`;
+- `filters`, `scorers`, `pickers`: the built-in plugins; `cost`: the cost model the
+  scorers are made of; `registry`: plugins by name and profiles from configuration;
+- `prefix_index`: the approximate per-endpoint block index;
+- `fair_queue`: the bounded, tenant-fair admission queue.
+"""
+
+from controlplane.routing.cost import CostModel
+from controlplane.routing.fair_queue import FairQueue, QueueEntry, QueueFullError
+from controlplane.routing.framework import (
+    Cycle,
+    Decision,
+    DecisionReason,
+    Filter,
+    Picker,
+    Profile,
+    Scorer,
+    WeightedScorer,
+)
+from controlplane.routing.prefix_index import PrefixIndex
+from controlplane.routing.registry import (
+    PluginKind,
+    ProfileError,
+    default_config,
+    profile_from_config,
+    register,
+    registered,
+)
+from controlplane.routing.snapshot import (
+    EndpointView,
+    PoolSnapshot,
+    PrefixLookup,
+    RouteRequest,
+    RoutingContext,
+)
+
+__all__ = [
+    "CostModel",
+    "Cycle",
+    "Decision",
+    "DecisionReason",
+    "EndpointView",
+    "FairQueue",
+    "Filter",
+    "Picker",
+    "PluginKind",
+    "PoolSnapshot",
+    "PrefixIndex",
+    "PrefixLookup",
+    "Profile",
+    "ProfileError",
+    "QueueEntry",
+    "QueueFullError",
+    "RouteRequest",
+    "RoutingContext",
+    "Scorer",
+    "WeightedScorer",
+    "default_config",
+    "profile_from_config",
+    "register",
+    "registered",
+]

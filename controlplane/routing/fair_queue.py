@@ -1,0 +1,161 @@
+"""The router's admission queue: bounded per priority band, fair across tenants by cost.
+
+When every candidate is saturated a request waits here instead of being sent into an
+overloaded engine. Bands are served strictly by priority, highest first. Inside a band,
+tenants share by cost in the spirit of the virtual token counter (Sheng et al., "Fairness
+in Serving Large Language Models"): each tenant has a counter of the service it received
+(tokens plus KV token-seconds, divided by its weight), the tenant with the smallest
+counter goes next, and a tenant that becomes active is lifted to the smallest active
+counter so idle time cannot be banked into a burst later.
+
+Each entry has a time to live (`max_wait_s`): past it, `expire` hands it back to be
+refused with `overload` and a Retry-After, never silently dropped. Pure: the caller
+passes the clock.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class QueueEntry(Generic[T]):
+    key: str
+    tenant: str
+    priority: int
+    cost: float
+    enqueued_at: float
+    expires_at: float
+    payload: T
+
+
+class QueueFullError(Exception):
+    """The request's band is full: refuse it with `overload` and this Retry-After."""
+
+    def __init__(self, priority: int, retry_after_s: float) -> None:
+        super().__init__(f"priority band {priority} is full")
+        self.priority = priority
+        self.retry_after_s = retry_after_s
+
+
+@dataclass
+class _Band(Generic[T]):
+    tenants: dict[str, deque[QueueEntry[T]]] = field(default_factory=dict)
+    size: int = 0
+
+
+class FairQueue(Generic[T]):
+    def __init__(
+        self,
+        capacity_per_band: int = 256,
+        max_wait_s: float = 30.0,
+        weights: Mapping[str, float] | None = None,
+    ) -> None:
+        if capacity_per_band < 1:
+            raise ValueError("capacity_per_band must be >= 1")
+        if not (math.isfinite(max_wait_s) and max_wait_s > 0):
+            raise ValueError("max_wait_s must be a positive number")
+        self.capacity_per_band = capacity_per_band
+        self.max_wait_s = max_wait_s
+        self.weights = dict(weights or {})
+        self._bands: dict[int, _Band[T]] = {}
+        self._counters: dict[str, float] = {}
+        self._index: dict[str, QueueEntry[T]] = {}
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._index
+
+    def counter(self, tenant: str) -> float:
+        return self._counters.get(tenant, 0.0)
+
+    def waiting_at_or_above(self, priority: int) -> bool:
+        """Whether anything of this priority or higher waits (a newcomer queues behind)."""
+        return any(band.size for p, band in self._bands.items() if p >= priority)
+
+    def offer(
+        self, key: str, tenant: str, priority: int, cost: float, now: float, payload: T
+    ) -> QueueEntry[T]:
+        if key in self._index:
+            raise ValueError(f"request {key} is already queued")
+        band = self._bands.setdefault(priority, _Band())
+        if band.size >= self.capacity_per_band:
+            raise QueueFullError(priority, self.retry_after_s(now))
+        waiting = band.tenants.get(tenant)
+        if waiting is None:
+            active = [self._counters.get(t, 0.0) for t in band.tenants]
+            floor = min(active) if active else self._min_counter()
+            self._counters[tenant] = max(self._counters.get(tenant, 0.0), floor)
+            waiting = band.tenants[tenant] = deque()
+        entry = QueueEntry(key, tenant, priority, cost, now, now + self.max_wait_s, payload)
+        waiting.append(entry)
+        band.size += 1
+        self._index[key] = entry
+        return entry
+
+    def peek(self) -> QueueEntry[T] | None:
+        """The entry that goes next: highest band, then the least-served tenant, FIFO."""
+        for priority in sorted(self._bands, reverse=True):
+            band = self._bands[priority]
+            if not band.size:
+                continue
+            tenant = min(band.tenants, key=lambda t: (self._counters.get(t, 0.0), t))
+            return band.tenants[tenant][0]
+        return None
+
+    def pop(self) -> QueueEntry[T] | None:
+        """Take the next entry and charge its tenant for it."""
+        entry = self.peek()
+        if entry is not None:
+            self._remove(entry)
+            self.charge(entry.tenant, entry.cost)
+        return entry
+
+    def remove(self, key: str) -> QueueEntry[T] | None:
+        """Withdraw a queued request (its client went away); nothing is charged."""
+        entry = self._index.get(key)
+        if entry is not None:
+            self._remove(entry)
+        return entry
+
+    def expire(self, now: float) -> list[QueueEntry[T]]:
+        """Entries whose time to live has passed, removed from the queue."""
+        expired = [e for e in self._index.values() if e.expires_at <= now]
+        for entry in expired:
+            self._remove(entry)
+        return expired
+
+    def charge(self, tenant: str, cost: float) -> None:
+        """Add service to a tenant's counter (dispatch, or a correction once the real
+        tokens and KV token-seconds are known)."""
+        weight = self.weights.get(tenant, 1.0)
+        self._counters[tenant] = self._counters.get(tenant, 0.0) + cost / max(weight, 1e-9)
+
+    def retry_after_s(self, now: float) -> float:
+        """When a refused client should come back: when the oldest queued entry would
+        have waited its full time, at least one second."""
+        oldest = min((e.enqueued_at for e in self._index.values()), default=now)
+        return max(1.0, oldest + self.max_wait_s - now)
+
+    def next_expiry(self) -> float | None:
+        return min((e.expires_at for e in self._index.values()), default=None)
+
+    def _min_counter(self) -> float:
+        return min(self._counters.values(), default=0.0)
+
+    def _remove(self, entry: QueueEntry[T]) -> None:
+        band = self._bands[entry.priority]
+        waiting = band.tenants[entry.tenant]
+        waiting.remove(entry)
+        if not waiting:
+            del band.tenants[entry.tenant]
+        band.size -= 1
+        del self._index[entry.key]

@@ -1,0 +1,167 @@
+"""Plugins by name, and profiles built from configuration.
+
+A profile is plain data (JSON, YAML, a ConfigMap):
+
+    {"name": "default", "candidates": 8,
+     "cost": {"prefill_tokens_per_s": 20000},
+     "filters": ["lease-valid", "not-draining", {"name": "bounded-load", "factor": 1.25}],
+     "scorers": [{"name": "prefix-affinity", "weight": 2, "block_tokens": 64}],
+     "picker": "max-score"}
+
+Every scorer receives the profile's `CostModel` as `cost`; other keys are passed to the
+plugin's constructor, which validates them. Unknown names or parameters raise
+`ProfileError` naming the offending entry.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from controlplane.contract import RoutingPolicy
+from controlplane.routing import filters, pickers, scorers
+from controlplane.routing.cost import CostModel
+from controlplane.routing.framework import Filter, Picker, Profile, Scorer, WeightedScorer
+
+
+class PluginKind(enum.StrEnum):
+    FILTER = "filter"
+    SCORER = "scorer"
+    PICKER = "picker"
+
+
+class ProfileError(ValueError):
+    """A profile's configuration names an unknown plugin or passes bad parameters."""
+
+
+_PLUGINS: dict[PluginKind, dict[str, Callable[..., Any]]] = {kind: {} for kind in PluginKind}
+
+
+def register(kind: PluginKind, name: str, factory: Callable[..., Any]) -> None:
+    """Make a plugin available to profiles under `name` (e.g. from an extension)."""
+    if name in _PLUGINS[kind]:
+        raise ProfileError(f"{kind} {name!r} is already registered")
+    _PLUGINS[kind][name] = factory
+
+
+def registered(kind: PluginKind) -> tuple[str, ...]:
+    return tuple(sorted(_PLUGINS[kind]))
+
+
+_BUILTIN_FILTERS: tuple[tuple[str, Callable[..., Any]], ...] = (
+    ("lease-valid", filters.LeaseValid),
+    ("not-draining", filters.NotDraining),
+    ("role-model-adapter", filters.RoleModelAdapterMatch),
+    ("watermark-below-critical", filters.WatermarkBelowCritical),
+    ("bounded-load", filters.BoundedLoad),
+)
+_BUILTIN_SCORERS: tuple[tuple[str, Callable[..., Any]], ...] = (
+    ("prefix-affinity", scorers.PrefixAffinity),
+    ("queue", scorers.QueueScorer),
+    ("kv-pressure", scorers.KVPressureScorer),
+    ("slo-risk", scorers.SLORiskScorer),
+    ("load", scorers.LoadScorer),
+    ("transfer", scorers.TransferScorer),
+)
+for _name, _factory in _BUILTIN_FILTERS:
+    register(PluginKind.FILTER, _name, _factory)
+for _name, _factory in _BUILTIN_SCORERS:
+    register(PluginKind.SCORER, _name, _factory)
+register(PluginKind.PICKER, "max-score", pickers.MaxScore)
+
+
+def default_config(policy: RoutingPolicy | None = None) -> dict[str, Any]:
+    """The cost model of ARCHITECTURE.md as a profile: every term one weighted scorer,
+    affinity one term among them."""
+    policy = policy or RoutingPolicy()
+    return {
+        "name": "default",
+        "candidates": 8,
+        "filters": [
+            "lease-valid",
+            "not-draining",
+            "role-model-adapter",
+            "watermark-below-critical",
+            {"name": "bounded-load", "factor": policy.bounded_load_factor},
+        ],
+        "scorers": [
+            {
+                "name": "prefix-affinity",
+                "weight": 1.0,
+                "block_tokens": policy.prefix_block_tokens,
+                "owner_blocks": policy.prefix_blocks_for_owner,
+                "max_wait_s": policy.max_affinity_wait_s,
+            },
+            {"name": "queue", "weight": 1.0},
+            {"name": "kv-pressure", "weight": 1.0},
+            {"name": "slo-risk", "weight": 1.0},
+            {"name": "load", "weight": 0.5},
+            {"name": "transfer", "weight": 0.5},
+        ],
+        "picker": "max-score",
+    }
+
+
+def profile_from_config(config: Mapping[str, Any]) -> Profile:
+    if not isinstance(config, Mapping):
+        raise ProfileError(f"a profile must be a mapping, got {type(config).__name__}")
+    cost_params = config.get("cost", {})
+    if not isinstance(cost_params, Mapping):
+        raise ProfileError("profile 'cost' must be a mapping")
+    try:
+        cost = CostModel(**cost_params)
+    except TypeError as exc:
+        raise ProfileError(f"profile 'cost': {exc}") from exc
+    filter_list: Sequence[Filter] = [
+        _build(PluginKind.FILTER, entry, {}) for entry in _entries(config, "filters")
+    ]
+    scorer_list = []
+    for entry in _entries(config, "scorers"):
+        params = dict(_as_mapping(entry))
+        weight = params.pop("weight", 1.0)
+        scorer: Scorer = _build(PluginKind.SCORER, params, {"cost": cost})
+        try:
+            scorer_list.append(WeightedScorer(scorer, float(weight)))
+        except (TypeError, ValueError) as exc:
+            raise ProfileError(str(exc)) from exc
+    picker: Picker = _build(PluginKind.PICKER, config.get("picker", "max-score"), {})
+    candidates = config.get("candidates", 8)
+    if not isinstance(candidates, int) or isinstance(candidates, bool) or candidates < 1:
+        raise ProfileError(f"profile 'candidates' must be a positive integer, got {candidates!r}")
+    if not scorer_list:
+        raise ProfileError("a profile needs at least one scorer")
+    return Profile(
+        name=str(config.get("name", "default")),
+        filters=tuple(filter_list),
+        scorers=tuple(scorer_list),
+        picker=picker,
+        candidates=candidates,
+    )
+
+
+def _entries(config: Mapping[str, Any], key: str) -> list[Any]:
+    entries = config.get(key, [])
+    if not isinstance(entries, list):
+        raise ProfileError(f"profile {key!r} must be a list")
+    return entries
+
+
+def _as_mapping(entry: Any) -> Mapping[str, Any]:
+    if isinstance(entry, str):
+        return {"name": entry}
+    if isinstance(entry, Mapping) and isinstance(entry.get("name"), str):
+        return entry
+    raise ProfileError(f"a plugin entry must be a name or a mapping with 'name', got {entry!r}")
+
+
+def _build(kind: PluginKind, entry: Any, extra: Mapping[str, Any]) -> Any:
+    params = dict(_as_mapping(entry))
+    name = params.pop("name")
+    factory = _PLUGINS[kind].get(name)
+    if factory is None:
+        raise ProfileError(f"unknown {kind} {name!r}; registered: {', '.join(registered(kind))}")
+    try:
+        return factory(**params, **extra)
+    except (TypeError, ValueError) as exc:
+        raise ProfileError(f"{kind} {name!r}: {exc}") from exc

@@ -1,0 +1,153 @@
+"""Built-in scorers: one term of the cost model each, turned into a score in [0, 1].
+
+A term of `half_at_s` seconds scores 0.5, zero cost scores 1, and the score falls toward
+0 as the cost grows: `score = half / (half + cost)`. This keeps every scorer bounded and
+monotone, so a profile's weights alone decide how the terms trade off.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from controlplane.routing.cost import CostModel
+from controlplane.routing.framework import Cycle
+from controlplane.routing.snapshot import EndpointView
+
+
+def _bounded(half_at_s: float, cost_s: float) -> float:
+    return half_at_s / (half_at_s + cost_s)
+
+
+def _check_half(name: str, half_at_s: float) -> None:
+    if not (math.isfinite(half_at_s) and half_at_s > 0.0):
+        raise ValueError(f"scorer {name}: half_at_s must be a positive number, got {half_at_s}")
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixAffinity:
+    """The uncached-prefill term. Cached tokens are estimated from the approximate prefix
+    index and from ownership: the primary owner of the prefix key is assumed to hold the
+    owner-key blocks (the secondary half of them) even before the index has seen it.
+
+    Anti-hotspot: an endpoint whose queue alone is longer than `max_wait_s` gets no cache
+    credit, so affinity never keeps a hot owner busy past the max wait.
+    """
+
+    cost: CostModel = field(default_factory=CostModel)
+    block_tokens: int = 64
+    owner_blocks: int = 4
+    max_wait_s: float = 2.0
+    half_at_s: float = 0.25
+    name: str = "prefix-affinity"
+
+    def __post_init__(self) -> None:
+        _check_half(self.name, self.half_at_s)
+        if self.block_tokens <= 0 or self.owner_blocks < 0:
+            raise ValueError("prefix-affinity: block_tokens must be > 0, owner_blocks >= 0")
+
+    def score(self, cycle: Cycle, candidates: Sequence[EndpointView]) -> list[float]:
+        request, ctx, holders = cycle.request, cycle.ctx, cycle.holders
+        owner_tokens = self.owner_blocks * self.block_tokens
+        primary, secondary = request.primary_owner, request.secondary_owner
+        cost, half = self.cost, self.half_at_s
+        scores = []
+        for view in candidates:
+            endpoint_id = view.endpoint_id
+            cached = holders.get(endpoint_id, 0) * self.block_tokens
+            if endpoint_id == primary:
+                cached = max(cached, owner_tokens)
+            elif endpoint_id == secondary:
+                cached = max(cached, owner_tokens // 2)
+            if cached and cost.queue_s(view, ctx) > self.max_wait_s:
+                cached = 0
+            scores.append(_bounded(half, cost.uncached_prefill_s(request, cached)))
+        return scores
+
+
+@dataclass(frozen=True, slots=True)
+class QueueScorer:
+    """The queue term: prompt tokens waiting for prefill and requests queued, including
+    the ones this router dispatched since the endpoint's last heartbeat."""
+
+    cost: CostModel = field(default_factory=CostModel)
+    half_at_s: float = 0.25
+    name: str = "queue"
+
+    def __post_init__(self) -> None:
+        _check_half(self.name, self.half_at_s)
+
+    def score(self, cycle: Cycle, candidates: Sequence[EndpointView]) -> list[float]:
+        ctx, cost, half = cycle.ctx, self.cost, self.half_at_s
+        return [_bounded(half, cost.queue_s(view, ctx)) for view in candidates]
+
+
+@dataclass(frozen=True, slots=True)
+class KVPressureScorer:
+    """The future-KV-growth term: KV used plus the reserved growth of what already runs
+    there plus this request's own prompt and expected output, against capacity."""
+
+    cost: CostModel = field(default_factory=CostModel)
+    half_at_s: float = 1.0
+    name: str = "kv-pressure"
+
+    def __post_init__(self) -> None:
+        _check_half(self.name, self.half_at_s)
+
+    def score(self, cycle: Cycle, candidates: Sequence[EndpointView]) -> list[float]:
+        request, cost, half = cycle.request, self.cost, self.half_at_s
+        return [_bounded(half, cost.future_kv_s(request, view)) for view in candidates]
+
+
+@dataclass(frozen=True, slots=True)
+class SLORiskScorer:
+    """The SLO-risk term: expected lateness against the TTFT objective and the request's
+    deadline on each endpoint, from its queue, the uncached prefill and its predictions."""
+
+    cost: CostModel = field(default_factory=CostModel)
+    half_at_s: float = 0.5
+    name: str = "slo-risk"
+
+    def __post_init__(self) -> None:
+        _check_half(self.name, self.half_at_s)
+
+    def score(self, cycle: Cycle, candidates: Sequence[EndpointView]) -> list[float]:
+        request, ctx, cost, half = cycle.request, cycle.ctx, self.cost, self.half_at_s
+        prefill = cost.uncached_prefill_s(request, 0)
+        return [
+            _bounded(half, cost.slo_risk_s(request, view, cost.queue_s(view, ctx), prefill))
+            for view in candidates
+        ]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadScorer:
+    """The load-penalty term: how far an endpoint's load is above the pool's mean."""
+
+    cost: CostModel = field(default_factory=CostModel)
+    half_at_s: float = 0.1
+    name: str = "load"
+
+    def __post_init__(self) -> None:
+        _check_half(self.name, self.half_at_s)
+
+    def score(self, cycle: Cycle, candidates: Sequence[EndpointView]) -> list[float]:
+        ctx, mean, cost, half = cycle.ctx, cycle.mean_load, self.cost, self.half_at_s
+        return [_bounded(half, cost.load_penalty(view, ctx, mean)) for view in candidates]
+
+
+@dataclass(frozen=True, slots=True)
+class TransferScorer:
+    """The transfer term: the KV a prefill endpoint must ship to decode afterwards."""
+
+    cost: CostModel = field(default_factory=CostModel)
+    half_at_s: float = 0.05
+    name: str = "transfer"
+
+    def __post_init__(self) -> None:
+        _check_half(self.name, self.half_at_s)
+
+    def score(self, cycle: Cycle, candidates: Sequence[EndpointView]) -> list[float]:
+        request, cost, half = cycle.request, self.cost, self.half_at_s
+        return [_bounded(half, cost.transfer_s(request, view)) for view in candidates]

@@ -1,0 +1,156 @@
+"""The router's immutable view of one pool, and of what the router itself has in flight.
+
+A routing decision reads only a `PoolSnapshot` and a `RouteRequest`: both are frozen, so
+the same pipeline runs live (the gateway rebuilds the snapshot when the control plane's
+change feed moves) and inside the fleet simulator on a virtual clock.
+
+Liveness is explicit: each endpoint carries the local-clock instant its lease lapses
+unless renewed (`lease_deadline`), so a lapsed lease takes an endpoint out of routing even
+before the control plane's reaper publishes its removal. An endpoint the snapshot does not
+list is unknown, never idle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Protocol
+
+from controlplane.contract import EndpointState, Lifecycle, Role
+
+_NO_INFLIGHT: Mapping[str, int] = MappingProxyType({})
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointView:
+    """One endpoint as the router sees it: its last reported state plus lease timing."""
+
+    state: EndpointState
+    lease_deadline: float
+    endpoint_id: str = field(init=False)
+    reported_load: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        # Copied out of the state once per snapshot: the hot path reads them per candidate.
+        object.__setattr__(self, "endpoint_id", self.state.endpoint_id)
+        object.__setattr__(
+            self, "reported_load", self.state.running_requests + self.state.queued_requests
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSnapshot:
+    """Every endpoint of a pool the router knows about, at one control-plane version.
+
+    `version` is the change-feed version the snapshot reflects and `ring_version` the
+    membership version owners were computed from. `taken_at` and `fresh_until` are
+    local-clock instants: past `fresh_until` the snapshot is too stale to route on.
+    """
+
+    pool: str
+    endpoints: tuple[EndpointView, ...]
+    version: int = 0
+    ring_version: int = 0
+    taken_at: float = 0.0
+    fresh_until: float = float("inf")
+    by_id: Mapping[str, EndpointView] = field(init=False, repr=False, compare=False)
+    preferred: tuple[EndpointView, ...] = field(init=False, repr=False, compare=False)
+    total_load: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "by_id", MappingProxyType({e.endpoint_id: e for e in self.endpoints})
+        )
+        # Ranked once per snapshot, not per request: a decision over a 1,000-endpoint pool
+        # looks at the owners, the prefix holders and a few of the least pressured
+        # endpoints, never at all of them.
+        ready = [e for e in self.endpoints if e.state.lifecycle is Lifecycle.READY]
+        ready.sort(
+            key=lambda e: (
+                e.state.watermark.rank,
+                e.state.kv_pressure,
+                e.reported_load,
+            )
+        )
+        object.__setattr__(self, "preferred", tuple(ready))
+        object.__setattr__(
+            self,
+            "total_load",
+            sum(e.reported_load for e in ready),
+        )
+
+    @classmethod
+    def of(
+        cls,
+        pool: str,
+        states: Iterable[EndpointState],
+        *,
+        lease_deadline: float = float("inf"),
+        **kwargs: float | int,
+    ) -> PoolSnapshot:
+        """A snapshot whose endpoints all share one lease deadline (tests, simulator)."""
+        views = tuple(EndpointView(state, lease_deadline) for state in states)
+        return cls(pool, views, **kwargs)  # type: ignore[arg-type]
+
+    def is_stale(self, now: float) -> bool:
+        return now > self.fresh_until
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """What routing needs to know about one request, prepared before the pipeline runs.
+
+    `block_hashes` are the prompt's chained block hashes (seeded by the cache identity) and
+    `owners` the consistent-hash owners of its prefix key, primary first: both come from
+    `controlplane.ownership` in the gateway's prepare step, so the pipeline stays pure.
+    `deadline_s` is the time budget left (0 = none); `waited_s` how long the request has
+    already queued in the router.
+    """
+
+    request_id: str
+    model: str
+    prompt_tokens: int
+    max_new_tokens: int
+    tenant: str = ""
+    adapter: str = ""
+    role: Role = Role.MIXED
+    priority: int = 0
+    deadline_s: float = 0.0
+    waited_s: float = 0.0
+    block_hashes: tuple[int, ...] = ()
+    owners: tuple[str, ...] = ()
+    exclude: frozenset[str] = frozenset()
+
+    @property
+    def primary_owner(self) -> str:
+        return self.owners[0] if self.owners else ""
+
+    @property
+    def secondary_owner(self) -> str:
+        return self.owners[1] if len(self.owners) > 1 else ""
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingContext:
+    """Everything one decision may read besides the request: the snapshot, the instant,
+    the router's own in-flight count per endpoint (requests it dispatched that the
+    endpoint's next heartbeat will not yet show) and the approximate prefix index."""
+
+    snapshot: PoolSnapshot
+    now: float
+    inflight: Mapping[str, int] = field(default_factory=lambda: _NO_INFLIGHT)
+    inflight_total: int = 0
+    prefix_index: PrefixLookup | None = None
+
+    def load(self, view: EndpointView) -> int:
+        """Requests on an endpoint: what it reported plus what this router sent since."""
+        return view.reported_load + self.inflight.get(view.endpoint_id, 0)
+
+
+class PrefixLookup(Protocol):
+    """Read side of the approximate prefix index (see `controlplane.routing.prefix_index`)."""
+
+    def holders(self, block_hashes: tuple[int, ...]) -> Mapping[str, int]:
+        """Endpoint id -> how many leading blocks of the prompt it probably holds."""
+        ...

@@ -1,0 +1,196 @@
+"""The pure routing pipeline: filters, the cost-model scorers, the picker, profiles from
+configuration, the prefix index and the fair queue, over hand-built snapshots."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from controlplane.contract import EndpointState, Lifecycle, Role, WatermarkState
+from controlplane.routing import (
+    DecisionReason,
+    FairQueue,
+    PoolSnapshot,
+    PrefixIndex,
+    ProfileError,
+    QueueFullError,
+    RouteRequest,
+    RoutingContext,
+    default_config,
+    profile_from_config,
+)
+
+
+def _state(endpoint_id: str, **fields: object) -> EndpointState:
+    base: dict[str, object] = {
+        "pool": "p",
+        "endpoint_id": endpoint_id,
+        "address": f"http://{endpoint_id}",
+        "model": "m",
+        "kv_capacity_tokens": 100_000,
+    }
+    base.update(fields)
+    return EndpointState(**base)  # type: ignore[arg-type]
+
+
+def _request(**fields: object) -> RouteRequest:
+    base: dict[str, object] = {
+        "request_id": "r1",
+        "model": "m",
+        "prompt_tokens": 2048,
+        "max_new_tokens": 128,
+    }
+    base.update(fields)
+    return RouteRequest(**base)  # type: ignore[arg-type]
+
+
+PROFILE = profile_from_config(default_config())
+
+
+def _decide(states: list[EndpointState], request: RouteRequest, now: float = 0.0, **ctx: object):
+    snapshot = PoolSnapshot.of("p", states, lease_deadline=10.0)
+    return PROFILE.decide(request, RoutingContext(snapshot, now, **ctx))  # type: ignore[arg-type]
+
+
+def test_an_idle_primary_owner_wins_and_the_secondary_is_the_first_fallback() -> None:
+    states = [_state(f"e{i}") for i in range(6)]
+    decision = _decide(states, _request(owners=("e3", "e5")))
+    assert decision.endpoint_id == "e3"
+    assert decision.reason == DecisionReason.PRIMARY_OWNER
+    assert decision.owner_hit
+    assert decision.fallbacks[0] == "e5"
+    assert set(decision.fallbacks) == {"e0", "e1", "e2", "e4", "e5"}
+
+
+def test_a_near_critical_owner_loses_to_the_secondary() -> None:
+    states = [
+        _state("hot", watermark=WatermarkState.PRESSURE, kv_used_tokens=80_000,
+               kv_reserved_growth_tokens=12_000),
+        _state("second"),
+        _state("other", running_requests=3),
+    ]  # fmt: skip
+    decision = _decide(states, _request(owners=("hot", "second")))
+    assert decision.endpoint_id == "second"
+    assert decision.reason == DecisionReason.SECONDARY_OWNER
+    assert not decision.owner_hit
+
+
+def test_critical_draining_expired_and_foreign_endpoints_are_filtered_with_reasons() -> None:
+    snapshot = PoolSnapshot(
+        "p",
+        (
+            *PoolSnapshot.of("p", [
+                _state("critical", watermark=WatermarkState.CRITICAL),
+                _state("draining", lifecycle=Lifecycle.DRAINING),
+                _state("other-model", model="x"),
+                _state("prefill", role=Role.PREFILL),
+            ], lease_deadline=10.0).endpoints,
+            *PoolSnapshot.of("p", [_state("expired")], lease_deadline=5.0).endpoints,
+        ),
+    )  # fmt: skip
+    decision = PROFILE.decide(_request(), RoutingContext(snapshot, now=6.0))
+    assert decision.endpoint_id == ""
+    assert decision.reason == DecisionReason.NO_CANDIDATE
+    assert decision.rejected == {
+        "lease-valid": 1,
+        "not-draining": 1,
+        "role-model-adapter": 2,
+        "watermark-below-critical": 1,
+    }
+    assert decision.refusal == "role-model-adapter"
+
+
+def test_a_lapsed_lease_takes_the_endpoint_out_at_its_deadline() -> None:
+    snapshot = PoolSnapshot.of("p", [_state("only")], lease_deadline=10.0)
+    assert PROFILE.decide(_request(), RoutingContext(snapshot, 9.9)).endpoint_id == "only"
+    assert PROFILE.decide(_request(), RoutingContext(snapshot, 10.0)).endpoint_id == ""
+
+
+def test_bounded_load_spills_a_hot_owner_and_counts_router_inflight() -> None:
+    states = [_state(f"e{i}") for i in range(4)]
+    # The router sent 6 requests to e0 since its last heartbeat; the mean is 1.5.
+    decision = _decide(states, _request(owners=("e0", "e1")), inflight={"e0": 6}, inflight_total=6)
+    assert decision.endpoint_id == "e1"
+    assert "e0" not in decision.fallbacks
+
+
+def test_the_prefix_index_draws_repeated_prefixes_back_to_where_they_went() -> None:
+    index = PrefixIndex(capacity_blocks=100)
+    index.record("e2", (1, 2, 3, 4))
+    assert index.holders((1, 2, 9)) == {"e2": 2}
+    states = [_state(f"e{i}") for i in range(4)]
+    request = _request(block_hashes=(1, 2, 3, 4), prompt_tokens=4 * 64 + 10)
+    decision = _decide(states, request, prefix_index=index)
+    assert decision.endpoint_id == "e2"
+    index.forget("e2")
+    assert index.holders((1, 2)) == {}
+
+
+def test_the_prefix_index_is_bounded_in_lru_order() -> None:
+    index = PrefixIndex(capacity_blocks=3)
+    index.record("a", (1, 2))
+    index.record("b", (3,))
+    index.record("a", (1,))  # refreshes block 1
+    index.record("c", (4,))  # evicts block 2, the least recently used
+    assert len(index) == 3
+    assert index.holders((1, 2)) == {"a": 1}
+
+
+def test_the_anti_hotspot_max_wait_withdraws_cache_credit_from_a_long_queue() -> None:
+    states = [_state("owner", waiting_prefill_tokens=200_000), _state("idle")]
+    decision = _decide(states, _request(owners=("owner",), prompt_tokens=8000))
+    assert decision.endpoint_id == "idle"
+
+
+def test_a_large_pool_decides_over_a_bounded_candidate_set() -> None:
+    states = [_state(f"e{i:04d}", running_requests=i % 7) for i in range(1000)]
+    decision = _decide(states, _request(owners=("e0500", "e0501")))
+    assert decision.endpoint_id in {"e0500", "e0501"}
+    assert len(decision.fallbacks) <= PROFILE.candidates + 1
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"scorers": [{"name": "nope"}]}, "unknown scorer 'nope'"),
+        ({"scorers": [{"name": "queue", "weight": -1}]}, "weight must be >= 0"),
+        ({"scorers": [{"name": "queue", "weight": math.nan}]}, "weight must be >= 0"),
+        ({"scorers": [{"name": "queue", "bogus": 1}]}, "scorer 'queue'"),
+        ({"scorers": []}, "at least one scorer"),
+        ({"filters": [{"name": "bounded-load", "factor": 0.5}], "scorers": ["queue"]}, ">= 1"),
+        ({"scorers": ["queue"], "candidates": 0}, "positive integer"),
+        ({"scorers": ["queue"], "cost": {"warp": 9}}, "profile 'cost'"),
+        ([], "must be a mapping"),
+    ],
+)
+def test_bad_profiles_are_refused_naming_the_entry(config: object, message: str) -> None:
+    with pytest.raises(ProfileError, match=message):
+        profile_from_config(config)  # type: ignore[arg-type]
+
+
+def test_the_fair_queue_serves_bands_by_priority_and_tenants_by_cost() -> None:
+    queue: FairQueue[str] = FairQueue(capacity_per_band=10, max_wait_s=5.0)
+    for i in range(3):
+        queue.offer(f"big{i}", "big", 0, 1000.0, 0.0, f"big{i}")
+    queue.offer("small0", "small", 0, 10.0, 0.0, "small0")
+    queue.offer("small1", "small", 0, 10.0, 0.0, "small1")
+    queue.offer("urgent", "big", 5, 1000.0, 0.0, "urgent")
+    order = [entry.key for entry in iter(queue.pop, None)]
+    assert order[0] == "urgent"
+    # After "big" is charged for its urgent request, the small tenant catches up first.
+    assert order[1:3] == ["small0", "small1"]
+    assert order[3:] == ["big0", "big1", "big2"]
+
+
+def test_the_fair_queue_is_bounded_and_expires_with_a_retry_after() -> None:
+    queue: FairQueue[int] = FairQueue(capacity_per_band=2, max_wait_s=5.0)
+    queue.offer("a", "t", 0, 1.0, 0.0, 1)
+    queue.offer("b", "t", 0, 1.0, 1.0, 2)
+    with pytest.raises(QueueFullError) as refused:
+        queue.offer("c", "t", 0, 1.0, 2.0, 3)
+    assert refused.value.retry_after_s == pytest.approx(3.0)
+    assert [e.key for e in queue.expire(5.5)] == ["a"]
+    assert queue.remove("b") is not None
+    assert len(queue) == 0
+    assert queue.counter("t") == 0.0  # nothing was served, nothing charged
