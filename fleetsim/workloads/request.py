@@ -1,0 +1,87 @@
+"""What one simulated client asks for, independent of which fleet serves it.
+
+A prompt is described the way Mooncake's FAST'25 traces describe it: a chain of block ids,
+each standing for `BLOCK_TOKENS` prompt tokens (the last block may be partial). Two requests
+share a prefix exactly when their block-id chains share a leading run; that is all a prefix
+cache or a cache-aware router can observe, so synthetic scenarios and replayed traces use
+the same shape. Token ids are derived from block ids only when an engine needs them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+BLOCK_TOKENS = 512
+"""Tokens per prompt block, as in Mooncake's traces (`hash_ids` of 512-token blocks)."""
+
+VOCAB = 32000
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSpec:
+    """One request as the client sends it, plus what only the simulator knows.
+
+    `output_tokens` is the length the model would generate if left alone (the request ends
+    with `stop` there, or `length` at `max_tokens` if that comes first). `output_hint_tokens`
+    is what a length predictor would be told up front (a client hint, or a systematically
+    wrong one in robustness runs); zero means no hint. Times are seconds from the start
+    of the run; `cancel_after_s` and `deadline_s` are relative to arrival, zero for none.
+    `max_wait_s` is the longest the client tolerates before its first token; a
+    low-priority request that has not started by then counts as starved.
+    """
+
+    request_id: str
+    arrival_s: float
+    tenant: str
+    priority: int
+    input_tokens: int
+    output_tokens: int
+    max_tokens: int
+    block_ids: tuple[int, ...]
+    category: str = ""
+    output_hint_tokens: int = 0
+    deadline_s: float = 0.0
+    cancel_after_s: float = 0.0
+    max_wait_s: float = 0.0
+    tags: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if self.input_tokens <= 0 or self.output_tokens <= 0 or self.max_tokens <= 0:
+            raise ValueError(f"{self.request_id}: token counts must be positive")
+        need = -(-self.input_tokens // BLOCK_TOKENS)
+        if len(self.block_ids) != need:
+            raise ValueError(
+                f"{self.request_id}: {self.input_tokens} input tokens need {need} blocks, "
+                f"got {len(self.block_ids)}"
+            )
+
+    @property
+    def generated_tokens(self) -> int:
+        """How many tokens an uninterrupted run streams back: the natural length, capped."""
+        return min(self.output_tokens, self.max_tokens)
+
+    @property
+    def is_long(self) -> bool:
+        return "long" in self.tags
+
+
+def prompt_token_ids(spec: RequestSpec) -> list[int]:
+    """The prompt's token ids: each block id expands to the same `BLOCK_TOKENS` ids wherever
+    it appears, so shared block chains are shared token prefixes in any radix cache."""
+    ids = np.asarray(spec.block_ids, dtype=np.int64)[:, None]
+    offsets = np.arange(BLOCK_TOKENS, dtype=np.int64)[None, :]
+    tokens = (ids * 2_654_435_761 + offsets * 40_503 + (ids >> 7)) % VOCAB
+    return [int(t) for t in tokens.reshape(-1)[: spec.input_tokens]]
+
+
+def length_bucket(tokens: int) -> str:
+    """The input/output length bucket used in every latency breakdown."""
+    for limit, name in _BUCKETS:
+        if tokens <= limit:
+            return name
+    return ">32k"
+
+
+_BUCKETS = ((1024, "<=1k"), (4096, "1k-4k"), (16384, "4k-16k"), (32768, "16k-32k"))
