@@ -34,11 +34,11 @@ stamp="$venv/.weir-$mode-$(sha256sum pyproject.toml | cut -c1-16)"
 if [ ! -f "$stamp" ]; then
   echo "bootstrap: installing Python packages into $venv ($mode)" >&2
   "$venv/bin/python" -m pip install -q --upgrade "pip>=25.1"
-  if [ "$mode" = dev ]; then
-    "$venv/bin/python" -m pip install -q -e . --group dev
-  else
-    "$venv/bin/python" -m pip install -q -e .
-  fi
+  group=(); [ "$mode" = dev ] && group=(--group dev)
+  # Some machines' pip config names local index folders that may be absent; pip warns
+  # once per package about them, which buries real errors.
+  "$venv/bin/python" -m pip install -q -e . "${group[@]}" \
+    2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
   touch "$stamp"
 fi
 
