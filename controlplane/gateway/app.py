@@ -1,0 +1,679 @@
+"""The gateway: an OpenAI- and SGLang-compatible HTTP front for one pool.
+
+A request travels: API key → tenant (401) → validation (400/404) → the pool snapshot
+(503 when stale) → a routing decision, or the tenant-fair queue when every candidate is
+saturated (429 `overload` when full or timed out) → the picked endpoint. An overload or a
+connection failure before the first byte moves the request to the next fallback (the
+secondary owner first). After bytes were streamed, a dead engine or a `weir.preempted`
+event resumes the request as a continuation elsewhere, spliced into the same client
+stream (`controlplane.gateway.relay`). A client that goes away aborts the request upstream
+at once (the connection is closed and `/abort_request` is sent for its rid).
+
+Decisions are pure and synchronous over the in-memory snapshot; the only I/O on the hot
+path is the upstream call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from controlplane.contract import CacheIdentity, Continuation, EngineAPI, RoutingPolicy
+from controlplane.gateway.errors import GatewayError, overload, unavailable
+from controlplane.gateway.metrics import RouterMetrics, length_bucket
+from controlplane.gateway.pool import PoolView
+from controlplane.gateway.relay import (
+    DONE,
+    PREEMPTED_EVENT,
+    Received,
+    Splicer,
+    split_events,
+    sse,
+)
+from controlplane.gateway.requests import ClientRequest, Limits, decode_body, parse, resume_body
+from controlplane.gateway.tenants import TenantKeys
+from controlplane.ownership import block_hashes, prefix_key
+from controlplane.routing import (
+    Decision,
+    EndpointView,
+    FairQueue,
+    PoolSnapshot,
+    PrefixIndex,
+    QueueFullError,
+    RouteRequest,
+    RoutingContext,
+    default_config,
+    profile_from_config,
+)
+
+log = logging.getLogger(__name__)
+
+# Filters that remove endpoints for being full right now: a request they leave without a
+# candidate waits in the fair queue; any other refusal means nothing could serve it.
+SATURATION = frozenset({"bounded-load", "watermark-below-critical"})
+MAX_HASHED_BLOCKS = 256
+_API_PATHS = {
+    EngineAPI.GENERATE: "/generate",
+    EngineAPI.COMPLETIONS: "/v1/completions",
+    EngineAPI.CHAT: "/v1/chat/completions",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    """How one gateway serves one pool. `max_attempts` bounds tries before the first
+    byte, `max_resumes` continuations after it."""
+
+    pool: str = "default"
+    model: str = "reference"
+    host: str = "127.0.0.1"
+    port: int = 0
+    limits: Limits = field(default_factory=Limits)
+    routing: RoutingPolicy = field(default_factory=RoutingPolicy)
+    profile: Mapping[str, Any] | None = None
+    max_attempts: int = 3
+    max_resumes: int = 4
+    queue_capacity_per_band: int = 256
+    queue_max_wait_s: float = 30.0
+    connect_timeout_s: float = 2.0
+    chunk_timeout_s: float = 120.0
+
+
+class _ClientGoneError(Exception):
+    """The client closed its connection while we wrote to it."""
+
+
+@dataclass(slots=True)
+class _Exchange:
+    """One client request in flight."""
+
+    client: ClientRequest
+    route: RouteRequest
+    tenant: str
+    started: float
+    received: Received
+    splicer: Splicer
+    response: web.StreamResponse | None = None
+    endpoint: str = ""
+    address: str = ""
+    upstream_rid: str = ""
+    first_token_at: float = 0.0
+    finish: str = "error"
+    failed: set[str] = field(default_factory=set)
+    retry_after_s: float = 0.0
+
+
+class Gateway:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        view: PoolView,
+        keys: TenantKeys | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.view = view
+        self.keys = keys or TenantKeys()
+        self.clock = clock
+        self.profile = profile_from_config(config.profile or default_config(config.routing))
+        self.prefix_index = PrefixIndex()
+        self.metrics = RouterMetrics()
+        self.queue: FairQueue[tuple[RouteRequest, asyncio.Future[Decision]]] = FairQueue(
+            config.queue_capacity_per_band, config.queue_max_wait_s
+        )
+        self.inflight: dict[str, int] = {}
+        self.inflight_total = 0
+        self._session: aiohttp.ClientSession | None = None
+        self._background: set[asyncio.Task[None]] = set()
+        view.on_change(self._snapshot_changed)
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        for api, path in _API_PATHS.items():
+            app.router.add_post(path, self._entry(api))
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/ready", self._ready)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/weir/v1/pool", self._pool_status)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    async def _start(self, _app: web.Application) -> None:
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
+            timeout=aiohttp.ClientTimeout(
+                total=None,
+                sock_connect=self.config.connect_timeout_s,
+                sock_read=self.config.chunk_timeout_s,
+            ),
+            auto_decompress=False,
+        )
+
+    async def _stop(self, _app: web.Application) -> None:
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
+
+    # -- routing ---------------------------------------------------------------------
+
+    def route_request(self, client: ClientRequest, tenant: str) -> RouteRequest:
+        """The routing view of a request: block hashes and owners of its prefix."""
+        policy = self.config.routing
+        identity = CacheIdentity(
+            model=client.model,
+            adapter=client.adapter,
+            security_domain=tenant if policy.tenant_isolated_cache else "",
+        )
+        tokens: Any = client.prompt_ids or client.prompt_text.encode("utf-8")
+        block = policy.prefix_block_tokens
+        if not client.prompt_ids:  # text prompts are hashed by bytes
+            block = max(1, round(block * self.config.limits.bytes_per_token))
+        hashes = tuple(block_hashes(identity, tokens, block, MAX_HASHED_BLOCKS))
+        owner_blocks = policy.prefix_blocks_for_owner
+        if hashes:
+            key = hashes[min(owner_blocks, len(hashes)) - 1]
+        else:
+            key = prefix_key(identity, tokens, block, owner_blocks)
+        return RouteRequest(
+            request_id=uuid.uuid4().hex,
+            model=client.model,
+            prompt_tokens=client.prompt_tokens,
+            max_new_tokens=client.max_new_tokens,
+            tenant=tenant,
+            adapter=client.adapter,
+            priority=client.priority,
+            deadline_s=client.deadline_s,
+            block_hashes=hashes,
+            owners=self.view.owners(key),
+        )
+
+    def decide(self, route: RouteRequest, snapshot: PoolSnapshot, now: float) -> Decision:
+        """One pure decision, timed and counted, with the endpoint reserved if picked."""
+        started = time.perf_counter()
+        ctx = RoutingContext(snapshot, now, self.inflight, self.inflight_total, self.prefix_index)
+        decision = self.profile.decide(route, ctx)
+        pool = self.config.pool
+        self.metrics.decision_seconds.labels(pool).observe(time.perf_counter() - started)
+        self.metrics.decisions.labels(
+            pool, decision.reason if decision.endpoint_id else decision.refusal,
+            str(decision.owner_hit).lower(),
+        ).inc()  # fmt: skip
+        if decision.endpoint_id:
+            self._reserve(decision.endpoint_id)
+        return decision
+
+    def _reserve(self, endpoint_id: str) -> None:
+        self.inflight[endpoint_id] = self.inflight.get(endpoint_id, 0) + 1
+        self.inflight_total += 1
+
+    def _release(self, endpoint_id: str) -> None:
+        left = self.inflight.get(endpoint_id, 0) - 1
+        if left > 0:
+            self.inflight[endpoint_id] = left
+        else:
+            self.inflight.pop(endpoint_id, None)
+        self.inflight_total -= 1
+        self._pump()
+
+    async def _admit(self, route: RouteRequest) -> Decision:
+        now = self.clock()
+        snapshot = self.view.current(now)
+        if not self.queue.waiting_at_or_above(route.priority):
+            decision = self.decide(route, snapshot, now)
+            if decision.endpoint_id:
+                return decision
+            if decision.refusal not in SATURATION:
+                raise unavailable(
+                    decision.refusal,
+                    f"no endpoint of pool {self.config.pool!r} can serve model "
+                    f"{route.model!r} now ({decision.refusal})",
+                )
+        return await self._wait_in_queue(route, now)
+
+    async def _wait_in_queue(self, route: RouteRequest, now: float) -> Decision:
+        future: asyncio.Future[Decision] = asyncio.get_running_loop().create_future()
+        # Fair-share cost: the prompt plus the expected half of the output limit.
+        cost = route.prompt_tokens + route.max_new_tokens / 2
+        try:
+            self.queue.offer(
+                route.request_id, route.tenant, route.priority, cost, now, (route, future)
+            )
+        except QueueFullError as exc:
+            raise overload(
+                "queue_full", "every endpoint is saturated and the queue is full",
+                exc.retry_after_s,
+            ) from None  # fmt: skip
+        try:
+            return await asyncio.wait_for(future, self.queue.max_wait_s)
+        except TimeoutError:
+            raise overload(
+                "queue_timeout",
+                f"every endpoint stayed saturated for {self.queue.max_wait_s:g}s",
+                self.queue.retry_after_s(self.clock()),
+            ) from None
+        finally:
+            self.queue.remove(route.request_id)
+            self.metrics.queue_seconds.labels(self.config.pool, str(route.priority)).observe(
+                self.clock() - now
+            )
+
+    def _pump(self) -> None:
+        """Hand queued requests, fairest first, to endpoints that have room again."""
+        if not len(self.queue):
+            return
+        now = self.clock()
+        try:
+            snapshot = self.view.current(now)
+        except GatewayError:
+            return
+        while (entry := self.queue.peek()) is not None:
+            route, future = entry.payload
+            if future.done():
+                self.queue.remove(entry.key)
+                continue
+            waited = replace(route, waited_s=now - entry.enqueued_at)
+            decision = self.decide(waited, snapshot, now)
+            if not decision.endpoint_id:
+                return
+            self.queue.pop()
+            future.set_result(decision)
+
+    def _snapshot_changed(self, snapshot: PoolSnapshot, removed: tuple[EndpointView, ...]) -> None:
+        now = self.clock()
+        expired = 0
+        for view in removed:
+            self.prefix_index.forget(view.endpoint_id)
+            expired += view.lease_deadline <= now
+        if expired:
+            self.metrics.lease_expiries.labels(self.config.pool).inc(expired)
+        self._pump()
+
+    # -- request handling ------------------------------------------------------------
+
+    def _entry(self, api: EngineAPI) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        async def handler(request: web.Request) -> web.StreamResponse:
+            return await self._handle(api, request)
+
+        return handler
+
+    def served_models(self) -> frozenset[str]:
+        models = {e.state.model for e in self.view.snapshot.endpoints}
+        models.add(self.config.model)
+        return frozenset(models)
+
+    async def _handle(self, api: EngineAPI, request: web.Request) -> web.StreamResponse:
+        started = self.clock()
+        tenant = "unknown"
+        try:
+            tenant = self.keys.tenant(request.headers)
+            client = parse(
+                api,
+                decode_body(await request.read()),
+                request.headers,
+                models=self.served_models(),
+                default_model=self.config.model,
+                limits=self.config.limits,
+            )
+            route = self.route_request(client, tenant)
+            decision = await self._admit(route)
+        except GatewayError as exc:
+            return self._refuse(exc, tenant)
+        received = Received(api, prompt_tokens=client.prompt_tokens)
+        ex = _Exchange(client, route, tenant, started, received, Splicer(received))
+        return await self._serve(request, ex, decision)
+
+    def _refuse(self, exc: GatewayError, tenant: str) -> web.Response:
+        pool = self.config.pool
+        if exc.status in (429, 503):
+            self.metrics.overloads.labels(pool, exc.reason).inc()
+        reason = "overload" if exc.status in (429, 503) else "error"
+        self.metrics.requests.labels(pool, tenant, reason).inc()
+        return exc.response()
+
+    async def _serve(
+        self, request: web.Request, ex: _Exchange, decision: Decision
+    ) -> web.StreamResponse:
+        targets = [decision.endpoint_id, *decision.fallbacks]
+        body = ex.client.body
+        resumes = 0
+        reserved = decision.endpoint_id
+        try:
+            attempts = 0
+            while True:
+                outcome, result = await self._attempt(request, ex, reserved, body)
+                if outcome == "done":
+                    assert result is not None
+                    return result
+                ex.failed.add(reserved)
+                self._release(reserved)
+                reserved = ""
+                if outcome == "refused":
+                    attempts += 1
+                    targets = [t for t in targets if t not in ex.failed]
+                    if attempts >= self.config.max_attempts or not targets:
+                        return self._refuse_after_attempts(ex)
+                    reserved = targets[0]
+                    self._reserve(reserved)
+                    continue
+                # broken or preempted after bytes reached the client: resume elsewhere
+                if ex.received.finish_reason or resumes >= self.config.max_resumes:
+                    return await self._end_stream(ex, complete=bool(ex.received.finish_reason))
+                next_decision = self._resume_decision(ex)
+                if next_decision is None:
+                    return await self._end_stream(ex, complete=False)
+                resumes += 1
+                reserved = next_decision.endpoint_id
+                self.metrics.resumes.labels(self.config.pool, outcome).inc()
+                body = resume_body(self._continuation(ex), ex.received.tokens)
+                ex.splicer.resumed()
+        except (asyncio.CancelledError, _ClientGoneError):
+            ex.finish = "cancelled"
+            self._abort_upstream(ex)
+            if ex.response is not None:
+                return ex.response
+            raise
+        finally:
+            if reserved:
+                self._release(reserved)
+            self._account(ex)
+
+    def _resume_decision(self, ex: _Exchange) -> Decision | None:
+        now = self.clock()
+        try:
+            snapshot = self.view.current(now)
+        except GatewayError:
+            return None
+        route = replace(
+            ex.route,
+            exclude=frozenset(ex.failed),
+            prompt_tokens=ex.route.prompt_tokens + ex.received.tokens,
+        )
+        decision = self.decide(route, snapshot, now)
+        return decision if decision.endpoint_id else None
+
+    def _continuation(self, ex: _Exchange) -> Continuation:
+        """What the client holds, as the contract's continuation record."""
+        client = ex.client
+        return Continuation(
+            request_id=ex.route.request_id,
+            tenant=ex.tenant,
+            model=client.model,
+            api=client.api,
+            body=client.body,
+            prompt_ids=client.prompt_ids,
+            generated_ids=tuple(ex.received.ids),
+            generated_text=ex.received.text,
+            max_new_tokens=client.max_new_tokens,
+            priority=client.priority,
+        )
+
+    def _refuse_after_attempts(self, ex: _Exchange) -> web.Response:
+        exc = overload(
+            "endpoints_overloaded",
+            f"{len(ex.failed)} endpoint(s) refused or failed before the first byte",
+            ex.retry_after_s or 1.0,
+        )
+        ex.finish = "overload"
+        self.metrics.overloads.labels(self.config.pool, exc.reason).inc()
+        return exc.response()
+
+    async def _attempt(
+        self, request: web.Request, ex: _Exchange, endpoint_id: str, body: Mapping[str, Any]
+    ) -> tuple[str, web.StreamResponse | None]:
+        """One upstream call: ("done", response) | ("refused", None) before any byte
+        reached the client | ("broken" or "preempted", None) after."""
+        view = self.view.snapshot.by_id.get(endpoint_id)
+        if view is None:
+            return "refused", None
+        assert self._session is not None
+        ex.endpoint, ex.address = endpoint_id, view.state.address
+        ex.upstream_rid = uuid.uuid4().hex
+        client = ex.client
+        payload = msgspec.json.encode({**body, "rid": ex.upstream_rid, "stream": client.stream})
+        headers = {
+            "Content-Type": "application/json",
+            "x-weir-tenant": ex.tenant,
+            "x-weir-request-id": ex.route.request_id,
+            "x-weir-priority": str(client.priority),
+        }
+        if client.deadline_s:
+            left = client.deadline_s - (self.clock() - ex.started)
+            headers["x-weir-deadline-ms"] = str(max(1, int(left * 1000)))
+        url = view.state.address + _API_PATHS[client.api]
+        pool = self.config.pool
+        try:
+            async with self._session.post(url, data=payload, headers=headers) as upstream:
+                if upstream.status in (429, 503):
+                    ex.retry_after_s = max(ex.retry_after_s, _retry_after(upstream))
+                    self.metrics.retries.labels(pool, f"upstream_{upstream.status}").inc()
+                    return ("refused" if ex.response is None else "broken"), None
+                if ex.route.block_hashes:
+                    self.prefix_index.record(endpoint_id, ex.route.block_hashes)
+                if not client.stream:
+                    raw = await upstream.read()
+                    ex.finish = "stop" if upstream.status == 200 else "error"
+                    self._count_unary(ex, raw, upstream.status)
+                    return "done", web.Response(
+                        status=upstream.status,
+                        body=raw,
+                        content_type=upstream.content_type,
+                        headers={"x-weir-endpoint": endpoint_id},
+                    )
+                if upstream.status != 200:
+                    if ex.response is not None:
+                        return "broken", None
+                    raw = await upstream.read()
+                    ex.finish = "error"
+                    return "done", web.Response(
+                        status=upstream.status, body=raw, content_type=upstream.content_type
+                    )
+                return await self._relay(request, ex, upstream)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.info("endpoint %s failed: %s", endpoint_id, exc)
+            if ex.response is None:
+                self.metrics.retries.labels(pool, "connect_error").inc()
+                return "refused", None
+            return "broken", None
+
+    async def _relay(
+        self, request: web.Request, ex: _Exchange, upstream: aiohttp.ClientResponse
+    ) -> tuple[str, web.StreamResponse | None]:
+        if ex.response is None:
+            response = web.StreamResponse(
+                headers={
+                    "Content-Type": "text/event-stream",
+                    "Cache-Control": "no-cache",
+                    "x-weir-endpoint": ex.endpoint,
+                }
+            )
+            await response.prepare(request)
+            ex.response = response
+        response = ex.response
+        received = ex.received
+        buffer = bytearray()
+        async for chunk in upstream.content.iter_any():
+            buffer += chunk
+            for event in split_events(buffer):
+                if event.event == PREEMPTED_EVENT:
+                    return "preempted", None
+                if event.data == DONE:
+                    await _write(response, event.raw)
+                    ex.finish = received.finish_reason or "stop"
+                    await response.write_eof()
+                    return "done", response
+                before = received.tokens
+                rewritten = ex.splicer.take(event.data)
+                if received.tokens > before and not ex.first_token_at:
+                    ex.first_token_at = self.clock()
+                await _write(response, event.raw if rewritten is None else sse(rewritten))
+        return "broken", None
+
+    async def _end_stream(self, ex: _Exchange, *, complete: bool) -> web.StreamResponse:
+        """Close a stream that cannot continue: `[DONE]` when the last event already
+        carried a finish reason, else an error event naming why."""
+        response = ex.response
+        assert response is not None
+        if complete:
+            ex.finish = ex.received.finish_reason or "stop"
+        else:
+            ex.finish = "error"
+            error = {"error": {"type": "unavailable", "reason": "resume_failed",
+                               "message": "the engine failed and no endpoint could resume"}}  # fmt: skip
+            await _write(response, sse(msgspec.json.encode(error)))
+        await _write(response, sse(DONE))
+        await response.write_eof()
+        return response
+
+    def _abort_upstream(self, ex: _Exchange) -> None:
+        """Tell the engine the client left: its rid is aborted at once."""
+        if not ex.address or self._session is None:
+            return
+        session, url, rid = self._session, ex.address + "/abort_request", ex.upstream_rid
+
+        async def abort() -> None:
+            try:
+                async with session.post(url, json={"rid": rid}) as reply:
+                    await reply.read()
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                log.info("abort of %s at %s failed: %s", rid, url, exc)
+
+        task = asyncio.get_running_loop().create_task(abort())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _count_unary(self, ex: _Exchange, raw: bytes, status: int) -> None:
+        if status != 200:
+            return
+        try:
+            reply = msgspec.json.decode(raw)
+        except msgspec.DecodeError:
+            return
+        if not isinstance(reply, dict):
+            return
+        usage = reply.get("usage") or reply.get("meta_info") or {}
+        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+            ex.received.tokens = usage["completion_tokens"]
+
+    def _account(self, ex: _Exchange) -> None:
+        m, pool, tenant = self.metrics, self.config.pool, ex.tenant
+        now = self.clock()
+        out = ex.received.tokens
+        buckets = (length_bucket(ex.client.prompt_tokens), length_bucket(out))
+        m.requests.labels(pool, tenant, ex.finish).inc()
+        m.tokens.labels(pool, tenant, "input").inc(ex.client.prompt_tokens)
+        m.tokens.labels(pool, tenant, "output").inc(out)
+        m.kv_token_seconds.labels(pool, tenant).inc(
+            (ex.client.prompt_tokens + out) * (now - ex.started)
+        )
+        m.e2e.labels(pool, tenant, *buckets).observe(now - ex.started)
+        if ex.first_token_at:
+            m.ttft.labels(pool, tenant, *buckets).observe(ex.first_token_at - ex.started)
+            if out > 1:
+                m.tpot.labels(pool, tenant, *buckets).observe((now - ex.first_token_at) / (out - 1))
+
+    # -- plain endpoints -------------------------------------------------------------
+
+    async def _models(self, _request: web.Request) -> web.Response:
+        data = [
+            {"id": model, "object": "model", "owned_by": "weir"}
+            for model in sorted(self.served_models())
+        ]
+        return web.json_response({"object": "list", "data": data})
+
+    async def _health(self, _request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def _ready(self, _request: web.Request) -> web.Response:
+        try:
+            snapshot = self.view.current(self.clock())
+        except GatewayError as exc:
+            return exc.response()
+        if not snapshot.preferred:
+            return unavailable("no_endpoint", "no ready endpoint in the pool").response()
+        return web.json_response({"status": "ready", "endpoints": len(snapshot.preferred)})
+
+    async def _metrics(self, _request: web.Request) -> web.Response:
+        self._observe_snapshot()
+        return web.Response(
+            body=self.metrics.exposition(), content_type="text/plain", charset="utf-8"
+        )
+
+    def _observe_snapshot(self) -> None:
+        m, pool, snapshot = self.metrics, self.config.pool, self.view.snapshot
+        m.snapshot_age.labels(pool).set(max(0.0, self.clock() - self.view.confirmed_at))
+        m.ring_version.labels(pool).set(snapshot.ring_version)
+        m.endpoints.clear()
+        m.endpoint_kv.clear()
+        counts: dict[tuple[str, str], int] = {}
+        for e in snapshot.endpoints:
+            s = e.state
+            key = (s.lifecycle.value, s.watermark.value)
+            counts[key] = counts.get(key, 0) + 1
+            m.endpoint_kv.labels(pool, e.endpoint_id, "used").set(s.kv_used_tokens)
+            m.endpoint_kv.labels(pool, e.endpoint_id, "reserved").set(s.kv_reserved_growth_tokens)
+            m.endpoint_kv.labels(pool, e.endpoint_id, "capacity").set(s.kv_capacity_tokens)
+        for (lifecycle, watermark), n in counts.items():
+            m.endpoints.labels(pool, lifecycle, watermark).set(n)
+
+    async def _pool_status(self, _request: web.Request) -> web.Response:
+        """The fleet as this router sees it (the status view of `weir up`)."""
+        now = self.clock()
+        snapshot = self.view.snapshot
+        endpoints = [
+            {
+                "endpoint_id": e.endpoint_id,
+                "address": e.state.address,
+                "lifecycle": e.state.lifecycle.value,
+                "watermark": e.state.watermark.value,
+                "kv_used_tokens": e.state.kv_used_tokens,
+                "kv_reserved_growth_tokens": e.state.kv_reserved_growth_tokens,
+                "kv_capacity_tokens": e.state.kv_capacity_tokens,
+                "running_requests": e.state.running_requests,
+                "queued_requests": e.state.queued_requests,
+                "router_inflight": self.inflight.get(e.endpoint_id, 0),
+                "lease_left_s": None
+                if e.lease_deadline == float("inf")
+                else round(e.lease_deadline - now, 3),
+            }
+            for e in snapshot.endpoints
+        ]
+        return web.json_response(
+            {
+                "pool": self.config.pool,
+                "version": snapshot.version,
+                "ring_version": snapshot.ring_version,
+                "snapshot_age_s": round(now - self.view.confirmed_at, 3),
+                "stale": self.view.is_stale(now),
+                "error": self.view.error,
+                "queued": len(self.queue),
+                "endpoints": endpoints,
+            }
+        )
+
+
+async def _write(response: web.StreamResponse, data: bytes) -> None:
+    try:
+        await response.write(data)
+    except (ConnectionResetError, aiohttp.ClientConnectionResetError) as exc:
+        raise _ClientGoneError() from exc
+
+
+def _retry_after(upstream: aiohttp.ClientResponse) -> float:
+    try:
+        return float(upstream.headers.get("Retry-After", "1"))
+    except ValueError:
+        return 1.0

@@ -1,0 +1,58 @@
+"""Errors the gateway answers with: an HTTP status, an OpenAI-shaped body, and for refusals
+a reason and a Retry-After.
+
+Every refusal names its reason in `{"error": {"type", "reason", "message"}}` so a client
+(and `weir_router_overloads_total`) can tell a full quota from a stale snapshot.
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+from aiohttp import web
+
+
+class GatewayError(Exception):
+    """A request the gateway answers itself, without reaching an engine."""
+
+    def __init__(
+        self,
+        status: int,
+        error_type: str,
+        reason: str,
+        message: str,
+        retry_after_s: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.error_type = error_type
+        self.reason = reason
+        self.message = message
+        self.retry_after_s = retry_after_s
+
+    def response(self) -> web.Response:
+        body = {"error": {"type": self.error_type, "reason": self.reason, "message": self.message}}
+        headers = {}
+        if self.retry_after_s is not None:
+            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after_s)))
+        return web.Response(
+            status=self.status,
+            body=msgspec.json.encode(body),
+            content_type="application/json",
+            headers=headers,
+        )
+
+
+def bad_request(reason: str, message: str) -> GatewayError:
+    return GatewayError(400, "invalid_request_error", reason, message)
+
+
+def overload(reason: str, message: str, retry_after_s: float) -> GatewayError:
+    """A retryable refusal before admission (finish reason `overload`)."""
+    return GatewayError(429, "overload", reason, message, retry_after_s)
+
+
+def unavailable(reason: str, message: str, retry_after_s: float = 1.0) -> GatewayError:
+    """Nothing can serve the request right now, through no fault of the client's quota."""
+    return GatewayError(503, "unavailable", reason, message, retry_after_s)

@@ -1,0 +1,57 @@
+"""The router's metric families, built from the catalogue so names, labels and buckets
+never drift from `controlplane.telemetry.catalog.ROUTER` (a test asserts every family is
+exported). Each gateway owns its registry, so several can run in one process."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from controlplane.telemetry.catalog import ROUTER, MetricKind
+
+
+def length_bucket(tokens: int) -> str:
+    """Input/output length label: powers of four, so the series count stays small."""
+    for bound in (256, 1024, 4096, 16384):
+        if tokens <= bound:
+            return f"le{bound}"
+    return "gt16384"
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self._families: dict[str, Any] = {}
+        for spec in ROUTER:
+            if spec.kind is MetricKind.COUNTER:
+                family: Any = Counter(spec.name, spec.help, spec.labels, registry=self.registry)
+            elif spec.kind is MetricKind.GAUGE:
+                family = Gauge(spec.name, spec.help, spec.labels, registry=self.registry)
+            else:
+                family = Histogram(
+                    spec.name, spec.help, spec.labels, buckets=spec.buckets, registry=self.registry
+                )
+            self._families[spec.name] = family
+        f = self._families
+        self.decision_seconds = f["weir_router_decision_seconds"]
+        self.decisions = f["weir_router_decisions_total"]
+        self.retries = f["weir_router_retries_total"]
+        self.resumes = f["weir_router_resumes_total"]
+        self.overloads = f["weir_router_overloads_total"]
+        self.queue_seconds = f["weir_router_queue_seconds"]
+        self.ttft = f["weir_router_ttft_seconds"]
+        self.tpot = f["weir_router_tpot_seconds"]
+        self.e2e = f["weir_router_e2e_seconds"]
+        self.requests = f["weir_router_requests_total"]
+        self.tokens = f["weir_router_tokens_total"]
+        self.kv_token_seconds = f["weir_router_kv_token_seconds_total"]
+        self.quota_utilization = f["weir_router_quota_utilization_ratio"]
+        self.endpoints = f["weir_router_endpoints"]
+        self.endpoint_kv = f["weir_router_endpoint_kv_tokens"]
+        self.ring_version = f["weir_router_ring_version"]
+        self.snapshot_age = f["weir_router_snapshot_age_seconds"]
+        self.lease_expiries = f["weir_router_lease_expiries_total"]
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,158 @@
+"""Relaying an engine's SSE stream to the client, and splicing a resumed one into it.
+
+On the normal path every event goes to the client byte for byte as the engine wrote it;
+the relay only reads each complete event to keep count of what the client has received
+(text, token ids, token count). That count is what makes resumption exact: when an engine
+dies mid-stream, or its sidecar ends the stream with `weir.preempted` and a continuation,
+the request resumes elsewhere from exactly what the client holds, and the resumed
+stream's events are rewritten to continue the first one (the original id; cumulative text
+and ids and usage counts for `/generate`) so the client sees one uninterrupted stream.
+Only whole events are forwarded, so a stream cut mid-event never leaves half an event.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from controlplane.contract import EngineAPI
+
+DONE = b"[DONE]"
+PREEMPTED_EVENT = b"weir.preempted"
+
+
+@dataclass(slots=True)
+class Received:
+    """What the client has received so far."""
+
+    api: EngineAPI
+    text: str = ""
+    ids: list[int] = field(default_factory=list)
+    tokens: int = 0
+    response_id: str = ""
+    finish_reason: str = ""
+    prompt_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    raw: bytes
+    event: bytes
+    data: bytes
+
+
+def split_events(buffer: bytearray) -> list[Event]:
+    """Take the complete events (ended by a blank line) out of `buffer`."""
+    events: list[Event] = []
+    while True:
+        end = buffer.find(b"\n\n")
+        if end < 0:
+            return events
+        raw = bytes(buffer[: end + 2])
+        del buffer[: end + 2]
+        name, data = b"", []
+        for line in raw.split(b"\n"):
+            if line.startswith(b"data:"):
+                data.append(line[5:].strip())
+            elif line.startswith(b"event:"):
+                name = line[6:].strip()
+        events.append(Event(raw, name, b"\n".join(data)))
+
+
+class Splicer:
+    """Counts what an event gives the client and, after a resume, rewrites it so it
+    continues what came before (`base`: what the client held when the resume began)."""
+
+    def __init__(self, received: Received) -> None:
+        self.received = received
+        self.base: Received | None = None
+
+    def resumed(self) -> None:
+        r = self.received
+        self.base = Received(r.api, r.text, list(r.ids), r.tokens, r.response_id)
+
+    def take(self, data: bytes) -> bytes | None:
+        """Account for one data payload; return a rewritten payload, or None to forward
+        the original bytes unchanged."""
+        try:
+            chunk = msgspec.json.decode(data)
+        except msgspec.DecodeError:
+            return None
+        if not isinstance(chunk, dict):
+            return None
+        if self.received.api is EngineAPI.GENERATE:
+            return self._generate(chunk)
+        return self._openai(chunk)
+
+    def _generate(self, chunk: dict[str, Any]) -> bytes | None:
+        r, base = self.received, self.base
+        meta = chunk.get("meta_info")
+        meta = meta if isinstance(meta, dict) else {}
+        text = chunk.get("text")
+        ids = chunk.get("output_ids")
+        completion = meta.get("completion_tokens")
+        if base is not None:
+            if isinstance(text, str):
+                text = chunk["text"] = base.text + text
+            if isinstance(ids, list):
+                ids = chunk["output_ids"] = base.ids + ids
+            if isinstance(completion, int):
+                completion = meta["completion_tokens"] = base.tokens + completion
+            if isinstance(meta.get("prompt_tokens"), int):
+                meta["prompt_tokens"] = r.prompt_tokens
+            if base.response_id and "id" in meta:
+                meta["id"] = base.response_id
+        else:
+            if not r.response_id and isinstance(meta.get("id"), str):
+                r.response_id = meta["id"]
+            if isinstance(meta.get("prompt_tokens"), int):
+                r.prompt_tokens = meta["prompt_tokens"]
+        if isinstance(text, str):
+            r.text = text
+        if isinstance(ids, list) and all(isinstance(i, int) for i in ids):
+            r.ids = ids
+        if isinstance(completion, int):
+            r.tokens = completion
+        elif isinstance(ids, list):
+            r.tokens = len(r.ids)
+        finish = meta.get("finish_reason")
+        if isinstance(finish, dict) and isinstance(finish.get("type"), str):
+            r.finish_reason = finish["type"]
+        return msgspec.json.encode(chunk) if base is not None else None
+
+    def _openai(self, chunk: dict[str, Any]) -> bytes | None:
+        r, base = self.received, self.base
+        choices = chunk.get("choices")
+        usage = chunk.get("usage")
+        if base is None and not r.response_id and isinstance(chunk.get("id"), str):
+            r.response_id = chunk["id"]
+        if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+            choice = choices[0]
+            delta = choice.get("delta")
+            piece = delta.get("content") if isinstance(delta, dict) else choice.get("text")
+            if isinstance(piece, str) and piece:
+                r.text += piece
+                r.tokens += 1
+            if isinstance(choice.get("finish_reason"), str):
+                r.finish_reason = choice["finish_reason"]
+            if base is not None and isinstance(delta, dict):
+                delta.pop("role", None)  # the role was announced by the first stream
+        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+            if base is not None:
+                usage["completion_tokens"] += base.tokens
+                usage["prompt_tokens"] = r.prompt_tokens
+                usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+            else:
+                r.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+            r.tokens = usage["completion_tokens"]
+        if base is None:
+            return None
+        if base.response_id:
+            chunk["id"] = base.response_id
+        return msgspec.json.encode(chunk)
+
+
+def sse(data: bytes) -> bytes:
+    return b"data: " + data + b"\n\n"

@@ -1,0 +1,68 @@
+"""Running a gateway: the aiohttp server, and the feed that keeps its pool view current."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from aiohttp import web
+from redis.asyncio import Redis
+
+from controlplane.gateway.app import Gateway, GatewayConfig
+from controlplane.gateway.pool import PoolView, StoreFeed, static_endpoints
+from controlplane.gateway.tenants import TenantKeys
+from controlplane.store import EndpointRegistry, PoolFollower, RedisSettings, connect
+
+
+@dataclass
+class RunningGateway:
+    gateway: Gateway
+    url: str
+    _runner: web.AppRunner
+    _feed_task: asyncio.Task[None] | None
+    _redis: Redis | None
+
+    async def close(self) -> None:
+        if self._feed_task is not None:
+            self._feed_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._feed_task
+        await self._runner.cleanup()
+        if self._redis is not None:
+            await self._redis.aclose()
+
+
+async def serve_gateway(
+    config: GatewayConfig,
+    *,
+    redis_url: str = "",
+    endpoints: Sequence[str] = (),
+    keys: TenantKeys | None = None,
+) -> RunningGateway:
+    """Start a gateway on `config.host:config.port` (0: a free port) for the pool in the
+    control plane at `redis_url`, or for the fixed engine URLs `endpoints`."""
+    if bool(redis_url) == bool(endpoints):
+        raise ValueError("give exactly one of redis_url (the control plane) or endpoints")
+    clock = time.monotonic
+    redis: Redis | None = None
+    feed: StoreFeed | None = None
+    if endpoints:
+        view = PoolView(config.pool, math.inf)
+        view.update(static_endpoints(config.pool, config.model, endpoints), clock())
+    else:
+        view = PoolView(config.pool, config.routing.snapshot_staleness_s)
+        redis = connect(RedisSettings(url=redis_url, client_name="weir-router"))
+        follower = PoolFollower(EndpointRegistry(redis, config.pool))
+        feed = StoreFeed(follower, view, clock)
+    gateway = Gateway(config, view, keys, clock)
+    runner = web.AppRunner(gateway.app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port)
+    await site.start()
+    port = runner.addresses[0][1]
+    task = asyncio.get_running_loop().create_task(feed.run()) if feed is not None else None
+    return RunningGateway(gateway, f"http://{config.host}:{port}", runner, task, redis)

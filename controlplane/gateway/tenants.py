@@ -1,0 +1,63 @@
+"""API keys and the tenants they stand for.
+
+A keys file is YAML or JSON mapping each key to its tenant:
+
+    sk-team-a-1: team-a
+    sk-team-b-1: team-b
+
+With no keys configured the gateway is open and every request is tenant `default`. With
+keys, a request needs `Authorization: Bearer <key>` (or `x-api-key: <key>`); a missing or
+unknown key is refused with 401 before anything else happens.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Mapping
+from pathlib import Path
+
+import yaml
+
+from controlplane.gateway.errors import GatewayError
+
+DEFAULT_TENANT = "default"
+
+
+class TenantKeys:
+    def __init__(self, keys: Mapping[str, str] | None = None) -> None:
+        self._keys = dict(keys or {})
+        for key, tenant in self._keys.items():
+            if not (isinstance(key, str) and key and isinstance(tenant, str) and tenant):
+                raise ValueError("API keys and tenant names must be non-empty strings")
+
+    @classmethod
+    def load(cls, path: str | Path) -> TenantKeys:
+        data = yaml.safe_load(Path(path).read_text())
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a mapping of API key to tenant")
+        return cls({str(k): v for k, v in data.items()})
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._keys)
+
+    def tenant(self, headers: Mapping[str, str]) -> str:
+        if not self._keys:
+            return DEFAULT_TENANT
+        key = _presented_key(headers)
+        if key is None:
+            raise GatewayError(
+                401, "authentication_error", "missing_api_key", "an API key is required"
+            )
+        for known, tenant in self._keys.items():
+            if hmac.compare_digest(known.encode(), key.encode()):
+                return tenant
+        raise GatewayError(401, "authentication_error", "invalid_api_key", "unknown API key")
+
+
+def _presented_key(headers: Mapping[str, str]) -> str | None:
+    auth = headers.get("Authorization", "")
+    scheme, _, token = auth.partition(" ")
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    return headers.get("x-api-key") or None
