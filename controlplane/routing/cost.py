@@ -58,7 +58,7 @@ class CostModel:
         if s.kv_capacity_tokens <= 0:
             return 1.0
         own = request.prompt_tokens + request.max_new_tokens * self.expected_output_fraction
-        return (s.kv_used_tokens + s.kv_reserved_growth_tokens + own) / s.kv_capacity_tokens
+        return (view.kv_committed_tokens + own) / s.kv_capacity_tokens
 
     def future_kv_s(self, request: RouteRequest, view: EndpointView) -> float:
         committed = self.committed_after(request, view)
@@ -81,4 +81,5 @@ class CostModel:
 
     def load_penalty(self, view: EndpointView, ctx: RoutingContext, mean_load: float) -> float:
         """Grows with how far the endpoint's load is above the pool's mean."""
-        return self.load_penalty_s * max(0.0, ctx.load(view) - mean_load) / (mean_load + 1.0)
+        load = view.reported_load + ctx.inflight.get(view.endpoint_id, 0)
+        return self.load_penalty_s * max(0.0, load - mean_load) / (mean_load + 1.0)

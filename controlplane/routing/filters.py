@@ -6,9 +6,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from controlplane.contract import Lifecycle, WatermarkState
+from controlplane.contract import WatermarkState
 from controlplane.routing.framework import Cycle
 from controlplane.routing.snapshot import EndpointView
+
+_CRITICAL = WatermarkState.CRITICAL.rank
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,7 +32,7 @@ class NotDraining:
     name: str = "not-draining"
 
     def filter(self, cycle: Cycle, candidates: Sequence[EndpointView]) -> list[EndpointView]:
-        return [e for e in candidates if e.state.lifecycle is Lifecycle.READY]
+        return [e for e in candidates if e.routable]
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,8 +64,7 @@ class WatermarkBelowCritical:
     name: str = "watermark-below-critical"
 
     def filter(self, cycle: Cycle, candidates: Sequence[EndpointView]) -> list[EndpointView]:
-        limit = WatermarkState.CRITICAL.rank
-        return [e for e in candidates if e.state.watermark.rank < limit]
+        return [e for e in candidates if e.watermark_rank < _CRITICAL]
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,5 +83,5 @@ class BoundedLoad:
     def filter(self, cycle: Cycle, candidates: Sequence[EndpointView]) -> list[EndpointView]:
         ready = len(cycle.ctx.snapshot.preferred) or 1
         bound = math.ceil(self.factor * (cycle.mean_load * ready + 1.0) / ready)
-        load = cycle.ctx.load
-        return [e for e in candidates if load(e) < bound]
+        inflight = cycle.ctx.inflight
+        return [e for e in candidates if e.reported_load + inflight.get(e.endpoint_id, 0) < bound]

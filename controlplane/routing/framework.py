@@ -109,8 +109,8 @@ class Profile:
     filters: tuple[Filter, ...]
     scorers: tuple[WeightedScorer, ...]
     picker: Picker
-    candidates: int = 8
-    max_prefix_holders: int = 8
+    candidates: int = 4
+    max_prefix_holders: int = 4
 
     def decide(self, request: RouteRequest, ctx: RoutingContext) -> Decision:
         snapshot = ctx.snapshot
@@ -130,16 +130,19 @@ class Profile:
             if not candidates:
                 return Decision("", DecisionReason.NO_CANDIDATE, False, rejected=rejected)
 
-        totals = [0.0] * len(candidates)
-        for weighted in self.scorers:
-            w = weighted.weight
-            for i, s in enumerate(weighted.scorer.score(cycle, candidates)):
-                totals[i] += w * s
+        weighted = self.scorers
+        first = weighted[0]
+        totals = [first.weight * x for x in first.scorer.score(cycle, candidates)]
+        for ws in weighted[1:]:
+            w = ws.weight
+            totals = [
+                t + w * x for t, x in zip(totals, ws.scorer.score(cycle, candidates), strict=True)
+            ]
         chosen = self.picker.pick(cycle, candidates, totals)
         picked = candidates[chosen].endpoint_id
 
         primary, secondary = request.primary_owner, request.secondary_owner
-        ranked = sorted(range(len(candidates)), key=lambda i: -totals[i])
+        ranked = sorted(range(len(candidates)), key=totals.__getitem__, reverse=True)
         fallbacks = [candidates[i].endpoint_id for i in ranked if i != chosen]
         if secondary in fallbacks:
             fallbacks.remove(secondary)

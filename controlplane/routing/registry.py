@@ -2,7 +2,7 @@
 
 A profile is plain data (JSON, YAML, a ConfigMap):
 
-    {"name": "default", "candidates": 8,
+    {"name": "default", "candidates": 4,
      "cost": {"prefill_tokens_per_s": 20000},
      "filters": ["lease-valid", "not-draining", {"name": "bounded-load", "factor": 1.25}],
      "scorers": [{"name": "prefix-affinity", "weight": 2, "block_tokens": 64}],
@@ -77,7 +77,7 @@ def default_config(policy: RoutingPolicy | None = None) -> dict[str, Any]:
     policy = policy or RoutingPolicy()
     return {
         "name": "default",
-        "candidates": 8,
+        "candidates": 4,
         "filters": [
             "lease-valid",
             "not-draining",
@@ -126,7 +126,7 @@ def profile_from_config(config: Mapping[str, Any]) -> Profile:
         except (TypeError, ValueError) as exc:
             raise ProfileError(str(exc)) from exc
     picker: Picker = _build(PluginKind.PICKER, config.get("picker", "max-score"), {})
-    candidates = config.get("candidates", 8)
+    candidates = config.get("candidates", 4)
     if not isinstance(candidates, int) or isinstance(candidates, bool) or candidates < 1:
         raise ProfileError(f"profile 'candidates' must be a positive integer, got {candidates!r}")
     if not scorer_list:

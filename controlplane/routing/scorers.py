@@ -16,10 +16,6 @@ from controlplane.routing.framework import Cycle
 from controlplane.routing.snapshot import EndpointView
 
 
-def _bounded(half_at_s: float, cost_s: float) -> float:
-    return half_at_s / (half_at_s + cost_s)
-
-
 def _check_half(name: str, half_at_s: float) -> None:
     if not (math.isfinite(half_at_s) and half_at_s > 0.0):
         raise ValueError(f"scorer {name}: half_at_s must be a positive number, got {half_at_s}")
@@ -51,18 +47,19 @@ class PrefixAffinity:
         request, ctx, holders = cycle.request, cycle.ctx, cycle.holders
         owner_tokens = self.owner_blocks * self.block_tokens
         primary, secondary = request.primary_owner, request.secondary_owner
-        cost, half = self.cost, self.half_at_s
+        cost, half, block, max_wait = self.cost, self.half_at_s, self.block_tokens, self.max_wait_s
+        queue_s, prefill_s = cost.queue_s, cost.uncached_prefill_s
         scores = []
         for view in candidates:
             endpoint_id = view.endpoint_id
-            cached = holders.get(endpoint_id, 0) * self.block_tokens
+            cached = holders.get(endpoint_id, 0) * block
             if endpoint_id == primary:
                 cached = max(cached, owner_tokens)
             elif endpoint_id == secondary:
                 cached = max(cached, owner_tokens // 2)
-            if cached and cost.queue_s(view, ctx) > self.max_wait_s:
+            if cached and queue_s(view, ctx) > max_wait:
                 cached = 0
-            scores.append(_bounded(half, cost.uncached_prefill_s(request, cached)))
+            scores.append(half / (half + prefill_s(request, cached)))
         return scores
 
 
@@ -80,7 +77,8 @@ class QueueScorer:
 
     def score(self, cycle: Cycle, candidates: Sequence[EndpointView]) -> list[float]:
         ctx, cost, half = cycle.ctx, self.cost, self.half_at_s
-        return [_bounded(half, cost.queue_s(view, ctx)) for view in candidates]
+        queue_s = cost.queue_s
+        return [half / (half + queue_s(view, ctx)) for view in candidates]
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +95,8 @@ class KVPressureScorer:
 
     def score(self, cycle: Cycle, candidates: Sequence[EndpointView]) -> list[float]:
         request, cost, half = cycle.request, self.cost, self.half_at_s
-        return [_bounded(half, cost.future_kv_s(request, view)) for view in candidates]
+        future_kv_s = cost.future_kv_s
+        return [half / (half + future_kv_s(request, view)) for view in candidates]
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,8 +114,9 @@ class SLORiskScorer:
     def score(self, cycle: Cycle, candidates: Sequence[EndpointView]) -> list[float]:
         request, ctx, cost, half = cycle.request, cycle.ctx, self.cost, self.half_at_s
         prefill = cost.uncached_prefill_s(request, 0)
+        queue_s, risk_s = cost.queue_s, cost.slo_risk_s
         return [
-            _bounded(half, cost.slo_risk_s(request, view, cost.queue_s(view, ctx), prefill))
+            half / (half + risk_s(request, view, queue_s(view, ctx), prefill))
             for view in candidates
         ]
 
@@ -134,7 +134,8 @@ class LoadScorer:
 
     def score(self, cycle: Cycle, candidates: Sequence[EndpointView]) -> list[float]:
         ctx, mean, cost, half = cycle.ctx, cycle.mean_load, self.cost, self.half_at_s
-        return [_bounded(half, cost.load_penalty(view, ctx, mean)) for view in candidates]
+        penalty = cost.load_penalty
+        return [half / (half + penalty(view, ctx, mean)) for view in candidates]
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,4 +151,5 @@ class TransferScorer:
 
     def score(self, cycle: Cycle, candidates: Sequence[EndpointView]) -> list[float]:
         request, cost, half = cycle.request, self.cost, self.half_at_s
-        return [_bounded(half, cost.transfer_s(request, view)) for view in candidates]
+        transfer_s = cost.transfer_s
+        return [half / (half + transfer_s(request, view)) for view in candidates]

@@ -24,19 +24,29 @@ _NO_INFLIGHT: Mapping[str, int] = MappingProxyType({})
 
 @dataclass(frozen=True, slots=True)
 class EndpointView:
-    """One endpoint as the router sees it: its last reported state plus lease timing."""
+    """One endpoint as the router sees it: its last reported state plus lease timing.
+
+    The derived fields are computed once per snapshot because every decision reads them
+    for every candidate: `routable` (ready, not draining), `watermark_rank`, the load it
+    reported, its committed KV (used plus reserved growth) and its queue in tokens.
+    """
 
     state: EndpointState
     lease_deadline: float
     endpoint_id: str = field(init=False)
+    routable: bool = field(init=False)
+    watermark_rank: int = field(init=False)
     reported_load: int = field(init=False)
+    kv_committed_tokens: int = field(init=False)
 
     def __post_init__(self) -> None:
-        # Copied out of the state once per snapshot: the hot path reads them per candidate.
-        object.__setattr__(self, "endpoint_id", self.state.endpoint_id)
-        object.__setattr__(
-            self, "reported_load", self.state.running_requests + self.state.queued_requests
-        )
+        s = self.state
+        setattr_ = object.__setattr__
+        setattr_(self, "endpoint_id", s.endpoint_id)
+        setattr_(self, "routable", s.lifecycle is Lifecycle.READY)
+        setattr_(self, "watermark_rank", s.watermark.rank)
+        setattr_(self, "reported_load", s.running_requests + s.queued_requests)
+        setattr_(self, "kv_committed_tokens", s.kv_used_tokens + s.kv_reserved_growth_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,14 +75,8 @@ class PoolSnapshot:
         # Ranked once per snapshot, not per request: a decision over a 1,000-endpoint pool
         # looks at the owners, the prefix holders and a few of the least pressured
         # endpoints, never at all of them.
-        ready = [e for e in self.endpoints if e.state.lifecycle is Lifecycle.READY]
-        ready.sort(
-            key=lambda e: (
-                e.state.watermark.rank,
-                e.state.kv_pressure,
-                e.reported_load,
-            )
-        )
+        ready = [e for e in self.endpoints if e.routable]
+        ready.sort(key=lambda e: (e.watermark_rank, e.state.kv_pressure, e.reported_load))
         object.__setattr__(self, "preferred", tuple(ready))
         object.__setattr__(
             self,

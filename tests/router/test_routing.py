@@ -89,7 +89,9 @@ def test_critical_draining_expired_and_foreign_endpoints_are_filtered_with_reaso
             *PoolSnapshot.of("p", [_state("expired")], lease_deadline=5.0).endpoints,
         ),
     )  # fmt: skip
-    decision = PROFILE.decide(_request(), RoutingContext(snapshot, now=6.0))
+    # Small pools are scanned whole, so every filter sees (and counts) every endpoint.
+    scan_all = profile_from_config({**default_config(), "candidates": 8})
+    decision = scan_all.decide(_request(), RoutingContext(snapshot, now=6.0))
     assert decision.endpoint_id == ""
     assert decision.reason == DecisionReason.NO_CANDIDATE
     assert decision.rejected == {
