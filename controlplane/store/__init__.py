@@ -1,0 +1,50 @@
+"""The control plane's shared truth in Redis.
+
+Layout: every key of a pool is `weir:{pool}:...` (one hash tag, one Cluster slot). Every
+write is a Lua script (in `lua/`, called by SHA, reloaded on NOSCRIPT) that checks the
+writer's epoch and version and measures leases by Redis server time.
+
+Errors: `FencedError` (a zombie's write: a newer epoch holds the endpoint id) and
+`controlplane.contract.SchemaError` (a malformed record or an unknown schema version:
+nothing is written); `ValueError` for invalid names and arguments; `redis` exceptions
+when Redis stays unreachable after the client's retries.
+"""
+
+from controlplane.store.connection import RedisSettings, connect
+from controlplane.store.follower import PoolFollower, Refresh
+from controlplane.store.keys import PoolKeys
+from controlplane.store.lease import EndpointLease, reap_forever
+from controlplane.store.registry import (
+    EndpointRegistry,
+    FencedError,
+    HeartbeatResult,
+    HeartbeatStatus,
+    Reaped,
+)
+from controlplane.store.snapshot import (
+    Change,
+    ChangeBatch,
+    ChangeKind,
+    FeedPosition,
+    PoolSnapshot,
+)
+
+__all__ = [
+    "Change",
+    "ChangeBatch",
+    "ChangeKind",
+    "EndpointLease",
+    "EndpointRegistry",
+    "FeedPosition",
+    "FencedError",
+    "HeartbeatResult",
+    "HeartbeatStatus",
+    "PoolFollower",
+    "PoolKeys",
+    "PoolSnapshot",
+    "Reaped",
+    "RedisSettings",
+    "Refresh",
+    "connect",
+    "reap_forever",
+]

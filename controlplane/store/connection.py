@@ -1,0 +1,118 @@
+"""Connecting to Redis: standalone or Sentinel, AUTH, TLS, timeouts, retries with jitter.
+
+A lost connection is retried with exponential backoff and full jitter (so a fleet of
+sidecars does not reconnect in lock step after a Redis restart); each retry opens a fresh
+connection, and behind Sentinel a fresh connection asks the sentinels who the master is
+now, so a failover is followed without any action from the caller. Scripts survive a
+failover through their NOSCRIPT reload (see `scripts`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.exceptions import ConnectionError, TimeoutError
+
+
+@dataclass(frozen=True, slots=True)
+class RedisSettings:
+    """Where the control plane's Redis is and how to talk to it.
+
+    `url` is used when `sentinels` is empty (`redis://`, `rediss://` for TLS, or
+    `unix://`); with sentinels, the master of `sentinel_service` is discovered through them.
+    Timeouts bound every command: keep them above any blocking read a caller asks for.
+    """
+
+    url: str = "redis://127.0.0.1:6379/0"
+    sentinels: tuple[tuple[str, int], ...] = ()
+    sentinel_service: str = "weir"
+    sentinel_password: str | None = None
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+    tls: bool = False
+    tls_ca_file: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    connect_timeout_s: float = 2.0
+    command_timeout_s: float = 5.0
+    retries: int = 6
+    backoff_base_s: float = 0.05
+    backoff_cap_s: float = 2.0
+    max_connections: int = 64
+    client_name: str = "weir"
+
+    def __post_init__(self) -> None:
+        for name in ("connect_timeout_s", "command_timeout_s", "backoff_base_s", "backoff_cap_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and 0 < value < 3600):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        if not 0 <= self.retries <= 100:
+            raise ValueError(f"retries must be in [0, 100], got {self.retries!r}")
+        if self.max_connections < 1:
+            raise ValueError("max_connections must be at least 1")
+
+
+def _retry(settings: RedisSettings) -> Retry:
+    return Retry(
+        ExponentialWithJitterBackoff(base=settings.backoff_base_s, cap=settings.backoff_cap_s),
+        settings.retries,
+        supported_errors=(ConnectionError, TimeoutError),
+    )
+
+
+def _connection_kwargs(settings: RedisSettings) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {
+        "username": settings.username,
+        "password": settings.password,
+        "socket_connect_timeout": settings.connect_timeout_s,
+        "socket_timeout": settings.command_timeout_s,
+        "retry": _retry(settings),
+        "max_connections": settings.max_connections,
+        "client_name": settings.client_name,
+        "health_check_interval": 10,
+    }
+    if settings.tls:
+        kwargs.update(
+            ssl=True,
+            ssl_ca_certs=settings.tls_ca_file,
+            ssl_certfile=settings.tls_cert_file,
+            ssl_keyfile=settings.tls_key_file,
+        )
+    return kwargs
+
+
+def connect(settings: RedisSettings) -> Redis:
+    """A client for `settings` (no I/O yet: connections open on first use)."""
+    kwargs = _connection_kwargs(settings)
+    if not settings.sentinels:
+        return Redis.from_url(settings.url, **kwargs)
+    sentinel_kwargs: dict[str, Any] = {
+        "socket_connect_timeout": settings.connect_timeout_s,
+        "socket_timeout": settings.connect_timeout_s,
+        "password": settings.sentinel_password,
+    }
+    sentinel = Sentinel(  # type: ignore[no-untyped-call]
+        list(settings.sentinels), sentinel_kwargs=sentinel_kwargs, **kwargs
+    )
+    master: _SentinelMaster = sentinel.master_for(
+        settings.sentinel_service, redis_class=_SentinelMaster, db=settings.db
+    )
+    master.sentinels = list(sentinel.sentinels)
+    return master
+
+
+class _SentinelMaster(Redis):
+    """The master's client; closing it also closes the connections to the sentinels."""
+
+    sentinels: list[Redis]
+
+    async def aclose(self, close_connection_pool: bool | None = None) -> None:
+        await super().aclose(close_connection_pool)
+        for client in self.sentinels:
+            await client.aclose()

@@ -1,0 +1,82 @@
+"""Lua scripts: one purpose per `.lua` file, loaded as package data, called by SHA.
+
+Every script is prefixed with `lua/_feed.lua` (the change-feed publisher and the server
+clock), so the shared pieces are written once. The SHA is computed locally; a call goes out
+as EVALSHA and only a NOSCRIPT reply (a restarted server, a promoted replica) makes the
+client load the source and retry, so the script text crosses the wire once per server.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from functools import cache
+from importlib import resources
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
+from redis.exceptions import NoScriptError
+
+Arg = str | bytes | int
+_PRELUDE = "_feed.lua"
+
+
+def _read(name: str) -> str:
+    return resources.files("controlplane.store").joinpath("lua", name).read_text()
+
+
+class LuaScript:
+    """One script of the store, ready to run against any connection or pipeline."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.source = _read(_PRELUDE) + "\n" + _read(name)
+        self.sha = hashlib.sha1(self.source.encode()).hexdigest()
+
+    async def __call__(self, redis: Redis, keys: Sequence[str], args: Sequence[Arg]) -> Any:
+        try:
+            return await redis.evalsha(self.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            await self.load(redis)
+            return await redis.evalsha(self.sha, len(keys), *keys, *args)
+
+    async def load(self, redis: Redis) -> None:
+        await redis.script_load(self.source)
+
+    def queue(self, pipe: Pipeline, keys: Sequence[str], args: Sequence[Arg]) -> None:
+        """Queue an EVALSHA on a pipeline; see `run_batch` for NOSCRIPT handling."""
+        pipe.evalsha(self.sha, len(keys), *keys, *args)
+
+
+@cache
+def script(name: str) -> LuaScript:
+    """The script in `lua/<name>`, read and hashed once per process."""
+    return LuaScript(name)
+
+
+async def run_batch(
+    redis: Redis, lua: LuaScript, calls: Sequence[tuple[Sequence[str], Sequence[Arg]]]
+) -> list[Any]:
+    """Run many calls of one script in one pipelined round trip.
+
+    Results are in call order; a call that failed holds its exception. After a NOSCRIPT the
+    script is loaded and only the calls that did not run are sent again, so no call runs twice.
+    """
+    results: list[Any] = [None] * len(calls)
+    pending = list(range(len(calls)))
+    for _attempt in range(2):
+        async with redis.pipeline(transaction=False) as pipe:
+            for i in pending:
+                lua.queue(pipe, *calls[i])
+            replies = await pipe.execute(raise_on_error=False)
+        missing = []
+        for i, reply in zip(pending, replies, strict=True):
+            results[i] = reply
+            if isinstance(reply, NoScriptError):
+                missing.append(i)
+        if not missing:
+            break
+        await lua.load(redis)
+        pending = missing
+    return results

@@ -1,0 +1,74 @@
+"""A real master, replica and redis-sentinel on loopback, for failover tests."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from types import TracebackType
+
+from weir.local.ports import free_port, wait_for_port
+from weir.local.redis_server import RedisServer
+
+SERVICE = "weir"
+
+
+class SentinelTopology:
+    """master + one replica + one sentinel (quorum 1) that fails over half a second after
+    the master stops answering."""
+
+    def __init__(self) -> None:
+        self.master = RedisServer()
+        self.replica_port = free_port()
+        self.replica = RedisServer(self.replica_port)
+        self.sentinel_port = free_port()
+        self._dir = tempfile.TemporaryDirectory(prefix="weir-sentinel-")
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> SentinelTopology:
+        self.master.start()
+        self.replica.extra_args = ("--replicaof", "127.0.0.1", str(self.master.port))
+        self.replica.start()
+        conf = Path(self._dir.name) / "sentinel.conf"
+        conf.write_text(
+            f"port {self.sentinel_port}\n"
+            "bind 127.0.0.1\n"
+            f"dir {self._dir.name}\n"
+            f"sentinel monitor {SERVICE} 127.0.0.1 {self.master.port} 1\n"
+            f"sentinel down-after-milliseconds {SERVICE} 500\n"
+            f"sentinel failover-timeout {SERVICE} 5000\n"
+            f"sentinel known-replica {SERVICE} 127.0.0.1 {self.replica_port}\n"
+        )
+        binary = shutil.which("redis-sentinel")
+        if binary is None:
+            raise RuntimeError("redis-sentinel is not installed (apt-get install redis-sentinel)")
+        self._proc = subprocess.Popen(
+            [binary, str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        wait_for_port(self.sentinel_port)
+        return self
+
+    def close(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            self._proc.wait(timeout=10)
+        self._proc = None
+        self.replica.close()
+        self.master.close()
+        self._dir.cleanup()
+
+    def __enter__(self) -> SentinelTopology:
+        try:
+            return self.start()
+        except BaseException:
+            self.close()
+            raise
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
