@@ -16,7 +16,8 @@ import numpy as np
 BLOCK_TOKENS = 512
 """Tokens per prompt block, as in Mooncake's traces (`hash_ids` of 512-token blocks)."""
 
-VOCAB = 32000
+VOCAB = 256
+"""Byte-level token ids, as the reference engine's tokenizer uses."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,12 +69,17 @@ class RequestSpec:
 
 
 def prompt_token_ids(spec: RequestSpec) -> list[int]:
-    """The prompt's token ids: each block id expands to the same `BLOCK_TOKENS` ids wherever
-    it appears, so shared block chains are shared token prefixes in any radix cache."""
-    ids = np.asarray(spec.block_ids, dtype=np.int64)[:, None]
-    offsets = np.arange(BLOCK_TOKENS, dtype=np.int64)[None, :]
-    tokens = (ids * 2_654_435_761 + offsets * 40_503 + (ids >> 7)) % VOCAB
-    return [int(t) for t in tokens.reshape(-1)[: spec.input_tokens]]
+    """The prompt's token ids: each block id expands to the same `BLOCK_TOKENS` byte-level
+    ids wherever it appears, so shared block chains are shared token prefixes in any radix
+    cache, and distinct blocks differ (a 64-bit mix of block id and offset per token)."""
+    ids = np.asarray(spec.block_ids, dtype=np.uint64)[:, None]
+    offsets = np.arange(BLOCK_TOKENS, dtype=np.uint64)[None, :]
+    z = ids * np.uint64(0x9E3779B97F4A7C15) + offsets * np.uint64(0xBF58476D1CE4E5B9)
+    z ^= z >> np.uint64(31)
+    z *= np.uint64(0x94D049BB133111EB)
+    z ^= z >> np.uint64(29)
+    tokens = z.reshape(-1)[: spec.input_tokens] % np.uint64(VOCAB)
+    return tokens.astype(np.int64).tolist()  # type: ignore[no-any-return]
 
 
 def length_bucket(tokens: int) -> str:

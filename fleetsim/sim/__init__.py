@@ -1,0 +1,48 @@
+"""The fleet simulator: N reference-engine models on one virtual clock, driven by Weir's
+real router and sidecar policy code or by a baseline, over a workload.
+
+    from fleetsim.sim import FleetConfig, Simulation, policies
+    result = Simulation(specs, policies()["weir"](), FleetConfig(engines=16)).run()
+"""
+
+from collections.abc import Callable
+
+from fleetsim.baselines import LeastOutstanding, LlmdWeighted, RoundRobin, SGLangCacheAware
+from fleetsim.sim.baseline import BaselinePolicy
+from fleetsim.sim.config import LLAMA_70B_FP8, SLO, FleetConfig, Staleness, default_pool_policy
+from fleetsim.sim.flight import Flight, Stage
+from fleetsim.sim.loop import FleetPolicy, KVSample, SimResult, Simulation, engine_config_for
+from fleetsim.sim.weir import WeirPolicy
+
+
+def policies(seed: int = 0) -> dict[str, Callable[[], FleetPolicy]]:
+    """Every policy the report compares, by name, each a fresh instance per call."""
+    return {
+        "round_robin": lambda: BaselinePolicy(RoundRobin()),
+        "least_outstanding": lambda: BaselinePolicy(LeastOutstanding(seed)),
+        "sglang_cache_aware": lambda: BaselinePolicy(SGLangCacheAware()),
+        "llmd_weighted": lambda: BaselinePolicy(LlmdWeighted(seed)),
+        "max_tokens_reserve": lambda: BaselinePolicy(
+            LeastOutstanding(seed), reserve_max_tokens=True
+        ),
+        "weir": WeirPolicy,
+    }
+
+
+__all__ = [
+    "LLAMA_70B_FP8",
+    "SLO",
+    "BaselinePolicy",
+    "FleetConfig",
+    "FleetPolicy",
+    "Flight",
+    "KVSample",
+    "SimResult",
+    "Simulation",
+    "Stage",
+    "Staleness",
+    "WeirPolicy",
+    "default_pool_policy",
+    "engine_config_for",
+    "policies",
+]

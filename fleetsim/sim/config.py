@@ -1,0 +1,97 @@
+"""What a simulated fleet is made of and how stale each party's view of it is."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from controlplane.contract import KVPolicy, PoolPolicy, RoutingPolicy, SchedulingPolicy
+from fleetsim.engine import H200, ModelProfile, TimingModel
+
+MODEL = "sim-model"
+POOL = "sim-pool"
+
+
+LLAMA_70B_FP8 = ModelProfile(
+    name="llama-3.1-70b-fp8",
+    params=70.6e9,
+    layers=80,
+    hidden=8192,
+    kv_bytes_per_token=2 * 80 * 8 * 128 * 2,
+    context_length=131072,
+    bytes_per_param=1.0,
+)
+"""The simulated engines' model: a 70B-class model in FP8 on one H200 leaves about 150K
+tokens of bf16 KV beside the weights, the regime where a few long requests fill an
+engine's KV — the regime Weir is for."""
+
+
+@dataclass(frozen=True, slots=True)
+class Staleness:
+    """Delays between what happens and who sees it.
+
+    The Weir router sees an endpoint's state as of its last sidecar heartbeat
+    (`heartbeat_period_s`), delivered `notify_delay_s` later by the change feed. Baselines
+    that scrape engine metrics (llm-d) see them as of the last scrape (`scrape_period_s`).
+    A sidecar reads its engine's load every `engine_poll_s`; between polls it counts KV from
+    the tokens it streamed itself (what `reconcile_used` trusts).
+    """
+
+    heartbeat_period_s: float = 0.5
+    notify_delay_s: float = 0.05
+    scrape_period_s: float = 1.0
+    engine_poll_s: float = 0.25
+
+
+@dataclass(frozen=True, slots=True)
+class SLO:
+    """A request meets its SLO when its first token comes within `ttft_s` plus
+    `ttft_per_1k_input_s` per thousand prompt tokens (a long prompt is allowed its
+    prefill), its mean time per output token is within `tpot_s`, and it finishes within
+    its TTFT objective plus `tpot_s` per generated token."""
+
+    ttft_s: float = 1.0
+    ttft_per_1k_input_s: float = 0.05
+    tpot_s: float = 0.08
+
+    def ttft_for(self, input_tokens: int) -> float:
+        return self.ttft_s + self.ttft_per_1k_input_s * input_tokens / 1000.0
+
+    def e2e_for(self, input_tokens: int, generated: int) -> float:
+        return self.ttft_for(input_tokens) + self.tpot_s * generated
+
+
+def default_pool_policy() -> PoolPolicy:
+    """Weir's pool policy in the simulator: the defaults, with prefix blocks as large as the
+    workloads' blocks so the router's index and ownership keys line up with them."""
+    return PoolPolicy(
+        pool=POOL,
+        model=MODEL,
+        kv=KVPolicy(),
+        scheduling=SchedulingPolicy(),
+        routing=RoutingPolicy(prefix_block_tokens=512, prefix_blocks_for_owner=1),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class FleetConfig:
+    """`kv_tokens` overrides each engine's KV pool (0: what the timing model fits on the
+    hardware); `kv_scale` multiplies it (the simulator may scale KV together with request
+    lengths to fit a CPU budget)."""
+
+    engines: int = 16
+    timing: TimingModel = field(default_factory=lambda: TimingModel(LLAMA_70B_FP8, H200))
+    kv_tokens: int = 0
+    kv_scale: float = 1.0
+    page_size: int = 16
+    chunked_prefill_size: int = 8192
+    max_running_requests: int = 256
+    staleness: Staleness = field(default_factory=Staleness)
+    slo: SLO = field(default_factory=SLO)
+    policy: PoolPolicy = field(default_factory=default_pool_policy)
+    sample_period_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.engines < 1:
+            raise ValueError("a fleet needs at least one engine")
+        if self.kv_tokens < 0 or not self.kv_scale > 0:
+            raise ValueError("kv_tokens must be >= 0 and kv_scale > 0")

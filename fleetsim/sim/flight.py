@@ -1,0 +1,106 @@
+"""One request's life in the simulator, across every engine it visits.
+
+A `Flight` is the simulator's ledger for a request: when it arrived, was dispatched,
+first streamed, finished and why; what it generated (kept across preemptions, so a
+continuation resumes exactly where the stream stopped); and what capacity actions it
+suffered. Reports are computed from flights alone.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from controlplane.contract import FinishReason
+from fleetsim.workloads import RequestSpec
+
+
+class Stage(enum.StrEnum):
+    NEW = "new"
+    QUEUED = "queued"  # waits in a router or sidecar queue, holds no KV
+    ENGINE = "engine"  # submitted to an engine (waiting there, prefilling or decoding)
+    DONE = "done"
+
+
+@dataclass(slots=True, eq=False)
+class Flight:
+    spec: RequestSpec
+    stage: Stage = Stage.NEW
+    engine: int = -1
+    hop: int = 0
+    accepted: bool = False
+    dispatched_at: float = -1.0
+    first_token_at: float = -1.0
+    last_token_at: float = -1.0
+    finished_at: float = -1.0
+    reason: FinishReason | None = None
+    detail: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    cached_tokens: int = 0
+    visit_cached: int = -1
+    preemptions: dict[str, int] = field(default_factory=dict)
+    recomputed_tokens: int = 0
+    queued_since: float = -1.0
+    queue_time_s: float = 0.0
+
+    @property
+    def rid(self) -> str:
+        return self.spec.request_id
+
+    @property
+    def generated(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still to stream before the request ends on its own."""
+        return self.spec.generated_tokens - len(self.output_ids)
+
+    def leave_engine(self) -> None:
+        """The current engine visit is over; the next one gets a fresh engine rid."""
+        self.hop += 1
+        self.engine = -1
+        self.stage = Stage.NEW
+        self.visit_cached = -1
+
+    @property
+    def engine_rid(self) -> str:
+        """The id of the current engine visit; the trailing '/' keeps SGLang's rid-prefix
+        abort from catching another request whose id extends this one."""
+        return f"{self.spec.request_id}/{self.hop}/"
+
+    @property
+    def done(self) -> bool:
+        return self.stage is Stage.DONE
+
+    @property
+    def completed(self) -> bool:
+        return self.reason in (FinishReason.STOP, FinishReason.LENGTH)
+
+    def preempted(self, mode: str) -> None:
+        self.preemptions[mode] = self.preemptions.get(mode, 0) + 1
+
+    def enqueue(self, now: float) -> None:
+        self.stage = Stage.QUEUED
+        self.engine = -1
+        self.queued_since = now
+
+    def dequeue(self, now: float) -> None:
+        if self.queued_since >= 0:
+            self.queue_time_s += now - self.queued_since
+            self.queued_since = -1.0
+
+    @property
+    def ttft_s(self) -> float:
+        return self.first_token_at - self.spec.arrival_s if self.first_token_at >= 0 else -1.0
+
+    @property
+    def e2e_s(self) -> float:
+        return self.finished_at - self.spec.arrival_s if self.finished_at >= 0 else -1.0
+
+    @property
+    def tpot_s(self) -> float:
+        """Mean time per output token after the first (0 for one-token answers)."""
+        if self.first_token_at < 0 or self.generated < 2:
+            return 0.0
+        return (self.last_token_at - self.first_token_at) / (self.generated - 1)

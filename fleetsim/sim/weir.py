@@ -1,0 +1,503 @@
+"""Weir's real policy code driving the simulated fleet.
+
+Router (`controlplane.routing`): the default scheduling profile (filters → weighted
+cost-model scorers → max-score picker) over a `PoolSnapshot` built from the sidecars'
+heartbeats, as stale as the heartbeat period plus the change-feed delay; the router's own
+in-flight counts since each endpoint's last visible heartbeat; the approximate
+`PrefixIndex`; and the tenant-fair `FairQueue` for requests no endpoint may take now.
+
+Sidecar (`engine_sidecar.policy`), one per engine: growth-reserve admission
+(`decide_admission`) over the KV its requests hold plus the growth the running ones are
+predicted to add (`OutputLengthPredictor`, or the client's hint); the bounded local queue
+in `queue_order` (priority with aging); engine priority from urgency (`engine_priority`);
+watermarks with hysteresis (`classify`) published with every heartbeat and at once on a
+change; and the relief ladder (`plan_relief`): at exhaustion, victims are migrated (a
+continuation re-routed by the router, excluding this endpoint) or recomputed in place.
+
+Engines run with Weir's engine flags (priority scheduling with aging, prefill yielding at
+chunk boundaries), as the operator renders them from the pool spec. When an engine dies,
+the router, which holds every stream, re-routes what it had in flight as continuations.
+
+Not modelled: tenant quotas charged in Redis (no quota is configured in these
+scenarios), P/D handoff credits, offload/swap.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import deque
+from dataclasses import dataclass, field, replace
+
+from controlplane.contract import (
+    EndpointState,
+    FinishReason,
+    PoolPolicy,
+    WatermarkState,
+)
+from controlplane.routing import (
+    FairQueue,
+    PoolSnapshot,
+    PrefixIndex,
+    Profile,
+    QueueFullError,
+    RouteRequest,
+    RoutingContext,
+    default_config,
+    profile_from_config,
+)
+from controlplane.routing.snapshot import EndpointView
+from engine_sidecar.policy import (
+    AdmissionVerdict,
+    KVUsage,
+    LengthKey,
+    OutputLengthPredictor,
+    PoolOutlook,
+    QueuedRequest,
+    Rung,
+    SequenceOutlook,
+    VictimCandidate,
+    classify,
+    decide_admission,
+    engine_priority,
+    growth_reserve,
+    plan_relief,
+    queue_order,
+)
+from fleetsim.engine import EngineConfig
+from fleetsim.sim.config import MODEL, FleetConfig
+from fleetsim.sim.flight import Flight, Stage
+from fleetsim.sim.loop import Simulation
+from fleetsim.workloads import BLOCK_TOKENS
+
+# A lease lapses after this many missed heartbeats.
+LEASE_HEARTBEATS = 3
+# The router's queue keeps a request at most this long (the longest client wait).
+ROUTER_MAX_WAIT_S = 120.0
+
+
+@dataclass(slots=True)
+class _Held:
+    """What the sidecar knows about one request it admitted into its engine."""
+
+    flight: Flight
+    prompt_tokens: int
+    generated_at_admission: int
+
+
+@dataclass(slots=True)
+class Sidecar:
+    index: int
+    endpoint_id: str
+    capacity_tokens: int
+    policy: PoolPolicy
+    predictor: OutputLengthPredictor = field(default_factory=OutputLengthPredictor)
+    queue: dict[str, tuple[QueuedRequest, Flight]] = field(default_factory=dict)
+    held: dict[str, _Held] = field(default_factory=dict)
+    watermark: WatermarkState = WatermarkState.NORMAL
+    admission_paused: bool = False
+    used_tokens: int = 0
+    reserved_tokens: int = 0
+    version: int = 0
+
+    def predicted_total(self, flight: Flight) -> int:
+        spec = flight.spec
+        if spec.output_hint_tokens > 0:
+            return max(flight.generated + 1, min(spec.max_tokens, spec.output_hint_tokens))
+        return self.predictor.predict_total(
+            LengthKey(spec.tenant, MODEL),
+            self.policy.kv.growth_quantile,
+            flight.generated,
+            spec.max_tokens,
+        )
+
+    def outlook(self, flight: Flight) -> SequenceOutlook:
+        return SequenceOutlook(
+            flight.generated, flight.spec.max_tokens, self.predicted_total(flight)
+        )
+
+    def account(self) -> None:
+        """KV held (prompt not served from cache + generated) and reserved growth of the
+        requests in the engine, from the sidecar's own streamed-token accounting."""
+        horizon = self.policy.kv.growth_horizon_steps
+        used = reserved = 0
+        for held in self.held.values():
+            flight = held.flight
+            cached = max(0, flight.visit_cached)
+            used += held.prompt_tokens - cached + flight.generated - held.generated_at_admission
+            reserved += growth_reserve(self.outlook(flight), horizon)
+        self.used_tokens = used
+        self.reserved_tokens = reserved
+
+    def usage(self) -> KVUsage:
+        return KVUsage(self.capacity_tokens, self.used_tokens, self.reserved_tokens)
+
+
+class WeirPolicy:
+    name = "weir"
+
+    def __init__(self, policy: PoolPolicy | None = None) -> None:
+        self.pool_policy = policy
+        self._sim: Simulation | None = None
+        self.sidecars: list[Sidecar] = []
+        self.profile: Profile | None = None
+        self.index = PrefixIndex()
+        self.queue: FairQueue[Flight] = FairQueue(max_wait_s=ROUTER_MAX_WAIT_S)
+        self._states: dict[int, EndpointState] = {}
+        self._leases: dict[int, float] = {}
+        self._visible_at: dict[int, float] = {}
+        self._dispatches: list[deque[float]] = []
+        self._snapshot: PoolSnapshot | None = None
+        self._where: dict[str, int] = {}
+        self._excluded: dict[str, set[str]] = {}
+        self.relief_actions: dict[str, int] = {}
+        self.router_refusals: dict[str, int] = {}
+
+    @property
+    def sim(self) -> Simulation:
+        assert self._sim is not None, "start() first"
+        return self._sim
+
+    def tune(self, config: EngineConfig, fleet: FleetConfig) -> EngineConfig:
+        """Weir's engine flags: priority scheduling with aging, prefill yielding."""
+        policy = self.pool_policy or fleet.policy
+        return config.replace(
+            enable_priority_scheduling=True,
+            priority_aging_s=1.0 / max(1e-9, policy.scheduling.aging_per_second),
+            prefill_yield=True,
+        )
+
+    def _policy(self) -> PoolPolicy:
+        if self.pool_policy is None:
+            raise RuntimeError("the pool policy is set when the simulation starts")
+        return self.pool_policy
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def start(self, sim: Simulation) -> None:
+        self._sim = sim
+        if self.pool_policy is None:
+            self.pool_policy = sim.config.policy
+        policy = self._policy()
+        timing = sim.engine_config.timing
+        per_token_s = (
+            2.0 * timing.model.params / (timing.hardware.flops * timing.hardware.compute_efficiency)
+        )
+        config = default_config(policy.routing)
+        config["cost"] = {
+            "prefill_tokens_per_s": 1.0 / per_token_s,
+            "kv_bytes_per_token": timing.model.kv_bytes_per_token,
+            "ttft_slo_s": sim.config.slo.ttft_s,
+        }
+        self.profile = profile_from_config(config)
+        self.sidecars = [
+            Sidecar(e.index, f"engine-{e.index}", e.capacity_tokens, policy) for e in sim.engines
+        ]
+        self._dispatches = [deque() for _ in sim.engines]
+        period = sim.config.staleness.heartbeat_period_s
+        for sidecar in self.sidecars:
+            self._heartbeat(sidecar, 0.0, registered=True)
+        # Stagger heartbeats across the period, as independent sidecars do.
+        n = len(self.sidecars)
+        for sidecar in self.sidecars:
+            sim.every(
+                period, functools.partial(self._heartbeat, sidecar), period * sidecar.index / n
+            )
+
+    # -- heartbeats and the router's snapshot ---------------------------------------------
+    def _heartbeat(self, sidecar: Sidecar, now: float, registered: bool = False) -> None:
+        """Publish the sidecar's state; the router sees it after the change feed's delay
+        (at once for the registration that precedes any traffic)."""
+        sim = self.sim
+        slot = sim.engines[sidecar.index]
+        if not slot.alive:
+            return
+        sidecar.version += 1
+        waiting = sum(q.prompt_tokens for q, _ in sidecar.queue.values())
+        waiting += sum(r.total_len - r.computed for r in slot.model.waiting)
+        state = EndpointState(
+            pool=self._policy().pool,
+            endpoint_id=sidecar.endpoint_id,
+            address=f"sim://{sidecar.index}",
+            model=MODEL,
+            epoch=1,
+            version=sidecar.version,
+            watermark=sidecar.watermark,
+            page_size=slot.model.page_size,
+            kv_capacity_tokens=sidecar.capacity_tokens,
+            kv_used_tokens=sidecar.used_tokens,
+            kv_reserved_growth_tokens=sidecar.reserved_tokens,
+            waiting_prefill_tokens=waiting,
+            running_requests=len(sidecar.held),
+            queued_requests=len(sidecar.queue),
+            updated_at=now,
+        )
+        lease = now + LEASE_HEARTBEATS * sim.config.staleness.heartbeat_period_s
+        if registered:
+            self._publish(sidecar.index, state, lease, now)
+            return
+        delay = sim.config.staleness.notify_delay_s
+        sim.at(now + delay, lambda: self._publish(sidecar.index, state, lease, now))
+
+    def _publish(self, index: int, state: EndpointState, lease: float, taken_at: float) -> None:
+        self._states[index] = state
+        self._leases[index] = lease
+        self._visible_at[index] = taken_at
+        dispatched = self._dispatches[index]
+        while dispatched and dispatched[0] <= taken_at:
+            dispatched.popleft()
+        self._snapshot = None
+        self._drain(self.sim.now)
+
+    def _context(self, now: float) -> RoutingContext:
+        if self._snapshot is None:
+            views = tuple(
+                EndpointView(state, self._leases[i]) for i, state in sorted(self._states.items())
+            )
+            self._snapshot = PoolSnapshot(self._policy().pool, views, taken_at=now)
+        inflight = {
+            self.sidecars[i].endpoint_id: len(d) for i, d in enumerate(self._dispatches) if d
+        }
+        return RoutingContext(self._snapshot, now, inflight, sum(inflight.values()), self.index)
+
+    # -- the router -------------------------------------------------------------------------
+    def arrive(self, flight: Flight, now: float) -> None:
+        if self.queue.waiting_at_or_above(flight.spec.priority):
+            self._enqueue(flight, now)  # never jump the queue of one's own class
+            self._drain(now)
+            return
+        if not self._route(flight, now, frozenset()):
+            self._enqueue(flight, now)
+
+    def _route(self, flight: Flight, now: float, exclude: frozenset[str]) -> bool:
+        spec = flight.spec
+        assert self.profile is not None
+        full = spec.input_tokens // BLOCK_TOKENS
+        deadline = 0.0
+        if spec.deadline_s > 0:
+            deadline = max(1e-3, spec.arrival_s + spec.deadline_s - now)
+        request = RouteRequest(
+            request_id=spec.request_id,
+            model=MODEL,
+            prompt_tokens=spec.input_tokens + flight.generated,
+            max_new_tokens=spec.max_tokens - flight.generated,
+            tenant=spec.tenant,
+            priority=spec.priority,
+            deadline_s=deadline,
+            waited_s=now - spec.arrival_s,
+            block_hashes=spec.block_ids[:full],
+            exclude=exclude,
+        )
+        while True:
+            decision = self.profile.decide(request, self._context(now))
+            if not decision.endpoint_id:
+                refusal = decision.refusal
+                self.router_refusals[refusal] = self.router_refusals.get(refusal, 0) + 1
+                return False
+            index = int(decision.endpoint_id.rsplit("-", 1)[1])
+            if self.sim.engines[index].alive:
+                break
+            # Its lease has not lapsed yet but the connection is refused: try the others.
+            request = replace(request, exclude=request.exclude | {decision.endpoint_id})
+        self.index.record(decision.endpoint_id, request.block_hashes)
+        self._dispatches[index].append(now)
+        flight.accepted = True
+        self._offer(self.sidecars[index], flight, now)
+        return True
+
+    def _enqueue(self, flight: Flight, now: float) -> None:
+        spec = flight.spec
+        try:
+            self.queue.offer(
+                spec.request_id,
+                spec.tenant,
+                spec.priority,
+                float(spec.input_tokens + flight.generated),
+                now,
+                flight,
+            )
+        except QueueFullError as exc:
+            self.sim.end(flight, FinishReason.OVERLOAD, now, f"router queue full: {exc}")
+            return
+        flight.accepted = True
+        flight.enqueue(now)
+
+    def _drain(self, now: float) -> None:
+        sim = self.sim
+        for expired in self.queue.expire(now):
+            sim.end(expired.payload, FinishReason.OVERLOAD, now, "router queue wait exceeded")
+        while (entry := self.queue.peek()) is not None:
+            flight = entry.payload
+            exclude = frozenset(self._excluded.get(flight.rid, ()))
+            if not self._route(flight, now, exclude):
+                return
+            # Dispatched (it may even have ended already): out of the queue, and its
+            # tenant is charged for the service, as `FairQueue.pop` would.
+            self.queue.remove(entry.key)
+            self.queue.charge(entry.tenant, entry.cost)
+
+    def _reroute(self, flight: Flight, away_from: int, now: float) -> None:
+        """A continuation (migration or failover): anywhere but where it was."""
+        excluded = self._excluded.setdefault(flight.rid, set())
+        excluded.add(self.sidecars[away_from].endpoint_id)
+        if len(excluded) >= len(self.sidecars):
+            excluded.clear()
+            excluded.add(self.sidecars[away_from].endpoint_id)
+        if not self._route(flight, now, frozenset(excluded)):
+            self._enqueue(flight, now)
+
+    # -- the sidecars ----------------------------------------------------------------------
+    def _offer(self, sidecar: Sidecar, flight: Flight, now: float) -> None:
+        policy = self._policy().scheduling
+        if len(sidecar.queue) >= policy.local_queue_size:
+            self.sim.end(flight, FinishReason.OVERLOAD, now, "sidecar queue full")
+            return
+        spec = flight.spec
+        wait = max(policy.local_queue_max_wait_s, spec.max_wait_s)
+        flight.enqueue(now)
+        self._where[flight.rid] = sidecar.index
+        sidecar.queue[flight.rid] = (
+            QueuedRequest(
+                flight.rid,
+                spec.priority,
+                now,
+                now + wait,
+                spec.input_tokens + flight.generated,
+            ),
+            flight,
+        )
+        self._admit(sidecar, now)
+
+    def _admit(self, sidecar: Sidecar, now: float) -> None:
+        if not sidecar.queue or not self.sim.engines[sidecar.index].alive:
+            return
+        sim, policy = self.sim, self._policy()
+        aging = policy.scheduling.aging_per_second
+        for queued in [q for q, _ in sidecar.queue.values() if q.expires_at <= now]:
+            _, flight = sidecar.queue.pop(queued.rid)
+            self._where.pop(flight.rid, None)
+            sim.end(flight, FinishReason.OVERLOAD, now, "sidecar queue wait exceeded")
+        ordered = queue_order(tuple(q for q, _ in sidecar.queue.values()), now, aging)
+        for position, queued in enumerate(ordered):
+            flight = sidecar.queue[queued.rid][1]
+            pool = PoolOutlook(
+                sidecar.capacity_tokens,
+                sidecar.used_tokens,
+                sidecar.reserved_tokens,
+                sidecar.watermark,
+                admission_open=not sidecar.admission_paused,
+            )
+            decision = decide_admission(
+                sidecar.outlook(flight), queued.prompt_tokens, pool, policy.kv
+            )
+            if decision.verdict is AdmissionVerdict.REFUSE:
+                del sidecar.queue[queued.rid]
+                self._where.pop(flight.rid, None)
+                sim.end(flight, FinishReason.OVERLOAD, now, f"sidecar: {decision.reason}")
+                continue
+            if decision.verdict is AdmissionVerdict.WAIT:
+                if decision.reason != "kv_reserve":
+                    return  # admission closed: nothing goes in
+                # Smaller requests may pass one that does not fit yet, unless it has
+                # waited half its time: then its turn holds the line (no starvation).
+                waited = now - queued.enqueued_at
+                if position == 0 and waited > (queued.expires_at - queued.enqueued_at) / 2:
+                    return
+                continue
+            del sidecar.queue[queued.rid]
+            slack = None
+            if flight.spec.deadline_s > 0:
+                slack = flight.spec.arrival_s + flight.spec.deadline_s - now
+            priority = engine_priority(queued.priority, now - flight.spec.arrival_s, slack, aging)
+            if sim.submit(flight, sidecar.index, now, priority):
+                self._where[flight.rid] = sidecar.index
+                sidecar.held[flight.rid] = _Held(flight, queued.prompt_tokens, flight.generated)
+                sidecar.used_tokens += queued.prompt_tokens
+                sidecar.reserved_tokens += decision.needed_tokens - queued.prompt_tokens
+
+    def before_step(self, engine: int, now: float) -> None:
+        self._admit(self.sidecars[engine], now)
+
+    def after_step(self, engine: int, now: float) -> None:
+        sidecar = self.sidecars[engine]
+        sidecar.account()
+        previous = sidecar.watermark
+        policy = self._policy()
+        sidecar.watermark = classify(sidecar.usage(), previous, policy.kv)
+        if sidecar.watermark.rank >= WatermarkState.PRESSURE.rank:
+            self._relieve(sidecar, now)
+        else:
+            sidecar.admission_paused = False
+        if sidecar.watermark is not previous:
+            self._heartbeat(sidecar, now)  # a watermark change is published at once
+
+    def _relieve(self, sidecar: Sidecar, now: float) -> None:
+        policy = self._policy()
+        horizon = policy.kv.growth_horizon_steps
+        candidates = []
+        for held in sidecar.held.values():
+            flight = held.flight
+            if flight.first_token_at < 0 or flight.stage is not Stage.ENGINE:
+                continue
+            spec = flight.spec
+            outlook = sidecar.outlook(flight)
+            candidates.append(
+                VictimCandidate(
+                    rid=flight.rid,
+                    prompt_tokens=held.prompt_tokens,
+                    generated_tokens=flight.generated,
+                    max_new_tokens=spec.max_tokens,
+                    predicted_total_tokens=outlook.predicted_total_tokens,
+                    reserved_growth_tokens=growth_reserve(outlook, horizon),
+                    priority=spec.priority,
+                    deadline_at=spec.arrival_s + spec.deadline_s if spec.deadline_s else 0.0,
+                    preemptions=sum(flight.preemptions.values()),
+                    recomputable=True,
+                    migratable=len(self.sidecars) > 1,
+                )
+            )
+        plan = plan_relief(sidecar.usage(), sidecar.watermark, candidates, policy, now)
+        sidecar.admission_paused = plan.admission_paused
+        for victim in plan.victims:
+            flight = sidecar.held[victim.rid].flight
+            self.relief_actions[victim.mode] = self.relief_actions.get(victim.mode, 0) + 1
+            self._release(sidecar, flight)
+            self.sim.withdraw(flight, now)
+            flight.recomputed_tokens += flight.spec.input_tokens + flight.generated
+            if victim.mode is Rung.MIGRATE:
+                flight.preempted("migrate")
+                self._reroute(flight, sidecar.index, now)
+            elif victim.mode is Rung.RECOMPUTE:
+                flight.preempted("recompute")
+                self._offer(sidecar, flight, now)
+            else:
+                self.sim.end(flight, FinishReason.ABORTED, now, "terminated by relief")
+        if plan.victims:
+            sidecar.account()
+
+    def _release(self, sidecar: Sidecar, flight: Flight) -> None:
+        sidecar.held.pop(flight.rid, None)
+        self._where.pop(flight.rid, None)
+
+    # -- endings and failures -------------------------------------------------------------
+    def ended(self, flight: Flight, now: float) -> None:
+        self.queue.remove(flight.rid)
+        self._excluded.pop(flight.rid, None)
+        index = self._where.pop(flight.rid, -1)
+        if index < 0:
+            return
+        sidecar = self.sidecars[index]
+        sidecar.queue.pop(flight.rid, None)
+        if sidecar.held.pop(flight.rid, None) is not None and flight.completed:
+            sidecar.predictor.observe(LengthKey(flight.spec.tenant, MODEL), flight.generated)
+        if self.sim.engines[index].alive:
+            sidecar.account()
+
+    def engine_failed(self, engine: int, flights: list[Flight], now: float) -> None:
+        sidecar = self.sidecars[engine]
+        stranded = [*flights, *(f for _, f in sidecar.queue.values())]
+        sidecar.queue.clear()
+        sidecar.held.clear()
+        self.index.forget(sidecar.endpoint_id)
+        for flight in stranded:
+            self._where.pop(flight.rid, None)
+            flight.preempted("failover")
+            self._reroute(flight, engine, now)

@@ -1,0 +1,127 @@
+"""The fleet simulator end to end: real engine models, real policy code, virtual time."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from controlplane.contract import FinishReason
+from fleetsim.engine import EngineModel
+from fleetsim.sim import FleetConfig, Simulation, engine_config_for, policies
+from fleetsim.workloads import BLOCK_TOKENS, RequestSpec, prompt_token_ids, read_trace, scenario
+from fleetsim.workloads.scenarios import EngineFailure
+
+
+def _outcome(result_flights: list) -> list[tuple[str, str, float, float, int]]:  # type: ignore[type-arg]
+    return [
+        (f.rid, str(f.reason), round(f.ttft_s, 9), round(f.e2e_s, 9), f.generated)
+        for f in result_flights
+    ]
+
+
+@pytest.mark.parametrize("name", ["least_outstanding", "weir"])
+def test_a_run_is_deterministic_for_a_seed(name: str) -> None:
+    specs = scenario("few_long_many_short").with_duration(6.0).generate(12.0, seed=3)
+    runs = [
+        Simulation(specs, policies(seed=1)[name](), FleetConfig(engines=3)).run() for _ in range(2)
+    ]
+    assert _outcome(runs[0].flights) == _outcome(runs[1].flights)
+    assert all(f.done for f in runs[0].flights)
+
+
+def test_one_engine_light_load_every_policy_gives_the_same_latencies() -> None:
+    # Requests far apart: nothing ever waits for anything, so routing, admission and
+    # engine flags cannot matter.
+    specs = [
+        RequestSpec(
+            f"r{i}",
+            20.0 * i,
+            "t",
+            i % 3,
+            (1 + i % 4) * BLOCK_TOKENS,
+            20 + 7 * i,
+            512,
+            tuple(range(100 * i, 100 * i + 1 + i % 4)),
+        )
+        for i in range(6)
+    ]
+    outcomes = {
+        name: _outcome(Simulation(specs, make(), FleetConfig(engines=1)).run().flights)
+        for name, make in policies().items()
+    }
+    reference = outcomes.pop("round_robin")
+    assert all(r[1] == "stop" for r in reference)
+    for name, outcome in outcomes.items():
+        assert outcome == reference, name
+
+
+def test_with_unbounded_kv_weir_admission_never_refuses() -> None:
+    specs = scenario("short_in_long_out").with_duration(5.0).generate(20.0, seed=2)
+    config = FleetConfig(engines=2, kv_tokens=4_000_000)
+    result = Simulation(specs, policies()["weir"](), config).run()
+    assert {f.reason for f in result.flights} <= {FinishReason.STOP, FinishReason.LENGTH}
+    assert all(not f.preemptions for f in result.flights)
+    assert result.exhaustion_events == 0
+
+
+def test_simulated_throughput_is_the_engine_models_own() -> None:
+    """A 64-sequence decode batch through the simulator takes exactly the virtual time the
+    engine model stepped alone takes (the figure `weir bench engine` reports)."""
+    specs = [RequestSpec(f"d{i}", 0.0, "t", 0, 256, 200, 200, (10_000 + i,)) for i in range(64)]
+    config = FleetConfig(engines=1)
+    result = Simulation(specs, policies()["round_robin"](), config).run()
+    assert all(f.reason is FinishReason.LENGTH for f in result.flights)
+
+    model = EngineModel(engine_config_for(config))
+    for spec in specs:
+        model.submit(
+            model.make_request(spec.request_id, prompt_token_ids(spec), 200, ignore_eos=True),
+            0.0,
+        )
+    now = tokens = 0.0
+    while model.has_work:
+        step = model.step(now)
+        now += step.duration
+        tokens += len(step.emitted)
+    assert tokens == sum(f.generated for f in result.flights) == 64 * 200
+    assert max(f.finished_at for f in result.flights) == pytest.approx(now, rel=1e-9)
+
+
+def test_trace_replay_reuses_the_traces_prefixes(tmp_path: Path) -> None:
+    rows = [
+        {
+            "timestamp": 200 * i,
+            "input_length": 3 * BLOCK_TOKENS,
+            "output_length": 30,
+            "hash_ids": [1, 2, 100 + i],
+        }
+        for i in range(20)
+    ]
+    path = tmp_path / "mooncake.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    specs = read_trace(path)
+    for name in ("sglang_cache_aware", "weir"):
+        result = Simulation(specs, policies()[name](), FleetConfig(engines=2)).run()
+        assert all(f.completed for f in result.flights), name
+        assert sum(f.cached_tokens for f in result.flights) >= 15 * 2 * BLOCK_TOKENS, name
+
+
+def test_an_engine_failure_loses_baseline_requests_but_not_weirs() -> None:
+    specs = scenario("short_in_long_out").with_duration(6.0).generate(16.0, seed=5)
+    failure = (EngineFailure(at_s=4.0, engine=1),)
+    lost = {}
+    for name in ("least_outstanding", "weir"):
+        result = Simulation(
+            specs, policies()[name](), FleetConfig(engines=3), failures=failure
+        ).run()
+        lost[name] = sum(f.reason is FinishReason.ERROR for f in result.flights)
+        if name == "weir":
+            moved = [f for f in result.flights if "failover" in f.preemptions]
+            assert moved
+            assert all(f.completed for f in moved)
+            # A continuation resumes where the stream stopped: exactly the whole answer.
+            assert all(f.generated == f.spec.generated_tokens for f in moved)
+    assert lost["least_outstanding"] > 0
+    assert lost["weir"] == 0
