@@ -135,7 +135,9 @@ class RequestRecord:
         service = self.service_s
         if self.state.holds_engine_kv:
             service += max(0.0, now - self.state_since)
-        preempted = to in (_S.DECODE_PREEMPTED, _S.PREFILL_PAUSED)
+        # A prefill yielding at a chunk boundary is fairness, not preemption: only a decode
+        # preemption counts towards the per-request cap.
+        preempted = to is _S.DECODE_PREEMPTED
         computed = self.computed_prompt_tokens
         if to is _S.DECODE_READY or to is _S.FINISHED:
             computed = self.prompt_tokens

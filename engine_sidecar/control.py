@@ -1,0 +1,144 @@
+"""The sidecar's link to the control plane: registration, fenced heartbeats that publish
+its `EndpointState`, drain and deregistration.
+
+A heartbeat goes out every `heartbeat_s`, and at once when the ledger reports a change
+that matters (watermark state, or KV moved by 1 % of capacity), so routers see pressure
+within one Redis round trip rather than one heartbeat period. Redis being unreachable
+does not stop the sidecar (soft on control): local admission keeps working on its own
+accounting, and the link keeps retrying.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from controlplane.contract import EndpointState, Lifecycle, SchemaError
+from controlplane.store.registry import EndpointRegistry, FencedError
+from engine_sidecar.ledger import COMMITTED
+from engine_sidecar.service import SidecarService
+
+log = logging.getLogger("weir.sidecar.control")
+
+
+class ControlLink:
+    def __init__(
+        self,
+        service: SidecarService,
+        redis: Redis,
+        pool: str,
+        endpoint_id: str,
+        address: str,
+        heartbeat_s: float,
+        lease_ttl_s: float,
+    ) -> None:
+        self.service = service
+        self.redis = redis
+        self.registry = EndpointRegistry(redis, pool)
+        self.pool, self.endpoint_id, self.address = pool, endpoint_id, address
+        self.heartbeat_s, self.lease_ttl_s = heartbeat_s, lease_ttl_s
+        self.epoch = 0
+        self.version = 0
+        self.started_at = time.time()
+        self._task: asyncio.Task[None] | None = None
+        self._last_preemptions = 0
+        self._last_beat = time.monotonic()
+
+    def state(self) -> EndpointState:
+        service, ledger = self.service, self.service.ledger
+        now = time.monotonic()
+        elapsed = max(1e-3, now - self._last_beat)
+        preemptions_per_s = (ledger.preemptions - self._last_preemptions) / elapsed
+        self._last_preemptions, self._last_beat = ledger.preemptions, now
+        running = sum(1 for f in ledger.flights.values() if f.record.state in COMMITTED)
+        return EndpointState(
+            pool=self.pool,
+            endpoint_id=self.endpoint_id,
+            address=self.address,
+            model=service.limits.model,
+            role=service.policy.role,
+            epoch=self.epoch,
+            version=self.version,
+            lifecycle=Lifecycle.DRAINING if service.draining else Lifecycle.READY,
+            watermark=ledger.watermark,
+            page_size=service.info.page_size,
+            kv_capacity_tokens=ledger.capacity_tokens,
+            kv_used_tokens=ledger.used_tokens,
+            kv_reserved_growth_tokens=ledger.reserved,
+            kv_growth_tokens_per_s=max(0.0, ledger.growth.tokens_per_s),
+            waiting_prefill_tokens=ledger.waiting_prefill,
+            running_requests=running,
+            queued_requests=ledger.queued,
+            preemptions_per_s=preemptions_per_s,
+            started_at=self.started_at,
+            updated_at=time.time(),
+        )
+
+    async def register(self) -> None:
+        registered = await self.registry.register(
+            self.state(), self.lease_ttl_s, epoch_floor=self.epoch
+        )
+        self.epoch, self.version = registered.epoch, registered.version
+
+    async def beat(self) -> None:
+        """One heartbeat (registering first when needed), with its metric."""
+        metrics = self.service.metrics
+        ledger = self.service.ledger
+        changed_at = ledger.changed_at
+        ledger.changed.clear()
+        ledger.changed_at = None
+        try:
+            if self.epoch == 0:
+                await self.register()
+            else:
+                self.version += 1
+                result = await self.registry.heartbeat(self.state(), self.lease_ttl_s)
+                if result.must_register:
+                    await self.register()
+            metrics.count("weir_sidecar_heartbeats_total", "ok")
+            if changed_at is not None:
+                delay = ledger.clock() - changed_at
+                metrics.observe("weir_sidecar_state_publish_delay_seconds", delay)
+        except FencedError as exc:
+            metrics.count("weir_sidecar_heartbeats_total", "fenced")
+            log.warning("%s; registering again", exc)
+            self.epoch = 0
+        except (RedisError, OSError, SchemaError) as exc:
+            metrics.count("weir_sidecar_heartbeats_total", "error")
+            log.warning("heartbeat failed: %s", exc)
+            if ledger.changed_at is None:
+                ledger.changed_at = changed_at
+
+    async def _run(self) -> None:
+        changed = self.service.ledger.changed
+        while True:
+            await self.beat()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), timeout=self.heartbeat_s)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="weir-sidecar-heartbeat")
+
+    async def drain(self) -> None:
+        """Out of routing for good: mark draining in the store and publish it."""
+        try:
+            if self.epoch:
+                await self.registry.drain(self.endpoint_id, self.epoch)
+        except (RedisError, OSError, FencedError) as exc:
+            log.warning("drain in the store failed: %s", exc)
+        await self.beat()
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self.epoch:
+            with contextlib.suppress(RedisError, OSError, FencedError):
+                await self.registry.deregister(self.endpoint_id, self.epoch)
+        await self.redis.aclose()

@@ -1,0 +1,242 @@
+"""The engine adapter: the few things the sidecar needs from an inference engine.
+
+`EngineAdapter` is the interface (server info, load, streamed and plain requests, abort by
+rid, pause/continue); `SGLangEngine` implements it over SGLang's HTTP server, for both
+0.5.5 and 0.5.23 (see SGLANG_CONTRACT.md):
+
+- server info: `/server_info` (0.5.23) or `/get_server_info` (0.5.5);
+- load: `/v1/loads?include=all` (0.5.23) or `/get_load` (0.5.5) — which one answers decides
+  the version when `version` is missing from server info;
+- pause: 0.5.23 takes `{"mode": ...}`, 0.5.5 takes no body.
+
+Streams are server-sent events; each `data:` line is handed over raw (so the proxy can
+forward bytes it does not need to change) together with its parsed JSON object.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import aiohttp
+import msgspec
+
+_json_decode = msgspec.json.Decoder().decode
+
+
+class EngineError(RuntimeError):
+    """The engine could not be reached or answered something the sidecar cannot use."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    version: str
+    model: str
+    kv_capacity_tokens: int
+    page_size: int
+    context_length: int
+    max_req_input_len: int
+    loads_api: str  # "v1_loads" (0.5.23) or "get_load" (0.5.5)
+    incremental_streaming: bool = False  # --incremental-streaming-output
+
+    @property
+    def pause_takes_mode(self) -> bool:
+        return self.loads_api == "v1_loads"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    used_tokens: int
+    running_requests: int
+    waiting_requests: int
+    sampled_at: float  # time.monotonic() when the answer arrived
+
+
+@dataclass(frozen=True, slots=True)
+class StreamEvent:
+    """One SSE `data:` event: its raw line (with the trailing blank line) and its payload.
+    `payload` is None for `[DONE]`."""
+
+    raw: bytes
+    payload: dict[str, Any] | None
+
+
+class EngineStream(Protocol):
+    status: int
+
+    def events(self) -> AsyncIterator[StreamEvent]: ...
+
+    async def body(self) -> bytes: ...
+
+
+class EngineAdapter(Protocol):
+    async def server_info(self) -> EngineInfo: ...
+
+    async def load(self) -> EngineLoad: ...
+
+    def open(self, path: str, body: dict[str, Any]) -> Any:
+        """An async context manager yielding an `EngineStream` for POST `path`."""
+        ...
+
+    async def abort(self, rid: str) -> None: ...
+
+    async def pause(self) -> None: ...
+
+    async def resume(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class _HTTPStream:
+    def __init__(self, response: aiohttp.ClientResponse) -> None:
+        self._response = response
+        self.status = response.status
+
+    async def events(self) -> AsyncIterator[StreamEvent]:
+        content = self._response.content
+        while True:
+            line = await content.readline()
+            if not line:
+                return
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                yield StreamEvent(b"data: [DONE]\n\n", None)
+                return
+            try:
+                payload = _json_decode(data)
+            except msgspec.DecodeError as exc:
+                raise EngineError(f"engine sent a malformed stream event: {data[:200]!r}") from exc
+            if not isinstance(payload, dict):
+                raise EngineError(f"engine sent a non-object stream event: {data[:200]!r}")
+            yield StreamEvent(line.rstrip(b"\r\n") + b"\n\n", payload)
+
+    async def body(self) -> bytes:
+        return await self._response.read()
+
+
+def _int(value: object, default: int = 0) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+class SGLangEngine:
+    """An SGLang HTTP server at `url`."""
+
+    def __init__(self, url: str, timeout_s: float = 600.0) -> None:
+        self.url = url.rstrip("/")
+        self._session: aiohttp.ClientSession | None = None
+        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=5.0, sock_read=timeout_s)
+        self._info: EngineInfo | None = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                timeout=self._timeout,
+                connector=aiohttp.TCPConnector(limit=0, force_close=False),
+                json_serialize=lambda obj: msgspec.json.encode(obj).decode(),
+            )
+        return self._session
+
+    async def _get(self, path: str) -> tuple[int, Any]:
+        try:
+            async with self.session.get(self.url + path) as resp:
+                raw = await resp.read()
+                if resp.status != 200:
+                    return resp.status, None
+                return resp.status, _json_decode(raw) if raw else None
+        except (aiohttp.ClientError, OSError, msgspec.DecodeError) as exc:
+            raise EngineError(f"GET {self.url}{path}: {exc}") from exc
+
+    async def _post(self, path: str, body: dict[str, Any] | None) -> int:
+        try:
+            kwargs: dict[str, Any] = {} if body is None else {"data": msgspec.json.encode(body)}
+            async with self.session.post(
+                self.url + path, headers={"content-type": "application/json"}, **kwargs
+            ) as resp:
+                await resp.read()
+                return resp.status
+        except (aiohttp.ClientError, OSError) as exc:
+            raise EngineError(f"POST {self.url}{path}: {exc}") from exc
+
+    async def server_info(self) -> EngineInfo:
+        status, info = await self._get("/server_info")
+        if status != 200:
+            status, info = await self._get("/get_server_info")
+        if status != 200 or not isinstance(info, dict):
+            raise EngineError(f"{self.url}: no server info (HTTP {status})")
+        loads_status, _ = await self._get("/v1/loads")
+        capacity = _int(info.get("max_total_num_tokens"))
+        if capacity <= 0:
+            # Some builds report it only per rank, under internal_states.
+            states = info.get("internal_states") or []
+            if isinstance(states, list) and states and isinstance(states[0], dict):
+                capacity = _int(states[0].get("max_total_num_tokens"))
+        model = info.get("served_model_name") or info.get("model_path") or ""
+        self._info = EngineInfo(
+            version=str(info.get("version", "")),
+            model=str(model),
+            kv_capacity_tokens=capacity,
+            page_size=max(1, _int(info.get("page_size"), 1)),
+            context_length=_int(info.get("context_length")),
+            max_req_input_len=_int(info.get("max_req_input_len")),
+            loads_api="v1_loads" if loads_status == 200 else "get_load",
+            incremental_streaming=bool(info.get("incremental_streaming_output", False)),
+        )
+        return self._info
+
+    async def load(self) -> EngineLoad:
+        info = self._info or await self.server_info()
+        if info.loads_api == "v1_loads":
+            status, body = await self._get("/v1/loads?include=all")
+            ranks = body.get("loads", body) if isinstance(body, dict) else body
+            used_key, running_key = "num_used_tokens", "num_running_reqs"
+        else:
+            status, ranks = await self._get("/get_load")
+            used_key, running_key = "num_tokens", "num_reqs"
+        if status != 200 or not isinstance(ranks, list):
+            raise EngineError(f"{self.url}: no load report (HTTP {status})")
+        rows = [r for r in ranks if isinstance(r, dict)]
+        return EngineLoad(
+            used_tokens=sum(_int(r.get(used_key)) for r in rows),
+            running_requests=sum(_int(r.get(running_key)) for r in rows),
+            waiting_requests=sum(_int(r.get("num_waiting_reqs")) for r in rows),
+            sampled_at=time.monotonic(),
+        )
+
+    @asynccontextmanager
+    async def open(self, path: str, body: dict[str, Any]) -> AsyncIterator[_HTTPStream]:
+        try:
+            async with self.session.post(
+                self.url + path,
+                data=msgspec.json.encode(body),
+                headers={"content-type": "application/json"},
+            ) as resp:
+                yield _HTTPStream(resp)
+        except (aiohttp.ClientError, OSError) as exc:
+            raise EngineError(f"POST {self.url}{path}: {exc}") from exc
+
+    async def abort(self, rid: str) -> None:
+        status = await self._post("/abort_request", {"rid": rid, "abort_all": False})
+        if status != 200:
+            raise EngineError(f"{self.url}: abort_request answered HTTP {status}")
+
+    async def pause(self) -> None:
+        info = self._info or await self.server_info()
+        body = {"mode": "abort"} if info.pause_takes_mode else None
+        status = await self._post("/pause_generation", body)
+        if status != 200:
+            raise EngineError(f"{self.url}: pause_generation answered HTTP {status}")
+
+    async def resume(self) -> None:
+        status = await self._post("/continue_generation", None)
+        if status != 200:
+            raise EngineError(f"{self.url}: continue_generation answered HTTP {status}")
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()

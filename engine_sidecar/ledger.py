@@ -1,0 +1,367 @@
+"""The sidecar's live account of its engine's KV: requests, reservations, watermark, queue.
+
+The ledger is the one mutable place the proxy, the relief loop, the control-plane link
+and the metrics read from; every decision in it is delegated to the pure policy in
+`engine_sidecar.policy`. It keeps running sums (KV held, growth reserved, prompt tokens
+waiting for prefill) that move by deltas, so a streamed token costs a few additions, not a
+pass over every request.
+
+A request's KV counts from the moment it is admitted (its prompt is committed even before
+the engine starts the prefill) until its engine stream has ended — at finish, cancel or
+preemption — so that admission never counts on capacity the engine has not yet released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from controlplane.contract import FinishReason, PoolPolicy, WatermarkState
+from engine_sidecar.intake import Intake
+from engine_sidecar.policy import (
+    AdmissionVerdict,
+    GrowthRate,
+    KVUsage,
+    LengthKey,
+    OutputLengthPredictor,
+    PoolOutlook,
+    QueuedRequest,
+    RequestRecord,
+    RequestState,
+    SequenceOutlook,
+    VictimCandidate,
+    classify,
+    decide_admission,
+    growth_reserve,
+    queue_order,
+    reconcile_used,
+    retry_after_s,
+)
+
+_S = RequestState
+COMMITTED = frozenset({_S.PREFILL_READY, _S.PREFILL_RUNNING, _S.DECODE_READY, _S.DECODING})
+_PREFILL = frozenset({_S.PREFILL_READY, _S.PREFILL_RUNNING})
+
+
+class OverloadError(Exception):
+    """Refused by local admission: answered 429 with Retry-After and `reason`."""
+
+    def __init__(self, reason: str, retry_after_s: int, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(eq=False)
+class Flight:
+    """One client request on this endpoint, across all its engine segments."""
+
+    intake: Intake
+    record: RequestRecord
+    arrived_mono: float
+    predicted_total: int = 0
+    predicted_at_admission: int = 0
+    kv: int = 0  # this request's share of the ledger's sums
+    reserve: int = 0
+    prefill: int = 0
+    # What the client has received, for a continuation: ids when the engine reports them,
+    # always the text.
+    generated_ids: list[int] = field(default_factory=list)
+    generated_text: list[str] = field(default_factory=list)
+    engine_rid: str = ""
+    preempt_mode: str = ""  # set by relief or a command: "recompute" or "migrate"
+    preempted: asyncio.Event = field(default_factory=asyncio.Event)
+    first_token_mono: float = 0.0
+    cancelled_mono: float = 0.0
+
+    @property
+    def rid(self) -> str:
+        return self.record.rid
+
+    @property
+    def key(self) -> LengthKey:
+        return LengthKey(self.record.tenant, self.record.model)
+
+
+class Ledger:
+    """KV accounting, watermark and local admission for one engine."""
+
+    def __init__(
+        self,
+        policy: PoolPolicy,
+        capacity_tokens: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.policy = policy
+        self.capacity_tokens = capacity_tokens
+        self.clock = clock
+        self.predictor = OutputLengthPredictor()
+        self.flights: dict[str, Flight] = {}
+        self.own_used = 0
+        self.reserved = 0
+        self.waiting_prefill = 0
+        self.watermark = WatermarkState.NORMAL
+        self.admission_open = True
+        self.growth = GrowthRate()
+        self.engine_used: int | None = None
+        self.engine_sampled_at = 0.0
+        self.last_release_at = 0.0
+        self.preemptions = 0
+        # Publication: `changed` wakes the control-plane link; `changed_at` is when the
+        # oldest unpublished change happened (for the publication-delay metric).
+        self.changed = asyncio.Event()
+        self.changed_at: float | None = None
+        self.pressure = asyncio.Event()  # wakes the relief loop
+        self._published_used = 0
+        self._queue: dict[str, tuple[QueuedRequest, asyncio.Future[None]]] = {}
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    # -- reading -----------------------------------------------------------------------
+
+    @property
+    def used_tokens(self) -> int:
+        return reconcile_used(
+            self.own_used, self.engine_used, self.engine_sampled_at, self.last_release_at
+        )
+
+    def usage(self) -> KVUsage:
+        return KVUsage(self.capacity_tokens, self.used_tokens, self.reserved)
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    def oldest_wait_s(self) -> float:
+        now = self.clock()
+        waiting = [q.enqueued_at for q, _ in self._queue.values()]
+        waiting += [f.record.state_since for f in self.flights.values() if f.prefill]
+        return max(0.0, now - min(waiting)) if waiting else 0.0
+
+    def candidates(self) -> list[VictimCandidate]:
+        """Running sequences that relief may preempt."""
+        return [
+            VictimCandidate(
+                rid=f.rid,
+                prompt_tokens=f.record.prompt_tokens,
+                generated_tokens=f.record.generated_tokens,
+                max_new_tokens=f.record.max_new_tokens,
+                predicted_total_tokens=f.predicted_total,
+                reserved_growth_tokens=f.reserve,
+                priority=f.record.priority,
+                deadline_at=f.record.deadline_at,
+                preemptions=f.record.preemptions,
+                recomputable=f.record.recomputable,
+                migratable=f.record.migratable,
+            )
+            for f in self.flights.values()
+            if f.record.state is _S.DECODING and not f.preempt_mode
+        ]
+
+    # -- changing ------------------------------------------------------------------------
+
+    def add(self, flight: Flight) -> None:
+        if flight.rid in self.flights:
+            raise ValueError(f"request id {flight.rid} is already tracked")
+        self.flights[flight.rid] = flight
+        self._idle.clear()
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no request is tracked; False if some still are after `timeout_s`."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout=timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    def _predict(self, flight: Flight) -> None:
+        rec = flight.record
+        flight.predicted_total = self.predictor.predict_total(
+            flight.key, self.policy.kv.growth_quantile, rec.generated_tokens, rec.max_new_tokens
+        )
+
+    def _outlook(self, flight: Flight) -> SequenceOutlook:
+        rec = flight.record
+        return SequenceOutlook(rec.generated_tokens, rec.max_new_tokens, flight.predicted_total)
+
+    def _account(self, flight: Flight) -> None:
+        """Bring the sums in line with `flight.record` and re-evaluate the watermark."""
+        rec = flight.record
+        committed = rec.state in COMMITTED
+        kv = rec.prompt_tokens + rec.generated_tokens if committed else 0
+        reserve = (
+            growth_reserve(self._outlook(flight), self.policy.kv.growth_horizon_steps)
+            if committed
+            else 0
+        )
+        prefill = rec.prompt_tokens if rec.state in _PREFILL else 0
+        released = kv < flight.kv
+        self.own_used += kv - flight.kv
+        self.reserved += reserve - flight.reserve
+        self.waiting_prefill += prefill - flight.prefill
+        flight.kv, flight.reserve, flight.prefill = kv, reserve, prefill
+        now = self.clock()
+        if released:
+            self.last_release_at = now
+        self._reclassify(now)
+
+    def _reclassify(self, now: float) -> None:
+        state = classify(self.usage(), self.watermark, self.policy.kv)
+        moved = abs(self.own_used - self._published_used) * 100 >= max(1, self.capacity_tokens)
+        if state is not self.watermark or moved:
+            if state is not self.watermark:
+                self.watermark = state
+                if state is WatermarkState.EXHAUSTED:
+                    self.pressure.set()
+            self._published_used = self.own_used
+            if self.changed_at is None:
+                self.changed_at = now
+            self.changed.set()
+
+    def move(
+        self, flight: Flight, to: RequestState, finish_reason: FinishReason | None = None
+    ) -> None:
+        flight.record = flight.record.transition(to, self.clock(), finish_reason)
+        if to is _S.DECODE_PREEMPTED:
+            self.preemptions += 1
+        self._account(flight)
+        if to.is_final:
+            self.flights.pop(flight.rid, None)
+            if not self.flights:
+                self._idle.set()
+        if flight.kv == 0:
+            self._pump()
+
+    def set_prompt_tokens(self, flight: Flight, prompt_tokens: int) -> None:
+        """The engine reported the real prompt size: replace the estimate."""
+        if prompt_tokens > 0 and prompt_tokens != flight.record.prompt_tokens:
+            flight.record = replace(flight.record, prompt_tokens=prompt_tokens)
+            self._account(flight)
+            self._pump()
+
+    def add_tokens(self, flight: Flight, generated_total: int) -> None:
+        """The stream reported `generated_total` output tokens so far (hot path)."""
+        rec = flight.record
+        if generated_total <= rec.generated_tokens:
+            return
+        rec = flight.record = rec.with_generated(min(generated_total, rec.max_new_tokens))
+        if rec.generated_tokens >= flight.predicted_total:
+            self._predict(flight)
+        delta = rec.generated_tokens + rec.prompt_tokens - flight.kv
+        reserve = growth_reserve(self._outlook(flight), self.policy.kv.growth_horizon_steps)
+        self.own_used += delta
+        self.reserved += reserve - flight.reserve
+        flight.kv += delta
+        flight.reserve = reserve
+        self._reclassify(self.clock())
+
+    def observe_engine(self, used_tokens: int, sampled_at: float) -> None:
+        self.engine_used = used_tokens
+        self.engine_sampled_at = sampled_at
+        now = self.clock()
+        self.growth = self.growth.observe(self.used_tokens, now)
+        self._reclassify(now)
+
+    def finished_naturally(self, flight: Flight) -> int:
+        """Calibrate the predictor with a natural ending; returns the prediction's error."""
+        total = flight.record.generated_tokens
+        self.predictor.observe(flight.key, total)
+        return abs(flight.predicted_at_admission - total)
+
+    def set_admission(self, open_: bool) -> None:
+        self.admission_open = open_
+        if open_:
+            self._pump()
+        self.changed.set()
+
+    # -- admission -------------------------------------------------------------------------
+
+    def _decide(self, flight: Flight) -> tuple[AdmissionVerdict, str]:
+        rec = flight.record
+        if rec.generated_tokens == 0 or flight.predicted_total == 0:
+            self._predict(flight)
+        usage = self.usage()
+        pool = PoolOutlook(
+            usage.capacity_tokens,
+            usage.used_tokens,
+            usage.reserved_growth_tokens,
+            self.watermark,
+            self.admission_open,
+        )
+        decision = decide_admission(
+            self._outlook(flight), rec.prompt_tokens + rec.generated_tokens, pool, self.policy.kv
+        )
+        return decision.verdict, decision.reason
+
+    async def admit(self, flight: Flight) -> None:
+        """Admit `flight` (new, or preempted and resuming) now or after a bounded wait in
+        the local queue; raises OverloadError. On return its KV is committed."""
+        sched = self.policy.scheduling
+        verdict, reason = self._decide(flight)
+        if verdict is AdmissionVerdict.WAIT and self._queue:
+            reason = "queued_ahead"  # others are waiting: no overtaking
+        elif verdict is AdmissionVerdict.ADMIT:
+            self._commit(flight)
+            return
+        if verdict is AdmissionVerdict.REFUSE:
+            raise OverloadError(reason, 60, f"request can never fit this endpoint's KV ({reason})")
+        if len(self._queue) >= sched.local_queue_size:
+            raise OverloadError(
+                "queue_full",
+                retry_after_s(
+                    len(self._queue), sched.local_queue_size, sched.local_queue_max_wait_s
+                ),
+                f"local queue is full ({len(self._queue)} waiting; last reason {reason})",
+            )
+        now = self.clock()
+        expires = now + sched.local_queue_max_wait_s
+        if flight.record.deadline_at > 0:
+            expires = min(expires, flight.record.deadline_at)
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._queue[flight.rid] = (
+            QueuedRequest(
+                flight.rid, flight.record.priority, now, expires, flight.record.prompt_tokens
+            ),
+            future,
+        )
+        self.changed.set()
+        try:
+            await asyncio.wait_for(asyncio.shield(future), timeout=max(0.0, expires - now))
+        except TimeoutError:
+            if not future.done():
+                raise OverloadError(
+                    "queue_timeout",
+                    retry_after_s(
+                        len(self._queue), sched.local_queue_size, sched.local_queue_max_wait_s
+                    ),
+                    f"no KV capacity within {expires - now:.1f}s (last reason {reason})",
+                ) from None
+        finally:
+            self._queue.pop(flight.rid, None)
+            self._pump()
+
+    def _commit(self, flight: Flight) -> None:
+        if flight.record.state is _S.WAITING_ADMISSION:
+            self.move(flight, _S.PREFILL_READY)
+            flight.predicted_at_admission = flight.predicted_total
+        else:
+            self.move(flight, _S.DECODE_READY)
+
+    def _pump(self) -> None:
+        """Admit queued requests, in queue order, while the head fits."""
+        if not self._queue:
+            return
+        now = self.clock()
+        pending = tuple(q for q, fut in self._queue.values() if not fut.done())
+        for queued in queue_order(pending, now, self.policy.scheduling.aging_per_second):
+            flight = self.flights.get(queued.rid)
+            _, future = self._queue[queued.rid]
+            if flight is None:
+                continue
+            verdict, _ = self._decide(flight)
+            if verdict is not AdmissionVerdict.ADMIT:
+                return
+            self._commit(flight)
+            future.set_result(None)

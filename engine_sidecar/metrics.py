@@ -1,0 +1,101 @@
+"""The sidecar's `weir_sidecar_*` metrics, exactly as controlplane/telemetry/catalog.py
+names them.
+
+Counters and histograms are updated as things happen. Gauges are read from the ledger when
+Prometheus scrapes, so the streaming hot path never touches a gauge.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from controlplane.contract import WatermarkState
+from controlplane.telemetry.catalog import SIDECAR, MetricKind
+from engine_sidecar.ledger import Ledger
+
+_SPECS = {spec.name: spec for spec in SIDECAR}
+_EP = ("pool", "endpoint")
+_LENGTH_BUCKETS = ((256, "le256"), (1024, "le1k"), (4096, "le4k"), (16384, "le16k"))
+
+
+def length_bucket(tokens: int) -> str:
+    for limit, name in _LENGTH_BUCKETS:
+        if tokens <= limit:
+            return name
+    return "gt16k"
+
+
+class _Gauges(Collector):
+    """Gauges computed from the ledger at scrape time."""
+
+    def __init__(self, ledger: Ledger, pool: str, endpoint: str) -> None:
+        self._ledger = ledger
+        self._ep = (pool, endpoint)
+
+    def _family(self, name: str) -> GaugeMetricFamily:
+        spec = _SPECS[name]
+        return GaugeMetricFamily(spec.name, spec.help, labels=list(spec.labels))
+
+    def collect(self) -> Iterator[Metric]:
+        ledger, ep = self._ledger, list(self._ep)
+        active = self._family("weir_sidecar_active_sequences")
+        counts: dict[tuple[str, str], int] = {}
+        for flight in ledger.flights.values():
+            if flight.kv:
+                key = (str(flight.record.priority), flight.record.tenant)
+                counts[key] = counts.get(key, 0) + 1
+        for (priority, tenant), n in sorted(counts.items()):
+            active.add_metric([*ep, priority, tenant], n)
+        yield active
+        for name, value in (
+            ("weir_sidecar_kv_used_tokens", ledger.used_tokens),
+            ("weir_sidecar_kv_reserved_growth_tokens", ledger.reserved),
+            ("weir_sidecar_kv_capacity_tokens", ledger.capacity_tokens),
+            ("weir_sidecar_kv_growth_tokens_per_second", ledger.growth.tokens_per_s),
+            ("weir_sidecar_waiting_prefill_tokens", ledger.waiting_prefill),
+            ("weir_sidecar_prefill_wait_age_seconds", ledger.oldest_wait_s()),
+        ):
+            family = self._family(name)
+            family.add_metric(ep, float(value))
+            yield family
+        watermark = self._family("weir_sidecar_watermark_state")
+        for state in WatermarkState:
+            watermark.add_metric([*ep, state.value], 1.0 if state is ledger.watermark else 0.0)
+        yield watermark
+
+
+class SidecarMetrics:
+    """Every sidecar family of the catalogue, bound to one endpoint."""
+
+    def __init__(self, ledger: Ledger, pool: str, endpoint: str) -> None:
+        self.registry = CollectorRegistry()
+        self.pool, self.endpoint = pool, endpoint
+        self.registry.register(_Gauges(ledger, pool, endpoint))
+        self._counters: dict[str, Counter] = {}
+        self._histograms: dict[str, Histogram] = {}
+        for spec in SIDECAR:
+            if spec.kind is MetricKind.COUNTER:
+                self._counters[spec.name] = Counter(
+                    spec.name, spec.help, spec.labels, registry=self.registry
+                )
+            elif spec.kind is MetricKind.HISTOGRAM:
+                self._histograms[spec.name] = Histogram(
+                    spec.name, spec.help, spec.labels, registry=self.registry, buckets=spec.buckets
+                )
+            if spec.labels == _EP and spec.kind is not MetricKind.GAUGE:
+                # No further labels: export the series (at zero) from the start.
+                family = self._counters.get(spec.name) or self._histograms[spec.name]
+                family.labels(pool, endpoint)
+
+    def count(self, name: str, *labels: str, amount: float = 1.0) -> None:
+        self._counters[name].labels(self.pool, self.endpoint, *labels).inc(amount)
+
+    def observe(self, name: str, value: float, *labels: str) -> None:
+        self._histograms[name].labels(self.pool, self.endpoint, *labels).observe(value)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

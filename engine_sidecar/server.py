@@ -1,0 +1,156 @@
+"""Running a sidecar: configuration, the HTTP server and its background loops.
+
+`serve_sidecar(config)` is the in-process entry point (tests, `weir up`); `weir sidecar`
+runs the same thing as a process. Background loops: the engine poll (its load report,
+reconciled with the sidecar's own accounting), the relief loop (woken when the watermark
+reaches exhausted) and, with a Redis URL, the control-plane link.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import yaml
+from aiohttp import web
+
+from controlplane.contract import PoolPolicy, WatermarkState, decode_json
+from controlplane.store.connection import RedisSettings, connect
+from engine_sidecar.control import ControlLink
+from engine_sidecar.engine import EngineAdapter, EngineError, EngineInfo, SGLangEngine
+from engine_sidecar.service import SidecarService
+
+log = logging.getLogger("weir.sidecar")
+
+
+@dataclass(frozen=True, slots=True)
+class SidecarConfig:
+    engine_url: str
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: any free port
+    redis_url: str = ""  # empty: no control plane (local admission only)
+    pool: str = "default"
+    endpoint_id: str = ""  # empty: derived from the host name and port
+    advertise_url: str = ""  # empty: the URL the sidecar listens on
+    policy: PoolPolicy | None = None  # None: defaults, with the engine's model
+    heartbeat_s: float = 1.0
+    lease_ttl_s: float = 5.0
+    engine_poll_s: float = 0.5
+    engine_wait_s: float = 120.0
+
+
+def load_policy(path: str | Path) -> PoolPolicy:
+    """A PoolPolicy from a JSON or YAML file (the operator's ConfigMap), strictly checked."""
+    text = Path(path).read_text()
+    if str(path).endswith((".yaml", ".yml")):
+        text = msgspec.json.encode(yaml.safe_load(text)).decode()
+    return decode_json(text, PoolPolicy)
+
+
+@dataclass
+class RunningSidecar:
+    url: str
+    service: SidecarService
+    link: ControlLink | None
+    _stop: asyncio.Event
+
+    def close(self) -> None:
+        """Ask the sidecar to stop (the context manager's exit cleans up)."""
+        self._stop.set()
+
+    async def wait_closed(self) -> None:
+        await self._stop.wait()
+
+
+async def _engine_info(engine: EngineAdapter, wait_s: float) -> EngineInfo:
+    """The engine's server info, waiting while it starts (it answers 503 or not at all)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    while True:
+        try:
+            return await engine.server_info()
+        except EngineError:
+            if loop.time() > deadline:
+                raise
+            await asyncio.sleep(0.2)
+
+
+async def _poll_engine(service: SidecarService, every_s: float) -> None:
+    while True:
+        try:
+            load = await service.engine.load()
+            service.ledger.observe_engine(load.used_tokens, load.sampled_at)
+        except EngineError as exc:
+            log.debug("engine load: %s", exc)
+        await asyncio.sleep(every_s)
+
+
+async def _relief(service: SidecarService) -> None:
+    ledger = service.ledger
+    while True:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(ledger.pressure.wait(), timeout=0.25)
+        ledger.pressure.clear()
+        if ledger.watermark is WatermarkState.EXHAUSTED:
+            service.relieve()
+
+
+@asynccontextmanager
+async def serve_sidecar(config: SidecarConfig) -> AsyncIterator[RunningSidecar]:
+    engine = SGLangEngine(config.engine_url)
+    tasks: list[asyncio.Task[None]] = []
+    runner: web.AppRunner | None = None
+    link: ControlLink | None = None
+    service: SidecarService | None = None
+    try:
+        info = await _engine_info(engine, config.engine_wait_s)
+        policy = config.policy or PoolPolicy(pool=config.pool, model=info.model)
+        if info.kv_capacity_tokens <= 0:
+            raise EngineError(f"{config.engine_url} reports no KV capacity")
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((config.host, config.port))
+        port = sock.getsockname()[1]
+        url = f"http://{config.host}:{port}"
+        endpoint_id = config.endpoint_id or f"{socket.gethostname()}-{port}-{uuid.uuid4().hex[:6]}"
+        service = SidecarService(engine, info, policy, config.pool, endpoint_id)
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.add_routes(service.routes())
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await runner.setup()
+        await web.SockSite(runner, sock).start()
+        tasks.append(asyncio.create_task(_poll_engine(service, config.engine_poll_s)))
+        tasks.append(asyncio.create_task(_relief(service)))
+        if config.redis_url:
+            link = ControlLink(
+                service,
+                connect(RedisSettings(url=config.redis_url, client_name=f"weir-sidecar-{port}")),
+                config.pool,
+                endpoint_id,
+                config.advertise_url or url,
+                config.heartbeat_s,
+                config.lease_ttl_s,
+            )
+            service.on_drain = link.drain
+            await link.beat()
+            link.start()
+        yield RunningSidecar(url, service, link, asyncio.Event())
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if link is not None:
+            await link.close()
+        if runner is not None:
+            await runner.cleanup()
+        if service is not None:
+            await service.close()
+        await engine.close()

@@ -1,0 +1,703 @@
+"""The sidecar's HTTP service: the proxy in front of the engine, and its control surface.
+
+Routes:
+
+- `POST /generate`, `/v1/completions`, `/v1/chat/completions` — validated, admitted
+  locally (429 `overload` with Retry-After when KV cannot take them), forwarded with a
+  unique fixed-length rid, tracked through the request state machine while they stream;
+- `POST /weir/v1/continue` — a `Continuation` from another endpoint (through the router),
+  streamed as the continuation of the client's stream (cumulative fields include what was
+  generated before);
+- `GET /v1/models`, `GET /health`, `GET /metrics`, `GET /weir/v1/state`;
+- `POST /weir/v1/preempt` `{"rid", "mode"}` and `POST /weir/v1/drain` `{"deadline_s"}` —
+  the same actions the control-plane commands trigger.
+
+A streamed request may be preempted at any time: the sidecar aborts its rid in the engine;
+when the engine's stream ends with the abort, the request either resumes in place (its
+prompt plus what the client has received, as a fresh engine request, once admission
+allows) or — when the router marked it migratable (`x-weir-migratable: 1`) — ends this
+response with an SSE `weir.preempted` event carrying the continuation for the router.
+A client that disconnects is cancelled: the engine request is aborted at once and its KV
+released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from controlplane.contract import (
+    Command,
+    CommandKind,
+    Continuation,
+    EngineAPI,
+    FinishReason,
+    PoolPolicy,
+    PreemptionMode,
+    SchemaError,
+    decode_json,
+    encode_json,
+)
+from engine_sidecar.engine import EngineAdapter, EngineError, EngineInfo
+from engine_sidecar.intake import (
+    ENGINE_PATH,
+    Intake,
+    Limits,
+    RequestError,
+    continuation_body,
+    from_continuation,
+    parse,
+    parse_json,
+)
+from engine_sidecar.ledger import COMMITTED, Flight, Ledger, OverloadError
+from engine_sidecar.metrics import SidecarMetrics, length_bucket
+from engine_sidecar.policy import RequestRecord, RequestState, engine_priority, plan_relief
+from engine_sidecar.relay import StreamReader, finish_reason
+
+log = logging.getLogger("weir.sidecar")
+_S = RequestState
+_TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
+_SSE_HEADERS = {"content-type": "text/event-stream", "cache-control": "no-cache"}
+DONE = b"data: [DONE]\n\n"
+PREEMPTED_EVENT = b"event: weir.preempted\n"
+
+# Hooks the control-plane link installs: KV quota for a tenant (charge may refuse).
+QuotaCharge = Callable[[str, str, int], Awaitable[bool]]
+QuotaRelease = Callable[[str], Awaitable[None]]
+
+
+def error_body(kind: str, message: str, **extra: str) -> bytes:
+    return msgspec.json.encode({"error": {"type": kind, "message": message, **extra}})
+
+
+def overload_response(reason: str, retry_after_s: int, message: str) -> web.Response:
+    return web.Response(
+        status=429,
+        body=error_body("overload", message, reason=reason),
+        content_type="application/json",
+        headers={"Retry-After": str(retry_after_s)},
+    )
+
+
+def _bad(exc: RequestError) -> web.Response:
+    return web.Response(
+        status=exc.status, body=error_body(exc.kind, str(exc)), content_type="application/json"
+    )
+
+
+@dataclass
+class _Origin:
+    """How the request first entered Weir, for building its continuation."""
+
+    body: dict[str, Any]
+    prompt_ids: tuple[int, ...]
+    base_tokens: int  # tokens generated elsewhere before this endpoint took it over
+
+
+class SidecarService:
+    def __init__(
+        self,
+        engine: EngineAdapter,
+        info: EngineInfo,
+        policy: PoolPolicy,
+        pool: str,
+        endpoint_id: str,
+    ) -> None:
+        self.engine = engine
+        self.info = info
+        self.policy = policy
+        self.ledger = Ledger(policy, info.kv_capacity_tokens)
+        self.metrics = SidecarMetrics(self.ledger, pool, endpoint_id)
+        self.limits = Limits(
+            model=policy.model or info.model,
+            context_length=min(policy.context_length, info.context_length or policy.context_length),
+        )
+        self.draining = False
+        self.quota_charge: QuotaCharge | None = None
+        self.quota_release: QuotaRelease | None = None
+        self.on_drain: Callable[[], Awaitable[None]] | None = None  # the control-plane link
+        self._origins: dict[str, _Origin] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        modes = policy.scheduling.preemption_modes
+        self._may_recompute = PreemptionMode.RECOMPUTE in modes
+        self._may_migrate = PreemptionMode.MIGRATE in modes
+
+    # -- routes ------------------------------------------------------------------------
+
+    def routes(self) -> list[web.RouteDef]:
+        def entry(api: EngineAPI) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+            async def handler(request: web.Request) -> web.StreamResponse:
+                return await self.handle(request, api)
+
+            return handler
+
+        return [
+            web.post("/generate", entry(EngineAPI.GENERATE)),
+            web.post("/v1/completions", entry(EngineAPI.COMPLETIONS)),
+            web.post("/v1/chat/completions", entry(EngineAPI.CHAT)),
+            web.post("/weir/v1/continue", self.handle_continue),
+            web.post("/weir/v1/preempt", self.handle_preempt),
+            web.post("/weir/v1/drain", self.handle_drain),
+            web.get("/weir/v1/state", self.handle_state),
+            web.get("/v1/models", self.handle_models),
+            web.get("/health", self.handle_health),
+            web.get("/metrics", self.handle_metrics),
+        ]
+
+    async def handle(self, request: web.Request, api: EngineAPI) -> web.StreamResponse:
+        try:
+            intake = parse(api, parse_json(await request.read()), self.limits)
+        except RequestError as exc:
+            return _bad(exc)
+        return await self._serve(request, intake, _Origin(intake.body, intake.prompt_ids, 0))
+
+    async def handle_continue(self, request: web.Request) -> web.StreamResponse:
+        try:
+            cont = decode_json(await request.read(), Continuation)
+            intake = from_continuation(cont, self.limits)
+        except SchemaError as exc:
+            return _bad(RequestError(str(exc)))
+        except RequestError as exc:
+            return _bad(exc)
+        reader = StreamReader(
+            cont.api,
+            offset_tokens=len(cont.generated_ids),
+            prefix_ids=list(cont.generated_ids),
+            prefix_text=cont.generated_text,
+        )
+        origin = _Origin(dict(cont.body), cont.prompt_ids, len(cont.generated_ids))
+        return await self._serve(request, intake, origin, reader, cont.preemptions)
+
+    async def handle_models(self, request: web.Request) -> web.Response:
+        model = {"id": self.limits.model, "object": "model", "owned_by": "weir"}
+        return web.json_response({"object": "list", "data": [model]})
+
+    async def handle_health(self, request: web.Request) -> web.Response:
+        if self.draining:
+            return web.json_response({"status": "draining"}, status=503)
+        return web.json_response({"status": "ok"})
+
+    async def handle_metrics(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=self.metrics.exposition(), headers={"content-type": "text/plain; version=0.0.4"}
+        )
+
+    async def handle_state(self, request: web.Request) -> web.Response:
+        ledger = self.ledger
+        return web.json_response(
+            {
+                "watermark": ledger.watermark.value,
+                "capacity_tokens": ledger.capacity_tokens,
+                "used_tokens": ledger.used_tokens,
+                "own_used_tokens": ledger.own_used,
+                "reserved_growth_tokens": ledger.reserved,
+                "waiting_prefill_tokens": ledger.waiting_prefill,
+                "queued": ledger.queued,
+                "admission_open": ledger.admission_open,
+                "draining": self.draining,
+                "preemptions": ledger.preemptions,
+                "requests": {
+                    rid: {
+                        "state": f.record.state.value,
+                        "tenant": f.record.tenant,
+                        "prompt_tokens": f.record.prompt_tokens,
+                        "generated_tokens": f.record.generated_tokens,
+                        "preemptions": f.record.preemptions,
+                    }
+                    for rid, f in ledger.flights.items()
+                },
+            }
+        )
+
+    async def handle_preempt(self, request: web.Request) -> web.Response:
+        try:
+            body = parse_json(await request.read())
+            rid, mode = body.get("rid"), body.get("mode", "recompute")
+            if not isinstance(rid, str) or mode not in ("recompute", "migrate", "terminate"):
+                raise RequestError(
+                    'expected {"rid": str, "mode": "recompute"|"migrate"|"terminate"}'
+                )
+        except RequestError as exc:
+            return _bad(exc)
+        if rid not in self.ledger.flights:
+            return web.Response(
+                status=404, body=error_body("not_found", f"no request {rid}"),
+                content_type="application/json",
+            )  # fmt: skip
+        done = await self.preempt(rid, mode)
+        return web.json_response({"preempted": done}, status=200 if done else 409)
+
+    async def handle_drain(self, request: web.Request) -> web.Response:
+        try:
+            body = parse_json(await request.read() or b"{}")
+            deadline = body.get("deadline_s", 30.0)
+            if isinstance(deadline, bool) or not isinstance(deadline, int | float):
+                raise RequestError("deadline_s must be a number")
+            if not 0 <= deadline <= 3600:
+                raise RequestError("deadline_s must be in [0, 3600]")
+        except RequestError as exc:
+            return _bad(exc)
+        return web.json_response(await self.drain(float(deadline)))
+
+    # -- one request ---------------------------------------------------------------------
+
+    async def _serve(
+        self,
+        request: web.Request,
+        intake: Intake,
+        origin: _Origin,
+        reader: StreamReader | None = None,
+        preemptions: int = 0,
+    ) -> web.StreamResponse:
+        tenant = request.headers.get("x-weir-tenant", "default")
+        if not _TENANT.match(tenant):
+            return _bad(RequestError("x-weir-tenant must be a short name ([A-Za-z0-9_.:-])"))
+        if self.draining:
+            self.metrics.count("weir_sidecar_admission_rejections_total", "draining")
+            return overload_response("draining", 5, "this endpoint is draining")
+        now = self.ledger.clock()
+        streamed = intake.stream
+        record = RequestRecord(
+            rid=f"weir{uuid.uuid4().hex}",
+            tenant=tenant,
+            model=intake.model,
+            prompt_tokens=intake.prompt_tokens,
+            max_new_tokens=intake.max_new_tokens,
+            arrived_at=now,
+            state_since=now,
+            deadline_at=now + intake.deadline_s if intake.deadline_s else 0.0,
+            priority=intake.priority,
+            preemptions=preemptions,
+            recomputable=streamed and intake.recomputable and self._may_recompute,
+            migratable=streamed
+            and self._may_migrate
+            and request.headers.get("x-weir-migratable") == "1",
+        )
+        flight = Flight(intake, record, arrived_mono=now)
+        self.ledger.add(flight)
+        self._origins[record.rid] = origin
+        try:
+            try:
+                await self.ledger.admit(flight)
+            except OverloadError as exc:
+                self._end(flight, _S.REJECTED, FinishReason.OVERLOAD, exc.reason)
+                return overload_response(exc.reason, exc.retry_after_s, str(exc))
+            if self.quota_charge is not None and not await self.quota_charge(
+                tenant, record.rid, flight.kv + flight.reserve
+            ):
+                self._end(flight, _S.ABORTED, FinishReason.ERROR, "tenant_kv_quota")
+                return overload_response(
+                    "tenant_kv_quota", 5, f"tenant {tenant} has no KV quota left"
+                )
+            if streamed:
+                return await self._stream(request, flight, reader or StreamReader(intake.api))
+            return await self._unary(flight)
+        except (asyncio.CancelledError, ConnectionResetError):
+            await asyncio.shield(self._cancel(flight))
+            raise
+        finally:
+            if not flight.record.state.is_final:
+                log.warning("request %s left in %s; aborting", record.rid, flight.record.state)
+                await asyncio.shield(self._abort_engine(flight))
+                self._end(flight, _S.ABORTED, FinishReason.ERROR)
+            self._origins.pop(record.rid, None)
+
+    def _engine_body(self, flight: Flight, reader: StreamReader, segment: int) -> dict[str, Any]:
+        rec = flight.record
+        if segment == 0:
+            body = dict(flight.intake.body)
+        else:
+            body = continuation_body(self.continuation(flight, reader))
+        flight.engine_rid = f"{rec.rid}s{segment:03d}"
+        body["rid"] = flight.engine_rid
+        body["stream"] = flight.intake.stream
+        if self.policy.scheduling.priority_scheduling:
+            now = self.ledger.clock()
+            slack = rec.deadline_at - now if rec.deadline_at else None
+            body["priority"] = engine_priority(
+                rec.priority, now - rec.arrived_at, slack, self.policy.scheduling.aging_per_second
+            )
+        return body
+
+    def continuation(self, flight: Flight, reader: StreamReader) -> Continuation:
+        """Everything another engine request needs to carry on where the client is."""
+        rec = flight.record
+        origin = self._origins[rec.rid]
+        ids = reader.generated_ids()
+        complete_ids = bool(ids) and len(ids) == reader.generated
+        return Continuation(
+            request_id=rec.rid,
+            tenant=rec.tenant,
+            model=rec.model,
+            api=flight.intake.api,
+            body=origin.body,
+            prompt_ids=origin.prompt_ids,
+            generated_ids=tuple(ids) if complete_ids else (),
+            generated_text=reader.generated_text(),
+            max_new_tokens=(len(ids) if complete_ids else 0) + rec.remaining_tokens,
+            priority=rec.priority,
+            preemptions=rec.preemptions,
+        )
+
+    def _note_tokens(self, flight: Flight, generated_here: int) -> None:
+        state = flight.record.state
+        if generated_here <= flight.record.generated_tokens:
+            return
+        if state is _S.PREFILL_RUNNING:
+            self.ledger.move(flight, _S.DECODE_READY)
+            state = _S.DECODE_READY
+        if state is _S.DECODE_READY:
+            self.ledger.move(flight, _S.DECODING)
+            if not flight.first_token_mono:
+                flight.first_token_mono = self.ledger.clock()
+                self.metrics.observe(
+                    "weir_sidecar_ttft_seconds",
+                    flight.first_token_mono - flight.arrived_mono,
+                    length_bucket(flight.record.prompt_tokens),
+                    length_bucket(flight.record.max_new_tokens),
+                )
+        self.ledger.add_tokens(flight, generated_here)
+
+    async def _stream(
+        self, request: web.Request, flight: Flight, reader: StreamReader
+    ) -> web.StreamResponse:
+        reader.incremental_text = self.info.incremental_streaming
+        base = reader.offset_tokens
+        response: web.StreamResponse | None = None
+        segment = 0
+        path = ENGINE_PATH[flight.intake.api]
+        while True:
+            body = self._engine_body(flight, reader, segment)
+            if flight.record.state is _S.PREFILL_READY:
+                self.ledger.move(flight, _S.PREFILL_RUNNING)
+            finish, lost = "", False
+            try:
+                async with self.engine.open(path, body) as stream:
+                    if stream.status != 200:
+                        payload = await stream.body()
+                        if response is None:
+                            self._end(flight, _S.ABORTED, FinishReason.ERROR, "engine_refused")
+                            return web.Response(
+                                status=stream.status,
+                                body=payload,
+                                content_type="application/json",
+                            )
+                        lost = True
+                    else:
+                        if response is None:
+                            response = web.StreamResponse(
+                                headers={**_SSE_HEADERS, "x-weir-request-id": flight.rid}
+                            )
+                            await response.prepare(request)
+                        async for event in stream.events():
+                            if event.payload is None:
+                                break
+                            step = reader.read(event.raw, event.payload)
+                            if step.prompt_tokens and segment == 0 and base == 0:
+                                self.ledger.set_prompt_tokens(flight, step.prompt_tokens)
+                                reader.prompt_tokens = step.prompt_tokens
+                            self._note_tokens(flight, step.generated - base)
+                            if step.finish == "abort" and flight.preempt_mode:
+                                finish = "abort"
+                                break
+                            if step.forward is not None:
+                                await response.write(step.forward)
+                            if step.finish:
+                                finish = step.finish
+            except EngineError as exc:
+                log.warning("request %s lost its engine stream: %s", flight.rid, exc)
+                lost = True
+            if not finish and not lost:
+                lost = True  # the stream ended without a finish: the engine went away
+            assert response is not None
+            mode = flight.preempt_mode
+            if finish and not (finish == "abort" and mode):
+                await response.write(DONE)
+                reason = finish_reason(finish)
+                self._finish(flight, reason)
+                await response.write_eof()
+                return response
+            if lost and not mode:
+                if not (flight.record.recomputable and self._resumable(flight)):
+                    await self._end_stream(
+                        response, flight, "engine_lost", "the engine stream broke"
+                    )
+                    return response
+                mode = "recompute"
+                if not await self._engine_back():
+                    await self._end_stream(response, flight, "engine_lost", "the engine is gone")
+                    return response
+            self._preempted(flight, mode)
+            if mode == "migrate":
+                cont = self.continuation(flight, reader)
+                data = encode_json(cont)
+                await response.write(PREEMPTED_EVENT + b"data: " + data + b"\n\n")
+                self.metrics.count("weir_sidecar_transferred_bytes_total", amount=len(data))
+                self._end(flight, _S.FINISHED, FinishReason.PREEMPTED)
+                await response.write_eof()
+                return response
+            if mode == "terminate":
+                await self._end_stream(response, flight, "aborted", "terminated by relief policy")
+                return response
+            reader.next_segment()
+            try:
+                await self.ledger.admit(flight)
+            except OverloadError as exc:
+                await self._end_stream(response, flight, "overload", f"could not resume: {exc}")
+                return response
+            self.metrics.count(
+                "weir_sidecar_recomputed_tokens_total",
+                amount=flight.record.prompt_tokens + flight.record.generated_tokens,
+            )
+            segment += 1
+
+    def _resumable(self, flight: Flight) -> bool:
+        return (
+            flight.record.state in (_S.DECODING, _S.DECODE_READY)
+            and flight.record.preemptions < self.policy.scheduling.max_preemptions_per_request
+        )
+
+    async def _engine_back(self, timeout_s: float = 30.0) -> bool:
+        """Wait (polling) until the engine answers again, after its stream broke."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while loop.time() < deadline:
+            try:
+                await self.engine.load()
+                return True
+            except EngineError:
+                await asyncio.sleep(0.1)
+        return False
+
+    def _preempted(self, flight: Flight, mode: str) -> None:
+        self.ledger.move(flight, _S.DECODE_PREEMPTED)
+        flight.preempt_mode = ""
+        self.metrics.count("weir_sidecar_preemptions_total", mode)
+        self._release_quota(flight)
+
+    async def _end_stream(
+        self, response: web.StreamResponse, flight: Flight, kind: str, message: str
+    ) -> None:
+        """End a stream the client has already started receiving, with an error event."""
+        reason = FinishReason.ABORTED if kind == "aborted" else FinishReason.ERROR
+        if flight.record.state in COMMITTED:
+            await self._abort_engine(flight)
+        if not flight.record.state.is_final:
+            self._end(flight, _S.ABORTED, reason, kind)
+        try:
+            await response.write(b"data: " + error_body(kind, message) + b"\n\n" + DONE)
+            await response.write_eof()
+        except ConnectionResetError:
+            pass
+
+    async def _unary(self, flight: Flight) -> web.Response:
+        api = flight.intake.api
+        self.ledger.move(flight, _S.PREFILL_RUNNING)
+        body = self._engine_body(flight, StreamReader(api), 0)
+        async with self.engine.open(ENGINE_PATH[api], body) as stream:
+            status, payload = stream.status, await stream.body()
+        if status != 200:
+            self._end(flight, _S.ABORTED, FinishReason.ERROR, "engine_refused")
+            return web.Response(status=status, body=payload, content_type="application/json")
+        finish, generated, prompt = _unary_outcome(api, payload)
+        if prompt:
+            self.ledger.set_prompt_tokens(flight, prompt)
+        self._note_tokens(flight, generated)
+        self._finish(flight, finish_reason(finish))
+        return web.Response(
+            body=payload,
+            content_type="application/json",
+            headers={"x-weir-request-id": flight.rid},
+        )
+
+    # -- endings -------------------------------------------------------------------------
+
+    def _finish(self, flight: Flight, reason: FinishReason) -> None:
+        rec = flight.record
+        now = self.ledger.clock()
+        if reason in (FinishReason.STOP, FinishReason.LENGTH):
+            error = self.ledger.finished_naturally(flight)
+            self.metrics.observe("weir_sidecar_output_length_prediction_error_tokens", error)
+            buckets = (length_bucket(rec.prompt_tokens), length_bucket(rec.max_new_tokens))
+            self.metrics.observe("weir_sidecar_e2e_seconds", now - flight.arrived_mono, *buckets)
+            if rec.generated_tokens > 1 and flight.first_token_mono:
+                tpot = (now - flight.first_token_mono) / (rec.generated_tokens - 1)
+                self.metrics.observe("weir_sidecar_tpot_seconds", tpot, *buckets)
+            self._end(flight, _S.FINISHED, reason)
+        else:
+            self._end(flight, _S.ABORTED, reason)
+
+    def _end(
+        self, flight: Flight, state: RequestState, reason: FinishReason, why: str = ""
+    ) -> None:
+        if flight.record.state.is_final:
+            return
+        self.ledger.move(flight, state, reason)
+        if state is _S.REJECTED:
+            self.metrics.count("weir_sidecar_admission_rejections_total", why or reason.value)
+        self.metrics.count("weir_sidecar_requests_finished_total", reason.value)
+        self._release_quota(flight)
+
+    def _release_quota(self, flight: Flight) -> None:
+        if self.quota_release is not None:
+            self._spawn(self.quota_release(flight.rid))
+
+    def _spawn(self, coro: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _abort_engine(self, flight: Flight) -> None:
+        if not flight.engine_rid:
+            return
+        try:
+            await self.engine.abort(flight.engine_rid)
+        except EngineError as exc:
+            log.warning("abort of %s failed: %s", flight.engine_rid, exc)
+
+    async def _cancel(self, flight: Flight) -> None:
+        """The client went away: abort in the engine at once and release everything."""
+        if flight.record.state.is_final:
+            return
+        flight.cancelled_mono = self.ledger.clock()
+        held = flight.record.state in COMMITTED
+        if held:
+            await self._abort_engine(flight)
+        self._end(flight, _S.CANCELLED, FinishReason.CANCELLED)
+        if held:
+            freed_ms = (self.ledger.clock() - flight.cancelled_mono) * 1000.0
+            self.metrics.observe("weir_sidecar_cancel_to_freed_ms", freed_ms)
+
+    # -- actions -------------------------------------------------------------------------
+
+    def begin_preempt(self, rid: str, mode: str) -> Flight | None:
+        """Mark a decoding request for preemption (recompute, migrate or terminate); the
+        engine abort follows. None when it is not decoding, already being preempted, over
+        its preemption cap, or the mode is not allowed for it."""
+        flight = self.ledger.flights.get(rid)
+        if flight is None or flight.preempt_mode or flight.record.state is not _S.DECODING:
+            return None
+        rec = flight.record
+        if mode == "migrate" and not rec.migratable:
+            return None
+        if mode == "recompute" and not rec.recomputable:
+            return None
+        if mode != "terminate" and not self._resumable(flight):
+            return None
+        flight.preempt_mode = mode
+        return flight
+
+    async def preempt(self, rid: str, mode: str) -> bool:
+        flight = self.begin_preempt(rid, mode)
+        if flight is None:
+            return False
+        await self._abort_engine(flight)
+        return True
+
+    async def execute(self, command: Command) -> bool:
+        """Carry out a control-plane command; False when it did not apply."""
+        kind = command.kind
+        if kind is CommandKind.DRAIN:
+            self._spawn(self.drain(command.deadline_s or 30.0))
+            return True
+        if kind in (CommandKind.PAUSE_ADMISSION, CommandKind.RESUME_ADMISSION):
+            self.ledger.set_admission(kind is CommandKind.RESUME_ADMISSION)
+            return True
+        if kind is CommandKind.PREEMPT_REQUEST:
+            return await self._preempt_best(command.request_id)
+        if kind is CommandKind.PREEMPT_TENANT:
+            rids = [r for r, f in self.ledger.flights.items() if f.record.tenant == command.tenant]
+            done = [await self._preempt_best(rid) for rid in rids]
+            return any(done)
+        if kind is CommandKind.SET_PRIORITY:
+            flight = self.ledger.flights.get(command.request_id)
+            if flight is None:
+                return False
+            flight.record = replace(flight.record, priority=command.priority)
+            return True
+        return False  # type: ignore[unreachable]  # a newer contract's command kind
+
+    async def _preempt_best(self, rid: str) -> bool:
+        """Migrate when the request can move, else recompute in place."""
+        return await self.preempt(rid, "migrate") or await self.preempt(rid, "recompute")
+
+    def relieve(self) -> list[str]:
+        """One pass of the relief ladder; starts preemptions and returns explanations."""
+        ledger = self.ledger
+        plan = plan_relief(
+            ledger.usage(), ledger.watermark, ledger.candidates(), self.policy, ledger.clock()
+        )
+        notes = []
+        for victim in plan.victims:
+            mode = victim.mode.value
+            notes.append(f"{victim.rid} → {mode}: {victim.score.explain()}")
+            flight = self.begin_preempt(victim.rid, mode)
+            if flight is not None:
+                self._spawn(self._abort_engine(flight))
+        for note in notes:
+            log.info("relief (%s, needs %d tokens): %s", plan.watermark, plan.needed_tokens, note)
+        return notes
+
+    async def drain(self, deadline_s: float) -> dict[str, int]:
+        """Stop admitting; let in-flight requests finish until the deadline, then migrate
+        those that can move and abort the rest. Returns how many ended which way."""
+        self.draining = True
+        self.ledger.set_admission(False)
+        if self.on_drain is not None:
+            await self.on_drain()
+        before = len(self.ledger.flights)
+        await self.ledger.wait_idle(deadline_s)
+        migrated = aborted = 0
+        for rid, flight in list(self.ledger.flights.items()):
+            if flight.record.migratable and await self.preempt(rid, "migrate"):
+                migrated += 1
+            elif await self.preempt(rid, "terminate"):
+                aborted += 1
+            else:
+                await self._abort_engine(flight)
+                aborted += 1
+        await self.ledger.wait_idle(10.0)
+        return {
+            "in_flight": before,
+            "finished": before - migrated - aborted,
+            "migrated": migrated,
+            "aborted": aborted,
+        }
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _unary_outcome(api: EngineAPI, payload: bytes) -> tuple[str, int, int]:
+    """(finish, completion tokens, prompt tokens) of a non-streamed engine answer."""
+    try:
+        body = msgspec.json.decode(payload)
+    except msgspec.DecodeError:
+        return "", 0, 0
+    if not isinstance(body, dict):
+        return "", 0, 0
+    if api is EngineAPI.GENERATE:
+        meta = body.get("meta_info") or {}
+        fin = meta.get("finish_reason")
+        return (
+            str(fin.get("type", "")) if isinstance(fin, dict) else "",
+            int(meta.get("completion_tokens") or 0),
+            int(meta.get("prompt_tokens") or 0),
+        )
+    usage = body.get("usage") or {}
+    choices = body.get("choices") or [{}]
+    return (
+        str(choices[0].get("finish_reason") or ""),
+        int(usage.get("completion_tokens") or 0),
+        int(usage.get("prompt_tokens") or 0),
+    )

@@ -1,0 +1,186 @@
+"""The sidecar as a proxy in front of a real reference engine, over real HTTP."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+import msgspec
+import pytest
+
+from controlplane.telemetry.catalog import SIDECAR
+from engine_sidecar.server import RunningSidecar
+from fleetsim.server import RunningEngine
+from tests.sidecar.conftest import MODEL, REFERENCE_ENGINE_WARNINGS
+
+pytestmark = REFERENCE_ENGINE_WARNINGS
+
+
+async def sse(resp: aiohttp.ClientResponse) -> list[dict[str, Any]]:
+    """The JSON events of a stream (stops at [DONE])."""
+    events = []
+    async for line in resp.content:
+        if line.startswith(b"data: "):
+            data = line[6:].strip()
+            if data == b"[DONE]":
+                break
+            events.append(msgspec.json.decode(data))
+    return events
+
+
+def generate_body(max_new: int = 40, text: str = "the quick brown fox") -> dict[str, Any]:
+    return {
+        "text": text,
+        "sampling_params": {"max_new_tokens": max_new, "ignore_eos": True},
+        "stream": True,
+    }
+
+
+async def test_generate_stream_is_the_engines_own(
+    engine: RunningEngine, sidecar: RunningSidecar
+) -> None:
+    async with aiohttp.ClientSession() as http:
+        outputs = []
+        for url in (engine.url, sidecar.url):
+            async with http.post(url + "/generate", json=generate_body()) as resp:
+                assert resp.status == 200
+                events = await sse(resp)
+            outputs.append((events[-1]["text"], events[-1]["meta_info"]["finish_reason"]))
+        assert outputs[0] == outputs[1]
+        assert outputs[1][1]["type"] == "length"
+        async with http.get(sidecar.url + "/weir/v1/state") as resp:
+            state = await resp.json()
+    assert state["requests"] == {}
+    assert state["own_used_tokens"] == 0
+    assert state["reserved_growth_tokens"] == 0
+
+
+async def test_openai_routes_stream_and_answer(sidecar: RunningSidecar) -> None:
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 12}
+    completion = {"model": MODEL, "prompt": "once upon", "max_tokens": 12}
+    async with aiohttp.ClientSession() as http:
+        for path, body in (("/v1/chat/completions", chat), ("/v1/completions", completion)):
+            async with http.post(sidecar.url + path, json=body | {"stream": True}) as resp:
+                assert resp.status == 200
+                assert resp.headers["x-weir-request-id"].startswith("weir")
+                events = await sse(resp)
+            streamed = "".join(
+                (e["choices"][0].get("delta") or {}).get("content")
+                or e["choices"][0].get("text")
+                or ""
+                for e in events
+                if e.get("choices")
+            )
+            async with http.post(sidecar.url + path, json=body) as resp:
+                assert resp.status == 200
+                whole = await resp.json()
+            choice = whole["choices"][0]
+            text = choice["message"]["content"] if "message" in choice else choice["text"]
+            assert streamed == text
+            assert events[-1]["choices"][0]["finish_reason"] == choice["finish_reason"]
+        async with http.get(sidecar.url + "/v1/models") as resp:
+            models = await resp.json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    assert sidecar.service.ledger.own_used == 0
+
+
+@pytest.mark.parametrize(
+    ("path", "raw", "status", "kind"),
+    [
+        ("/generate", b"{not json", 400, "invalid_request"),
+        ("/generate", b"[1, 2]", 400, "invalid_request"),
+        ("/generate", b'{"sampling_params": {"max_new_tokens": 5}}', 400, "invalid_request"),
+        (
+            "/generate",
+            b'{"text": "x", "sampling_params": {"max_new_tokens": -1}}',
+            400,
+            "invalid_request",
+        ),
+        (
+            "/generate",
+            b'{"text": "x", "sampling_params": {"max_new_tokens": 1e30}}',
+            400,
+            "invalid_request",
+        ),
+        (
+            "/generate",
+            b'{"text": "x", "sampling_params": {"temperature": 1e999}}',
+            400,
+            "invalid_request",
+        ),
+        ("/generate", b'{"input_ids": [1, -3]}', 400, "invalid_request"),
+        (
+            "/generate",
+            b'{"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 4095}}',
+            400,
+            "invalid_request",
+        ),
+        ("/generate", b'{"text": "x", "priority": "high"}', 400, "invalid_request"),
+        (
+            "/v1/chat/completions",
+            b'{"model": "other", "messages": [{"role": "user", "content": "x"}]}',
+            404,
+            "model_not_found",
+        ),
+        (
+            "/v1/chat/completions",
+            b'{"model": "weir/test-model", "messages": []}',
+            400,
+            "invalid_request",
+        ),
+        (
+            "/v1/chat/completions",
+            b'{"model": "weir/test-model", "messages": [{"role": "user", "content": "x"}], "max_tokens": "9"}',
+            400,
+            "invalid_request",
+        ),
+        (
+            "/v1/completions",
+            b'{"model": "weir/test-model", "prompt": "x", "n": 3}',
+            400,
+            "invalid_request",
+        ),
+        ("/v1/completions", b'{"prompt": "x"}', 400, "invalid_request"),
+        ("/weir/v1/continue", b'{"request_id": "r"}', 400, "invalid_request"),
+    ],
+)
+async def test_bad_input_is_refused_and_nothing_is_reserved(
+    engine: RunningEngine, sidecar: RunningSidecar, path: str, raw: bytes, status: int, kind: str
+) -> None:
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(
+            sidecar.url + path, data=raw, headers={"content-type": "application/json"}
+        ) as resp,
+    ):
+        assert resp.status == status
+        body = await resp.json()
+    assert body["error"]["type"] == kind
+    assert body["error"]["message"]
+    ledger = sidecar.service.ledger
+    assert (ledger.flights, ledger.own_used, ledger.reserved, ledger.queued) == ({}, 0, 0, 0)
+    assert engine.engine.loads().num_running_reqs == 0
+
+
+async def test_hostile_tenant_header_is_refused(sidecar: RunningSidecar) -> None:
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(
+            sidecar.url + "/generate", json=generate_body(), headers={"x-weir-tenant": "a b/../c"}
+        ) as resp,
+    ):
+        assert resp.status == 400
+    assert sidecar.service.ledger.flights == {}
+
+
+async def test_every_catalogued_family_is_exported(sidecar: RunningSidecar) -> None:
+    async with aiohttp.ClientSession() as http:
+        async with http.post(sidecar.url + "/generate", json=generate_body(8)) as resp:
+            await sse(resp)
+        async with http.get(sidecar.url + "/metrics") as resp:
+            text = await resp.text()
+    for spec in SIDECAR:
+        declared = (f"# TYPE {spec.name} {spec.kind}", f"# TYPE {spec.name[:-6]} {spec.kind}")
+        assert any(d in text for d in declared), spec.name
+    assert "weir_sidecar_requests_finished_total{endpoint=" in text
+    assert 'reason="length"' in text

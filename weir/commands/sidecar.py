@@ -1,0 +1,106 @@
+"""`weir sidecar`: run the engine sidecar next to an SGLang server, or drain one.
+
+    weir sidecar --engine-url http://127.0.0.1:30000 --port 8001 --redis-url redis://… \
+        --pool chat --endpoint-id pod-a --advertise-url http://10.0.0.5:8001 \
+        --policy-file /etc/weir/policy.yaml --heartbeat-s 1 --lease-ttl-s 5
+    weir sidecar drain --url http://127.0.0.1:8001 --deadline-s 30   # preStop hook
+
+The operator and `weir up` spawn it with exactly these flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+NAME = "sidecar"
+HELP = "Run the engine sidecar (proxy, KV admission, preemption, heartbeats), or drain one."
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "action",
+        nargs="?",
+        choices=("run", "drain"),
+        default="run",
+        help="run the sidecar (default) or drain a running one (preStop)",
+    )
+    parser.add_argument("--engine-url", help="the SGLang server this sidecar fronts")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8001, help="port to listen on")
+    parser.add_argument("--redis-url", default="", help="control-plane Redis (empty: none)")
+    parser.add_argument("--pool", default="default", help="InferencePool name")
+    parser.add_argument(
+        "--endpoint-id", default="", help="endpoint id (default: hostname, port and a suffix)"
+    )
+    parser.add_argument("--advertise-url", default="", help="URL routers use to reach it")
+    parser.add_argument("--policy-file", default="", help="PoolPolicy as JSON or YAML")
+    parser.add_argument("--heartbeat-s", type=float, default=1.0, help="heartbeat period")
+    parser.add_argument("--lease-ttl-s", type=float, default=5.0, help="lease time to live")
+    parser.add_argument("--url", default="", help="drain: the sidecar's URL")
+    parser.add_argument(
+        "--deadline-s", type=float, default=30.0, help="drain: how long in-flight may run"
+    )
+    parser.add_argument("--log-level", default="INFO", help="logging level")
+
+
+def _drain(url: str, deadline_s: float) -> int:
+    import json
+    import urllib.request
+
+    request = urllib.request.Request(
+        url.rstrip("/") + "/weir/v1/drain",
+        data=json.dumps({"deadline_s": deadline_s}).encode(),
+        headers={"content-type": "application/json"},
+        method="POST",
+    )
+    with urllib.request.urlopen(request, timeout=deadline_s + 30) as response:
+        sys.stdout.write(response.read().decode() + "\n")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.action == "drain":
+        if not args.url:
+            sys.stderr.write("weir sidecar drain: --url is required\n")
+            return 2
+        return _drain(args.url, args.deadline_s)
+    if not args.engine_url:
+        sys.stderr.write("weir sidecar: --engine-url is required\n")
+        return 2
+    import asyncio
+    import logging
+    import signal
+
+    from engine_sidecar.server import SidecarConfig, load_policy, serve_sidecar
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+    policy = load_policy(args.policy_file) if args.policy_file else None
+    if policy is not None and policy.pool != args.pool and args.pool != "default":
+        sys.stderr.write(f"weir sidecar: --pool {args.pool} but the policy is for {policy.pool}\n")
+        return 2
+    config = SidecarConfig(
+        engine_url=args.engine_url,
+        host=args.host,
+        port=args.port,
+        redis_url=args.redis_url,
+        pool=policy.pool if policy else args.pool,
+        endpoint_id=args.endpoint_id,
+        advertise_url=args.advertise_url,
+        policy=policy,
+        heartbeat_s=args.heartbeat_s,
+        lease_ttl_s=args.lease_ttl_s,
+    )
+
+    async def main() -> None:
+        async with serve_sidecar(config) as sidecar:
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, sidecar.close)
+            logging.getLogger("weir.sidecar").info("listening on %s", sidecar.url)
+            await sidecar.wait_closed()
+
+    asyncio.run(main())
+    return 0
