@@ -333,7 +333,8 @@ class Gateway:
         except GatewayError as exc:
             return self._refuse(exc, tenant)
         received = Received(api, prompt_tokens=client.prompt_tokens)
-        ex = _Exchange(client, route, tenant, started, received, Splicer(received))
+        splicer = Splicer(received, self.config.limits.bytes_per_token)
+        ex = _Exchange(client, route, tenant, started, received, splicer)
         return await self._serve(request, ex, decision)
 
     def _refuse(self, exc: GatewayError, tenant: str) -> web.Response:

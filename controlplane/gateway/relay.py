@@ -65,8 +65,9 @@ class Splicer:
     """Counts what an event gives the client and, after a resume, rewrites it so it
     continues what came before (`base`: what the client held when the resume began)."""
 
-    def __init__(self, received: Received) -> None:
+    def __init__(self, received: Received, bytes_per_token: float = 1.0) -> None:
         self.received = received
+        self.bytes_per_token = bytes_per_token
         self.base: Received | None = None
 
     def resumed(self) -> None:
@@ -133,8 +134,10 @@ class Splicer:
             delta = choice.get("delta")
             piece = delta.get("content") if isinstance(delta, dict) else choice.get("text")
             if isinstance(piece, str) and piece:
+                # OpenAI chunks carry text, one or more tokens of it: count by bytes
+                # (exact for byte-token engines, an estimate for real tokenizers).
                 r.text += piece
-                r.tokens += 1
+                r.tokens = round(len(r.text.encode("utf-8")) / self.bytes_per_token)
             if isinstance(choice.get("finish_reason"), str):
                 r.finish_reason = choice["finish_reason"]
             if base is not None and isinstance(delta, dict):

@@ -1,0 +1,108 @@
+"""A small real fleet for router tests: reference engines served in-process, registered
+as endpoints in a real Redis through the control plane's registry, and a gateway following
+the pool's change feed."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import msgspec
+import pytest
+
+from controlplane.contract import EndpointState, RoutingPolicy
+from controlplane.gateway import GatewayConfig, Limits, RunningGateway, serve_gateway
+from controlplane.store import EndpointRegistry, RedisSettings, connect
+from fleetsim.engine import EngineConfig
+from fleetsim.server import RunningEngine, serve_engine
+
+MODEL = "ref-model"
+POOL = "router-test"
+
+
+@dataclass
+class Fleet:
+    registry: EndpointRegistry
+    engines: dict[str, RunningEngine]
+    states: dict[str, EndpointState]
+    gateway: RunningGateway
+    stack: contextlib.AsyncExitStack = field(repr=False)
+
+    @property
+    def url(self) -> str:
+        return self.gateway.url
+
+    async def report(self, endpoint_id: str, ttl_s: float = 30.0, **fields: object) -> None:
+        """Heartbeat new state for an endpoint and wait until the gateway sees it."""
+        state = self.states[endpoint_id]
+        state = msgspec.structs.replace(state, version=state.version + 1, **fields)
+        await self.registry.heartbeat(state, ttl_s)
+        self.states[endpoint_id] = state
+        await until(
+            lambda: self._seen(endpoint_id, state.version), "the gateway to see the heartbeat"
+        )
+
+    def _seen(self, endpoint_id: str, version: int) -> bool:
+        view = self.gateway.gateway.view.snapshot.by_id.get(endpoint_id)
+        return view is not None and view.state.version >= version
+
+
+async def until(condition: Callable[[], bool], what: str, timeout_s: float = 15.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+@contextlib.asynccontextmanager
+async def make_fleet(
+    redis_url: str,
+    engines: int = 3,
+    *,
+    ttl_s: float = 30.0,
+    speed_factor: float = 20.0,
+    routing: RoutingPolicy | None = None,
+    pool: str = POOL,
+) -> AsyncIterator[Fleet]:
+    async with contextlib.AsyncExitStack() as stack:
+        redis = connect(RedisSettings(url=redis_url, retries=1, command_timeout_s=2.0))
+        stack.push_async_callback(redis.aclose)
+        registry = EndpointRegistry(redis, pool)
+        running: dict[str, RunningEngine] = {}
+        states: dict[str, EndpointState] = {}
+        for i in range(engines):
+            engine = await stack.enter_async_context(
+                serve_engine(
+                    EngineConfig(model=MODEL, max_total_tokens=200_000, speed_factor=speed_factor)
+                )
+            )
+            endpoint_id = f"e{i}"
+            running[endpoint_id] = engine
+            state = EndpointState(
+                pool=pool,
+                endpoint_id=endpoint_id,
+                address=engine.url,
+                model=MODEL,
+                kv_capacity_tokens=200_000,
+            )
+            states[endpoint_id] = await registry.register(state, ttl_s)
+        config = GatewayConfig(
+            pool=pool, model=MODEL, routing=routing or RoutingPolicy(), limits=Limits()
+        )
+        gateway = await serve_gateway(config, redis_url=redis_url)
+        stack.push_async_callback(gateway.close)
+        fleet = Fleet(registry, running, states, gateway, stack)
+        await until(
+            lambda: len(gateway.gateway.view.snapshot.endpoints) == engines,
+            "the gateway to see every endpoint",
+        )
+        yield fleet
+
+
+@pytest.fixture
+async def fleet(redis_url: str) -> AsyncIterator[Fleet]:
+    async with make_fleet(redis_url) as running:
+        yield running

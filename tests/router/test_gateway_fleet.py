@@ -1,0 +1,214 @@
+"""The gateway in front of real reference engines registered in a real Redis: streaming
+passthrough, prefix affinity, watermark avoidance, lease expiry, resumption after an
+engine dies mid-stream, client disconnects, and the staleness bound."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+from openai import AsyncOpenAI
+
+from controlplane.contract import RoutingPolicy, WatermarkState
+from tests.router.conftest import MODEL, Fleet, make_fleet, until
+
+pytestmark = pytest.mark.redis
+
+PREFIX = "You are a careful assistant. " * 12
+
+
+async def _complete(
+    session: aiohttp.ClientSession, url: str, prompt: str, **extra: object
+) -> tuple[str, str]:
+    """(endpoint that served it, text) of one non-streamed completion."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "ignore_eos": True, **extra}
+    async with session.post(url + "/v1/completions", json=body) as reply:
+        assert reply.status == 200, await reply.text()
+        data = await reply.json()
+        return reply.headers.get("x-weir-endpoint", ""), data["choices"][0]["text"]
+
+
+async def test_a_streamed_chat_through_the_router_matches_the_engine(fleet: Fleet) -> None:
+    messages = [{"role": "user", "content": "Tell me about weirs."}]
+    engine_url = next(iter(fleet.engines.values())).url
+    texts = []
+    for base in (fleet.url, engine_url):
+        client = AsyncOpenAI(base_url=base + "/v1", api_key="unused")
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=40, stream=True,  # type: ignore[arg-type]
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        pieces = [c.choices[0].delta.content or "" async for c in stream if c.choices]
+        texts.append("".join(pieces))
+        await client.close()
+    assert len(texts[0]) == 40
+    assert texts[0] == texts[1]
+
+
+async def test_repeated_prefixes_return_to_the_endpoint_that_holds_them(fleet: Fleet) -> None:
+    async with aiohttp.ClientSession() as session:
+        first, _ = await _complete(session, fleet.url, PREFIX + "question 0")
+        served = [
+            (await _complete(session, fleet.url, PREFIX + f"question {i}"))[0] for i in range(1, 6)
+        ]
+    assert first in fleet.engines
+    assert served == [first] * 5
+
+
+async def test_a_critical_holder_is_avoided_and_a_pressured_one_loses(fleet: Fleet) -> None:
+    async with aiohttp.ClientSession() as session:
+        holder, _ = await _complete(session, fleet.url, PREFIX + "a")
+        await fleet.report(holder, watermark=WatermarkState.CRITICAL)
+        served = {(await _complete(session, fleet.url, PREFIX + f"b{i}"))[0] for i in range(4)}
+        assert holder not in served
+        await fleet.report(
+            holder, watermark=WatermarkState.PRESSURE, kv_used_tokens=170_000,
+            kv_reserved_growth_tokens=20_000,
+        )  # fmt: skip
+        again, _ = await _complete(session, fleet.url, PREFIX + "c")
+        assert again != holder
+
+
+async def test_an_expired_lease_leaves_routing_within_its_ttl(redis_url: str) -> None:
+    async with make_fleet(redis_url, engines=2, ttl_s=1.0) as fleet:
+        # Keep e1 alive; e0 stops heartbeating and must drop out once its lease lapses.
+        keep = asyncio.create_task(_beat(fleet, "e1"))
+        try:
+            gateway = fleet.gateway.gateway
+            await until(
+                lambda: all(
+                    view.lease_deadline <= gateway.clock()
+                    for view in gateway.view.snapshot.endpoints
+                    if view.endpoint_id == "e0"
+                ),
+                "e0's lease to lapse",
+            )
+            async with aiohttp.ClientSession() as session:
+                served = {
+                    (await _complete(session, fleet.url, f"prompt {i} " * 10))[0] for i in range(6)
+                }
+            assert served == {"e1"}
+        finally:
+            keep.cancel()
+
+
+async def _beat(fleet: Fleet, endpoint_id: str) -> None:
+    while True:
+        await fleet.report(endpoint_id, ttl_s=1.0)
+        await asyncio.sleep(0.2)
+
+
+@pytest.mark.parametrize("api", ["chat", "completions", "generate"])
+async def test_killing_the_engine_mid_stream_resumes_with_exactly_the_same_tokens(
+    redis_url: str, api: str
+) -> None:
+    async with make_fleet(redis_url, engines=2, speed_factor=2.0) as fleet:
+        path, body = _long_request(api)
+        async with aiohttp.ClientSession() as session:
+            direct = await _stream_text(session, fleet.engines["e1"].url + path, body, api)
+            async with session.post(fleet.url + path, json=body) as reply:
+                assert reply.status == 200
+                serving = reply.headers["x-weir-endpoint"]
+                events = []
+                killed = False
+                async for line in reply.content:
+                    if line.startswith(b"data: "):
+                        events.append(line[6:].strip())
+                        if len(events) == 5 and not killed:
+                            killed = True
+                            await fleet.engines[serving].kill()
+        assert killed
+        assert events[-1] == b"[DONE]"
+        text = _text_of(events, api)
+        assert text == direct
+        assert len(text) == 150
+        gateway = fleet.gateway.gateway
+        resumes = gateway.metrics.registry.get_sample_value(
+            "weir_router_resumes_total", {"pool": gateway.config.pool, "reason": "broken"}
+        )
+        assert resumes == 1
+
+
+def _long_request(api: str) -> tuple[str, dict[str, object]]:
+    prompt = "Once upon a time, by the river weir, "
+    if api == "chat":
+        return "/v1/chat/completions", {
+            "model": MODEL, "stream": True, "max_tokens": 150, "ignore_eos": True,
+            "messages": [{"role": "user", "content": prompt}],
+        }  # fmt: skip
+    if api == "completions":
+        return "/v1/completions", {
+            "model": MODEL, "stream": True, "max_tokens": 150, "ignore_eos": True,
+            "prompt": prompt,
+        }  # fmt: skip
+    return "/generate", {
+        "text": prompt, "stream": True,
+        "sampling_params": {"max_new_tokens": 150, "ignore_eos": True},
+    }  # fmt: skip
+
+
+async def _stream_text(
+    session: aiohttp.ClientSession, url: str, body: dict[str, object], api: str
+) -> str:
+    async with session.post(url, json=body) as reply:
+        assert reply.status == 200
+        events = [line[6:].strip() async for line in reply.content if line.startswith(b"data: ")]
+    return _text_of(events, api)
+
+
+def _text_of(events: list[bytes], api: str) -> str:
+    import json
+
+    chunks = [json.loads(e) for e in events if e != b"[DONE]"]
+    if api == "generate":
+        return str(chunks[-1]["text"])
+    if api == "chat":
+        return "".join(
+            c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]
+        )
+    return "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+
+
+async def test_a_client_disconnect_aborts_the_request_in_the_engine(redis_url: str) -> None:
+    async with make_fleet(redis_url, engines=1, speed_factor=1.0) as fleet:
+        engine = fleet.engines["e0"].engine
+        path, body = _long_request("completions")
+        body["max_tokens"] = 2000
+        async with aiohttp.ClientSession() as session:
+            reply = await session.post(fleet.url + path, json=body)
+            assert reply.status == 200
+            async for line in reply.content:
+                if line.startswith(b"data: "):
+                    break
+            assert engine.loads().num_running_reqs == 1
+            reply.close()
+        await until(lambda: engine.aborted_total >= 1 or not engine.has_work, "the engine abort")
+        assert not engine.has_work
+        assert engine.generation_tokens_total < 2000
+
+
+async def test_routing_goes_on_within_the_staleness_bound_then_fails_closed(
+    fresh_redis: object,
+) -> None:
+    from weir.local.redis_server import RedisServer
+
+    assert isinstance(fresh_redis, RedisServer)
+    routing = RoutingPolicy(snapshot_staleness_s=1.5)
+    async with make_fleet(fresh_redis.url, engines=1, routing=routing) as fleet:
+        fresh_redis.stop()
+        async with aiohttp.ClientSession() as session:
+            served, _ = await _complete(session, fleet.url, "still routing")
+            assert served == "e0"
+            gateway = fleet.gateway.gateway
+            await until(lambda: gateway.view.is_stale(gateway.clock()), "the bound to pass")
+            body = {"model": MODEL, "prompt": "now refused", "max_tokens": 4}
+            async with session.post(fleet.url + "/v1/completions", json=body) as reply:
+                assert reply.status == 503
+                error = (await reply.json())["error"]
+                assert error["reason"] == "snapshot_stale"
+                assert "Retry-After" in reply.headers
+            async with session.get(fleet.url + "/ready") as reply:
+                assert reply.status == 503
+        fresh_redis.start()
+        await until(lambda: not gateway.view.is_stale(gateway.clock()), "recovery")
