@@ -11,9 +11,10 @@ only where the client would otherwise see a seam:
 - OpenAI streams are deltas: they pass through untouched, except that a resumed segment's
   opening role-only chunk is dropped and its usage counts the earlier tokens too.
 
-OpenAI chunks carry no token count unless `stream_options.continuous_usage_stats` is on;
-otherwise each chunk with content counts as one token (SGLang streams one chunk per
-decode step by default).
+OpenAI chunks carry no token count unless `stream_options.continuous_usage_stats` is on,
+and one chunk may carry several tokens, so the sidecar turns it on for every OpenAI stream
+(chunks then carry a `usage` field; the final usage-only chunk is dropped unless the
+client asked for it). Without usage, a chunk with content counts as one token.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class StreamReader:
     prefix_ids: list[int] = field(default_factory=list)
     prefix_text: str = ""
     client_id: str = ""  # the id the client saw in the first segment
+    client_usage: bool = True  # the client asked for the usage chunk (OpenAI)
     prompt_tokens: int = 0  # the first segment's prompt, reported on resumed segments
     # Within the current segment.
     seg_tokens: int = 0
@@ -123,6 +125,8 @@ class StreamReader:
                 out["output_ids"] = self.prefix_ids + ids
         new_meta = dict(meta)
         new_meta["completion_tokens"] = self.generated
+        if kind == "length" and isinstance(finish, dict):
+            new_meta["finish_reason"] = {**finish, "length": self.generated}
         if self.prompt_tokens:
             new_meta["prompt_tokens"] = self.prompt_tokens
         if self.client_id:
@@ -154,6 +158,8 @@ class StreamReader:
             self._seg_text_parts.append(content)
             if not counted:
                 self.seg_tokens += 1
+        if not choices and not self.client_usage:
+            return Step(None, self.generated, finish)  # usage the sidecar asked for
         if not self.resumed:
             return Step(raw, self.generated, finish)
         if not content and not finish and not isinstance(usage, dict):

@@ -319,6 +319,8 @@ class SidecarService:
         flight.engine_rid = f"{rec.rid}s{segment:03d}"
         body["rid"] = flight.engine_rid
         body["stream"] = flight.intake.stream
+        if flight.intake.stream and flight.intake.api is not EngineAPI.GENERATE:
+            body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
         if self.policy.scheduling.priority_scheduling:
             now = self.ledger.clock()
             slack = rec.deadline_at - now if rec.deadline_at else None
@@ -370,6 +372,8 @@ class SidecarService:
         self, request: web.Request, flight: Flight, reader: StreamReader
     ) -> web.StreamResponse:
         reader.incremental_text = self.info.incremental_streaming
+        options = flight.intake.body.get("stream_options")
+        reader.client_usage = isinstance(options, dict) and options.get("include_usage") is True
         base = reader.offset_tokens
         response: web.StreamResponse | None = None
         segment = 0
