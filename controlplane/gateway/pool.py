@@ -22,6 +22,7 @@ from redis.exceptions import RedisError
 
 from controlplane.contract import EndpointState
 from controlplane.gateway.errors import unavailable
+from controlplane.ownership import OwnershipRing
 from controlplane.routing import EndpointView, PoolSnapshot
 from controlplane.store import PoolFollower
 from controlplane.store import PoolSnapshot as StoreSnapshot
@@ -124,6 +125,23 @@ def routing_endpoints(store: StoreSnapshot, now: float) -> list[EndpointView]:
         EndpointView(state, now + (store.lease_expires_ms.get(eid, 0) - server_now) / 1000.0)
         for eid, state in store.endpoints.items()
     ]
+
+
+class RingOwners:
+    """Owners from the consistent-hash ring of the store's membership, plus hot-prefix
+    overrides. The ring is rebuilt only when the membership changes, not per heartbeat."""
+
+    def __init__(self, vnodes: int) -> None:
+        self.vnodes = vnodes
+        self._ring: OwnershipRing | None = None
+
+    def __call__(self, store: StoreSnapshot) -> OwnerLookup:
+        membership = store.membership()
+        ring = self._ring
+        if ring is None or ring.membership != membership:
+            ring = self._ring = OwnershipRing(membership, self.vnodes)
+        table, now_ms = store.hot_prefixes, store.server_time_ms
+        return lambda key: ring.owners_with_overrides(key, table, now_ms)
 
 
 class StoreFeed:

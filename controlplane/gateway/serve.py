@@ -13,7 +13,7 @@ from aiohttp import web
 from redis.asyncio import Redis
 
 from controlplane.gateway.app import Gateway, GatewayConfig
-from controlplane.gateway.pool import PoolView, StoreFeed, static_endpoints
+from controlplane.gateway.pool import PoolView, RingOwners, StoreFeed, static_endpoints
 from controlplane.gateway.tenants import TenantKeys
 from controlplane.store import EndpointRegistry, PoolFollower, RedisSettings, connect
 
@@ -57,7 +57,8 @@ async def serve_gateway(
         view = PoolView(config.pool, config.routing.snapshot_staleness_s)
         redis = connect(RedisSettings(url=redis_url, client_name="weir-router"))
         follower = PoolFollower(EndpointRegistry(redis, config.pool))
-        feed = StoreFeed(follower, view, clock)
+        owners = RingOwners(config.routing.virtual_nodes)
+        feed = StoreFeed(follower, view, clock, owners_for=owners)
     gateway = Gateway(config, view, keys, clock)
     runner = web.AppRunner(gateway.app(), handler_cancellation=True, access_log=None)
     await runner.setup()

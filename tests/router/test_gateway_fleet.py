@@ -10,7 +10,8 @@ import aiohttp
 import pytest
 from openai import AsyncOpenAI
 
-from controlplane.contract import RoutingPolicy, WatermarkState
+from controlplane.contract import CacheIdentity, RoutingPolicy, WatermarkState
+from controlplane.ownership import Membership, OwnershipRing, prefix_key
 from tests.router.conftest import MODEL, Fleet, make_fleet, until
 
 pytestmark = pytest.mark.redis
@@ -46,28 +47,46 @@ async def test_a_streamed_chat_through_the_router_matches_the_engine(fleet: Flee
     assert texts[0] == texts[1]
 
 
-async def test_repeated_prefixes_return_to_the_endpoint_that_holds_them(fleet: Fleet) -> None:
+def _owners(fleet: Fleet, prompt: str) -> tuple[str, str]:
+    """The ring's owners of a prompt, computed here independently of the gateway."""
+    policy = fleet.gateway.gateway.config.routing
+    key = prefix_key(
+        CacheIdentity(model=MODEL), prompt.encode(), policy.prefix_block_tokens,
+        policy.prefix_blocks_for_owner,
+    )  # fmt: skip
+    ring = OwnershipRing(Membership.of(0, fleet.engines), policy.virtual_nodes)
+    return ring.owners(key)
+
+
+async def test_repeated_prefixes_go_to_their_primary_owner(fleet: Fleet) -> None:
+    primary, _ = _owners(fleet, PREFIX)
     async with aiohttp.ClientSession() as session:
-        first, _ = await _complete(session, fleet.url, PREFIX + "question 0")
         served = [
-            (await _complete(session, fleet.url, PREFIX + f"question {i}"))[0] for i in range(1, 6)
+            (await _complete(session, fleet.url, PREFIX + f"question {i}"))[0] for i in range(6)
         ]
-    assert first in fleet.engines
-    assert served == [first] * 5
+    assert served == [primary] * 6
+    gateway = fleet.gateway.gateway
+    hits = gateway.metrics.registry.get_sample_value(
+        "weir_router_decisions_total",
+        {"pool": gateway.config.pool, "reason": "primary_owner", "owner_hit": "true"},
+    )
+    assert hits == 6
 
 
-async def test_a_critical_holder_is_avoided_and_a_pressured_one_loses(fleet: Fleet) -> None:
+async def test_a_critical_owner_is_avoided_and_a_near_critical_one_loses_to_the_secondary(
+    fleet: Fleet,
+) -> None:
+    primary, secondary = _owners(fleet, PREFIX)
     async with aiohttp.ClientSession() as session:
-        holder, _ = await _complete(session, fleet.url, PREFIX + "a")
-        await fleet.report(holder, watermark=WatermarkState.CRITICAL)
+        await fleet.report(primary, watermark=WatermarkState.CRITICAL)
         served = {(await _complete(session, fleet.url, PREFIX + f"b{i}"))[0] for i in range(4)}
-        assert holder not in served
+        assert primary not in served
         await fleet.report(
-            holder, watermark=WatermarkState.PRESSURE, kv_used_tokens=170_000,
+            primary, watermark=WatermarkState.PRESSURE, kv_used_tokens=170_000,
             kv_reserved_growth_tokens=20_000,
         )  # fmt: skip
         again, _ = await _complete(session, fleet.url, PREFIX + "c")
-        assert again != holder
+        assert again == secondary
 
 
 async def test_an_expired_lease_leaves_routing_within_its_ttl(redis_url: str) -> None:
