@@ -1,0 +1,47 @@
+"""Token backends: what computes the next token once the scheduler has placed the KV.
+
+The scheduler owns pages and positions; a backend only fills KV and picks tokens. The
+default `HashBackend` is the deterministic token function (no KV content, O(1) per token),
+fast enough for million-request simulations. `fleetsim.engine.torch_backend` computes real
+attention over the paged KV cache with a tiny transformer, to prove the paging is right.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from fleetsim.engine.request import EngineRequest
+from fleetsim.engine.tokens import TokenFunction
+
+
+class TokenBackend(Protocol):
+    def prefill(self, request: EngineRequest, start: int, end: int) -> int | None:
+        """Write KV for history[start:end] into the request's pages; when `end` reaches the
+        end of its history, return the next token, else None."""
+        ...
+
+    def decode(self, batch: Sequence[EngineRequest]) -> list[int]:
+        """Write KV for each request's last token (at position `computed`) and return each
+        one's next token."""
+        ...
+
+
+class HashBackend:
+    """Tokens from the rolling prefix hash the scheduler keeps on every request."""
+
+    __slots__ = ("_next",)
+
+    def __init__(self, tokens: TokenFunction) -> None:
+        self._next = tokens.next_token
+
+    def prefill(self, request: EngineRequest, start: int, end: int) -> int | None:
+        if end < request.total_len:
+            return None
+        return self._next(request.hash_state, request.eos_suppressed)
+
+    def decode(self, batch: Sequence[EngineRequest]) -> list[int]:
+        nxt = self._next
+        return [
+            nxt(r.hash_state, r.ignore_eos or len(r.output_ids) < r.min_new_tokens) for r in batch
+        ]

@@ -1,0 +1,98 @@
+"""How long one engine iteration takes: a roofline over the batch's work.
+
+An iteration reads the weights once and the KV of every sequence it attends over, and does
+2·params FLOPs per new token plus attention FLOPs proportional to the context each new token
+sees. Its time is a fixed launch/scheduling overhead plus the larger of the compute time and
+the memory time, each at an achievable fraction of the hardware's peak. Small decode batches
+are memory bound (weights + KV reads), large prefills compute bound, as on real GPUs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class ModelProfile:
+    name: str
+    params: float
+    layers: int
+    hidden: int
+    kv_bytes_per_token: int
+    context_length: int
+    bytes_per_param: float = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class HardwareProfile:
+    name: str
+    flops: float
+    hbm_bytes_per_s: float
+    hbm_capacity_bytes: float
+    compute_efficiency: float = 0.6
+    memory_efficiency: float = 0.8
+    fixed_overhead_s: float = 0.003
+    mem_fraction_static: float = 0.88
+
+
+# Llama-3.1-8B: 32 layers, 8 KV heads of 128 dims, bf16 K and V.
+LLAMA_8B = ModelProfile(
+    name="llama-3.1-8b",
+    params=8.03e9,
+    layers=32,
+    hidden=4096,
+    kv_bytes_per_token=2 * 32 * 8 * 128 * 2,
+    context_length=131072,
+)
+
+H200 = HardwareProfile(
+    name="h200",
+    flops=989e12,
+    hbm_bytes_per_s=4.8e12,
+    hbm_capacity_bytes=141e9,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class TimingModel:
+    model: ModelProfile = LLAMA_8B
+    hardware: HardwareProfile = H200
+
+    def kv_capacity_tokens(self) -> int:
+        """KV tokens that fit beside the weights in the static memory fraction, as SGLang
+        sizes its pool (a few GB kept back for activations)."""
+        budget = (
+            self.hardware.hbm_capacity_bytes * self.hardware.mem_fraction_static
+            - self.model.params * self.model.bytes_per_param
+            - 4e9
+        )
+        return max(1, int(budget // self.model.kv_bytes_per_token))
+
+    def iteration_s(
+        self,
+        prefill_tokens: int,
+        prefill_pairs: int,
+        prefill_context: int,
+        decode_seqs: int,
+        decode_context: int,
+    ) -> float:
+        """Seconds for one iteration.
+
+        prefill_tokens: new prompt tokens computed; prefill_pairs: Σ over them of the
+        context each attends to; prefill_context: cached/earlier KV tokens the prefill chunks
+        read; decode_seqs: sequences decoding one token each; decode_context: their KV
+        tokens, all read once.
+        """
+        if prefill_tokens == 0 and decode_seqs == 0:
+            return 0.0
+        model, hw = self.model, self.hardware
+        new_tokens = prefill_tokens + decode_seqs
+        flops = 2.0 * model.params * new_tokens + 4.0 * model.layers * model.hidden * (
+            prefill_pairs + decode_context
+        )
+        memory = model.params * model.bytes_per_param + model.kv_bytes_per_token * (
+            prefill_context + decode_context + new_tokens
+        )
+        compute_s = flops / (hw.flops * hw.compute_efficiency)
+        memory_s = memory / (hw.hbm_bytes_per_s * hw.memory_efficiency)
+        return hw.fixed_overhead_s + max(compute_s, memory_s)

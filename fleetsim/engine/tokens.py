@@ -1,0 +1,77 @@
+"""Byte-level tokens and the deterministic token function.
+
+Token ids are byte values (0..255) plus one end-of-sequence id outside that range, so text
+and ids convert both ways without a vocabulary. Generated tokens are printable ASCII bytes,
+which keeps every output valid UTF-8 and makes `text` and `output_ids` interchangeable:
+a client may resume with either.
+
+The next token is a pure function of the *whole* token prefix, computed from a rolling hash
+that costs O(1) per token. A request resumed anywhere as a continuation (prompt plus what
+was generated so far) therefore produces exactly the tokens an uninterrupted run would,
+which is what the sidecar's recompute and the router's migration rely on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+VOCAB_BYTES = 256
+EOS_ID = 256
+VOCAB_SIZE = 257
+
+_MASK = (1 << 64) - 1
+_FNV_OFFSET = 0xCBF29CE484222325
+_FNV_PRIME = 0x100000001B3
+_PRINTABLE_FIRST = 32
+_PRINTABLE_COUNT = 95  # bytes 32..126
+
+# One generated token in 512 is EOS unless `ignore_eos` is set: outputs end on their own at
+# realistic lengths, and tests that need exact lengths set `ignore_eos`.
+DEFAULT_EOS_PER_MILLE = 2.0
+
+HASH_SEED = _FNV_OFFSET
+
+
+def encode(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+def decode(ids: Iterable[int]) -> str:
+    """Text of the byte tokens; EOS (and anything outside bytes) is skipped, as a real
+    detokenizer skips special tokens."""
+    return bytes(t for t in ids if 0 <= t < VOCAB_BYTES).decode("utf-8", errors="replace")
+
+
+def extend_hash(state: int, token: int) -> int:
+    """The rolling prefix hash after one more token (FNV-1a over token ids)."""
+    return ((state ^ token) * _FNV_PRIME) & _MASK
+
+
+def prefix_hash(ids: Sequence[int], state: int = HASH_SEED) -> int:
+    for token in ids:
+        state = ((state ^ token) * _FNV_PRIME) & _MASK
+    return state
+
+
+def _mix(state: int) -> int:
+    """splitmix64's finaliser: FNV's low bits are weak, the decision below needs good ones."""
+    z = ((state ^ (state >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return z ^ (z >> 31)
+
+
+class TokenFunction:
+    """next token = f(hash of the whole prefix). `eos_threshold` out of 2**20 decides EOS."""
+
+    __slots__ = ("_eos_threshold",)
+
+    def __init__(self, eos_per_mille: float = DEFAULT_EOS_PER_MILLE) -> None:
+        if not 0.0 <= eos_per_mille <= 1000.0:
+            raise ValueError("eos_per_mille must be within [0, 1000]")
+        self._eos_threshold = int(eos_per_mille / 1000.0 * (1 << 20))
+
+    def next_token(self, state: int, ignore_eos: bool) -> int:
+        z = _mix(state)
+        if not ignore_eos and (z & 0xFFFFF) < self._eos_threshold:
+            return EOS_ID
+        return _PRINTABLE_FIRST + (z >> 20) % _PRINTABLE_COUNT

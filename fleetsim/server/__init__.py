@@ -1,0 +1,116 @@
+"""The reference engine's HTTP server: SGLang's protocol (0.5.5 or 0.5.23) over the engine
+model, stepping in real time.
+
+    from fleetsim.engine import EngineConfig
+    from fleetsim.server import serve_engine
+
+    async with serve_engine(EngineConfig(max_total_tokens=8192, speed_factor=50)) as eng:
+        eng.url            # http://127.0.0.1:<port>
+        eng.engine         # the EngineModel: eng.engine.loads(), eng.engine.check()
+        await eng.kill()   # drop the listener and every connection, as a crashed pod
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from aiohttp import web
+
+from fleetsim.engine import EngineConfig, EngineModel
+from fleetsim.engine.backends import TokenBackend
+from fleetsim.server.app import API_VERSIONS, EngineServer
+from fleetsim.server.driver import EngineDriver
+from fleetsim.server.metrics import EngineMetrics
+
+__all__ = ["API_VERSIONS", "RunningEngine", "make_backend", "serve_engine"]
+
+
+def make_backend(config: EngineConfig) -> TokenBackend | None:
+    """The token backend the config names (None: the model's default hash backend)."""
+    if config.token_backend == "torch":
+        from fleetsim.engine.torch_backend import TorchBackend
+
+        return TorchBackend(config)
+    return None
+
+
+class RunningEngine:
+    """A served engine. `close()` shuts down gracefully; `kill()` abruptly."""
+
+    def __init__(
+        self,
+        server: EngineServer,
+        runner: web.AppRunner,
+        site: web.TCPSite,
+        url: str,
+    ) -> None:
+        self.server = server
+        self.config = server.config
+        self.engine: EngineModel = server.model
+        self.driver = server.driver
+        self.api_version = server.api_version
+        self.url = url
+        self._runner = runner
+        self._site = site
+        self._closed = False
+
+    async def kill(self) -> None:
+        """Stop listening, reset every open connection and stop stepping: what clients of a
+        crashed pod see."""
+        if self._closed:
+            return
+        self._closed = True
+        await self.driver.stop()
+        await self._site.stop()
+        http = self._runner.server
+        if http is not None:
+            for handler in http.connections:
+                transport = handler.transport
+                if transport is not None:
+                    transport.abort()
+        await self._runner.cleanup()
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.driver.abort("", abort_all=True)
+        await self.driver.stop()
+        await self._runner.cleanup()
+
+
+@asynccontextmanager
+async def serve_engine(
+    config: EngineConfig,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    api_version: str = "0.5.23",
+) -> AsyncIterator[RunningEngine]:
+    """Serve an engine on (host, port) (0: a free port) until the block exits."""
+    running = await start_engine(config, host=host, port=port, api_version=api_version)
+    try:
+        yield running
+    finally:
+        await running.close()
+
+
+async def start_engine(
+    config: EngineConfig, *, host: str = "127.0.0.1", port: int = 0, api_version: str = "0.5.23"
+) -> RunningEngine:
+    model = EngineModel(config, make_backend(config))
+    metrics = EngineMetrics(model, api_version)
+    driver = EngineDriver(model, metrics, config.speed_factor)
+    server = EngineServer(model, driver, metrics, api_version)
+    runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    sockets = runner.addresses
+    bound = sockets[0][1] if sockets else port
+    server.host, server.port = host, bound
+    driver.start()
+    await asyncio.sleep(0)
+    return RunningEngine(server, runner, site, f"http://{host}:{bound}")

@@ -1,0 +1,223 @@
+"""Request bodies of SGLang's native and OpenAI-compatible APIs, parsed into one shape.
+
+Parsing is strict about what the engine needs (a prompt, sane token counts, the right
+types) and lenient about what it does not use (temperature, top_p, logprobs…), as SGLang
+is. Every refusal is a `BadRequestError` with SGLang's wording where SGLang has one.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from fleetsim.engine import chat_template
+from fleetsim.engine.tokens import encode
+
+
+class BadRequestError(ValueError):
+    """The client's fault: answered with `status` (400 unless said otherwise)."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(slots=True)
+class GenerateSpec:
+    """One generation as the engine sees it, whichever API it came through."""
+
+    rid: str
+    input_ids: list[int]
+    max_new_tokens: int | None
+    stream: bool = False
+    ignore_eos: bool = False
+    min_new_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    priority: int = 0
+    include_usage: bool = False
+    continuous_usage: bool = False
+    model: str = ""
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    if not raw.strip():
+        raise BadRequestError("The request body is empty; send a JSON object.")
+    try:
+        body = msgspec.json.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise BadRequestError(f"The request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequestError("The request body must be a JSON object.")
+    return body
+
+
+def _int(
+    body: Mapping[str, Any], key: str, default: int | None, *, lo: int | None = None
+) -> int | None:
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise BadRequestError(f"{key} must be an integer, got {type(value).__name__}.")
+    if isinstance(value, float):
+        if not math.isfinite(value) or value != int(value):
+            raise BadRequestError(f"{key} must be an integer, got {value}.")
+        value = int(value)
+    if lo is not None and value < lo:
+        raise BadRequestError(f"{key} must be at least {lo}, got {value}.")
+    return value
+
+
+def _bool(body: Mapping[str, Any], key: str, default: bool = False) -> bool:
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise BadRequestError(f"{key} must be a boolean.")
+    return value
+
+
+def _stops(value: object) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        return list(value)
+    raise BadRequestError("stop must be a string or a list of strings.")
+
+
+def _token_ids(value: object, key: str) -> list[int]:
+    if not isinstance(value, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    ):
+        raise BadRequestError(f"{key} must be a list of integer token ids.")
+    return list(value)
+
+
+def _rid(body: Mapping[str, Any]) -> str:
+    rid = body.get("rid")
+    if rid is None:
+        return uuid.uuid4().hex
+    if not isinstance(rid, str) or not rid:
+        raise BadRequestError("rid must be a non-empty string (batches are not supported).")
+    return rid
+
+
+def _priority(body: Mapping[str, Any]) -> int:
+    return _int(body, "priority", 0) or 0
+
+
+def parse_generate(body: Mapping[str, Any]) -> GenerateSpec:
+    """SGLang's /generate: `text` or `input_ids`, `sampling_params`, `stream`, `rid`…"""
+    text, ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (ids is None):
+        raise BadRequestError("Either text or input_ids should be provided.")
+    if isinstance(text, list) or (isinstance(ids, list) and ids and isinstance(ids[0], list)):
+        raise BadRequestError("Batch requests are not supported by the reference engine.")
+    if text is not None:
+        if not isinstance(text, str):
+            raise BadRequestError("text must be a string.")
+        input_ids = encode(text)
+    else:
+        input_ids = _token_ids(ids, "input_ids")
+    params = body.get("sampling_params") or {}
+    if not isinstance(params, dict):
+        raise BadRequestError("sampling_params must be an object.")
+    max_new = _int(params, "max_new_tokens", 128)
+    if max_new is not None and max_new < 0:
+        raise BadRequestError(f"max_new_tokens must be at least 0, got {max_new}.")
+    return GenerateSpec(
+        rid=_rid(body),
+        input_ids=input_ids,
+        max_new_tokens=max_new,
+        stream=_bool(body, "stream"),
+        ignore_eos=_bool(params, "ignore_eos"),
+        min_new_tokens=_int(params, "min_new_tokens", 0, lo=0) or 0,
+        stop=_stops(params.get("stop")),
+        stop_token_ids=_token_ids(params.get("stop_token_ids") or [], "stop_token_ids"),
+        priority=_priority(body),
+    )
+
+
+def _openai_common(body: Mapping[str, Any], spec: GenerateSpec) -> GenerateSpec:
+    n = _int(body, "n", 1)
+    if n != 1:
+        raise BadRequestError("Only n=1 is supported.")
+    options = body.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict):
+            raise BadRequestError("stream_options must be an object.")
+        spec.include_usage = _bool(options, "include_usage")
+        spec.continuous_usage = _bool(options, "continuous_usage_stats")
+    model = body.get("model", "")
+    if not isinstance(model, str):
+        raise BadRequestError("model must be a string.")
+    spec.model = model
+    return spec
+
+
+def _openai_max_tokens(body: Mapping[str, Any], default: int | None) -> int | None:
+    value = _int(body, "max_completion_tokens", None)
+    if value is None:
+        value = _int(body, "max_tokens", default)
+    if value is not None and value < 0:
+        raise BadRequestError(f"max_tokens must be at least 0, got {value}.")
+    return value
+
+
+def _openai_spec(
+    body: Mapping[str, Any], input_ids: list[int], default_max: int | None
+) -> GenerateSpec:
+    spec = GenerateSpec(
+        rid=_rid(body),
+        input_ids=input_ids,
+        max_new_tokens=_openai_max_tokens(body, default_max),
+        stream=_bool(body, "stream"),
+        ignore_eos=_bool(body, "ignore_eos"),
+        min_new_tokens=_int(body, "min_tokens", 0, lo=0) or 0,
+        stop=_stops(body.get("stop")),
+        stop_token_ids=_token_ids(body.get("stop_token_ids") or [], "stop_token_ids"),
+        priority=_priority(body),
+    )
+    return _openai_common(body, spec)
+
+
+def parse_completion(body: Mapping[str, Any]) -> GenerateSpec:
+    """/v1/completions: `prompt` is a string, a list of token ids, or a one-string list."""
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise BadRequestError("prompt is required.")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        ids = encode(prompt)
+    elif isinstance(prompt, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt
+    ):
+        ids = list(prompt)
+    else:
+        raise BadRequestError("prompt must be a string or a list of token ids (one prompt only).")
+    return _openai_spec(body, ids, 16)
+
+
+def parse_chat(body: Mapping[str, Any]) -> GenerateSpec:
+    """/v1/chat/completions: messages rendered with the engine's chat template."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        raise BadRequestError("messages must be a list of message objects.")
+    try:
+        text = chat_template.render(
+            messages,
+            add_generation_prompt=_bool(body, "add_generation_prompt", True),
+            continue_final_message=_bool(body, "continue_final_message"),
+        )
+    except chat_template.ChatTemplateError as exc:
+        raise BadRequestError(str(exc)) from None
+    return _openai_spec(body, encode(text), None)

@@ -1,0 +1,108 @@
+"""`weir engine`: serve the reference engine with SGLang-like launch flags."""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fleetsim.engine import EngineConfig
+
+NAME = "engine"
+HELP = "Serve the SGLang-compatible reference engine (SGLang's HTTP protocol, simulated GPU)."
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--host", default="127.0.0.1")
+    add("--port", type=int, default=30000)
+    add("--model", "--model-path", "--served-model-name", dest="model",
+        default="meta-llama/Llama-3.1-8B-Instruct", help="the model name the server reports")  # fmt: skip
+    add("--api-version", choices=("0.5.5", "0.5.23"), default="0.5.23",
+        help="which SGLang HTTP surface to speak")  # fmt: skip
+    add("--context-length", type=int, default=None)
+    add("--max-total-tokens", type=int, default=None,
+        help="KV pool size in tokens (default: from the timing profile's memory)")  # fmt: skip
+    add("--page-size", type=int, default=1)
+    add("--chunked-prefill-size", type=int, default=8192, help="-1 disables chunking")
+    add("--max-running-requests", type=int, default=None)
+    add("--max-queued-requests", type=int, default=None, help="a full queue answers 503")
+    add("--enable-priority-scheduling", action="store_true")
+    add("--schedule-low-priority-values-first", action="store_true")
+    add("--schedule-policy", choices=("fcfs", "lpm"), default="fcfs")
+    add("--disable-radix-cache", action="store_true")
+    add("--enable-mixed-chunk", action="store_true")
+    add(
+        "--enable-metrics",
+        action="store_true",
+        help="serve /metrics (off by default, as in SGLang)",
+    )
+    add("--decode-log-interval", type=int, default=40)
+    add("--prefill-yield", action="store_true",
+        help="long prefills yield to shorter ones at chunk boundaries, with aging")  # fmt: skip
+    add("--prefill-time-budget-s", type=float, default=None)
+    add("--priority-aging-s", type=float, default=None)
+    add("--speed-factor", type=float, default=1.0,
+        help="simulated GPU speed relative to the timing profile")  # fmt: skip
+    add("--token-backend", choices=("hash", "torch"), default="hash")
+    add("--eos-per-mille", type=float, default=None)
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    from fleetsim.engine import EngineConfig
+
+    extra = {} if args.eos_per_mille is None else {"eos_per_mille": args.eos_per_mille}
+    return EngineConfig(
+        model=args.model,
+        context_length=args.context_length,
+        max_total_tokens=args.max_total_tokens,
+        page_size=args.page_size,
+        chunked_prefill_size=args.chunked_prefill_size,
+        max_running_requests=args.max_running_requests,
+        max_queued_requests=args.max_queued_requests,
+        enable_priority_scheduling=args.enable_priority_scheduling,
+        schedule_low_priority_values_first=args.schedule_low_priority_values_first,
+        schedule_policy=args.schedule_policy,
+        disable_radix_cache=args.disable_radix_cache,
+        enable_mixed_chunk=args.enable_mixed_chunk,
+        enable_metrics=args.enable_metrics,
+        decode_log_interval=args.decode_log_interval,
+        prefill_yield=args.prefill_yield,
+        prefill_time_budget_s=args.prefill_time_budget_s,
+        priority_aging_s=args.priority_aging_s,
+        speed_factor=args.speed_factor,
+        token_backend=args.token_backend,
+        **extra,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+    import signal
+    import sys
+
+    from fleetsim.server import serve_engine
+
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        print(f"weir engine: {exc}", file=sys.stderr)
+        return 2
+
+    async def serve() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        async with serve_engine(
+            config, host=args.host, port=args.port, api_version=args.api_version
+        ) as engine:
+            print(
+                f"weir engine: SGLang {args.api_version} surface on {engine.url} "
+                f"(model {config.model}, {engine.engine.total_tokens} KV tokens)",
+                flush=True,
+            )
+            await stop.wait()
+
+    asyncio.run(serve())
+    return 0
