@@ -3,7 +3,7 @@ second engine through /weir/v1/continue, and cancellation."""
 
 from __future__ import annotations
 
-import asyncio
+import itertools
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -104,7 +104,7 @@ async def test_recompute_in_place_continues_the_stream_exactly(
     assert got.finish() == expected.finish()
     if api.startswith("generate"):
         texts = [e["text"] for e in got.events]
-        assert all(b.startswith(a) for a, b in zip(texts, texts[1:], strict=False))
+        assert all(b.startswith(a) for a, b in itertools.pairwise(texts))
         assert got.events[-1]["meta_info"]["completion_tokens"] == MAX_NEW
     assert sidecar.service.ledger.preemptions == 1
     assert sidecar.service.ledger.own_used == 0
@@ -165,11 +165,7 @@ async def test_client_disconnect_aborts_in_the_engine_and_frees_kv(
         await read_sse(resp, stop_after=10)
         assert engine.engine.loads().num_running_reqs == 1
         resp.close()
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + 10
-    while sidecar.service.ledger.flights and loop.time() < deadline:
-        await asyncio.sleep(0.01)
-    assert sidecar.service.ledger.flights == {}
+    assert await sidecar.service.ledger.wait_idle(10.0)
     assert sidecar.service.ledger.own_used == 0
     loads = engine.engine.loads()
     assert loads.num_running_reqs == 0

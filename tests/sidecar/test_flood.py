@@ -1,0 +1,79 @@
+"""A flood of long outputs: the watermark rises, admission stops and relief preempts
+before the engine runs out of KV, so the engine never has to retract on its own."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+
+from controlplane.contract import WatermarkState
+from engine_sidecar.server import RunningSidecar, SidecarConfig, serve_sidecar
+from fleetsim.server import RunningEngine, serve_engine
+from tests.sidecar.conftest import REFERENCE_ENGINE_WARNINGS, engine_config, pool_policy
+from tests.sidecar.streams import read_sse
+
+pytestmark = REFERENCE_ENGINE_WARNINGS
+
+REQUESTS = 24
+MAX_NEW = 500
+
+
+async def _one(http: aiohttp.ClientSession, url: str, i: int) -> tuple[int, Any]:
+    body = {
+        "text": f"request {i}: write at length about weirs and rivers",
+        "sampling_params": {"max_new_tokens": MAX_NEW, "ignore_eos": True},
+        "stream": True,
+    }
+    async with http.post(url + "/generate", json=body) as resp:
+        if resp.status != 200:
+            return resp.status, await resp.json()
+        got = await read_sse(resp)
+        return 200, got.events[-1]["meta_info"]
+
+
+async def _flood(engine: RunningEngine, sidecar: RunningSidecar) -> tuple[list[Any], int]:
+    peak = 0
+    stop = asyncio.Event()
+
+    async def watch() -> None:
+        nonlocal peak
+        while not stop.is_set():
+            peak = max(peak, sidecar.service.ledger.watermark.rank)
+            await asyncio.sleep(0.002)
+
+    watcher = asyncio.create_task(watch())
+    async with aiohttp.ClientSession() as http:
+        results = await asyncio.gather(*(_one(http, sidecar.url, i) for i in range(REQUESTS)))
+    stop.set()
+    await watcher
+    return results, peak
+
+
+async def test_flood_of_long_outputs_never_exhausts_the_engine() -> None:
+    # The same flood straight at an engine overflows its KV: it retracts.
+    async with serve_engine(engine_config(speed_factor=4.0)) as bare:
+        async with aiohttp.ClientSession() as http:
+            await asyncio.gather(*(_one(http, bare.url, i) for i in range(REQUESTS)))
+        assert bare.engine.retracted_total > 0
+    async with (
+        serve_engine(engine_config(speed_factor=4.0)) as engine,
+        serve_sidecar(
+            SidecarConfig(engine_url=engine.url, pool="p", policy=pool_policy())
+        ) as sidecar,
+    ):
+        results, peak = await _flood(engine, sidecar)
+        assert engine.engine.retracted_total == 0
+        assert peak >= WatermarkState.CRITICAL.rank
+        finished = [meta for status, meta in results if status == 200]
+        refused = [body for status, body in results if status != 200]
+        assert all(body["error"]["type"] == "overload" for body in refused)
+        assert finished, "some requests must complete"
+        for meta in finished:
+            assert meta["completion_tokens"] == MAX_NEW
+            assert meta["finish_reason"]["type"] == "length"
+        ledger = sidecar.service.ledger
+        assert (ledger.flights, ledger.own_used, ledger.reserved, ledger.queued) == ({}, 0, 0, 0)
+        assert ledger.preemptions > 0 or refused  # relief or admission had to act
+        engine.engine.check()
