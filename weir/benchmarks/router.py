@@ -1,0 +1,249 @@
+"""`weir bench router`: how fast the router decides, and what it adds to a stream.
+
+1. Decision latency over a 1,000-endpoint snapshot (goal: p99 <= 50 µs in-process) and
+   decisions per second on one core: the default profile (all filters, every cost-model
+   scorer) over a seeded pool with mixed load, watermarks and a warm prefix index.
+2. Proxied streaming: reference engines and a router run as subprocesses (`weir engine`,
+   `weir router`); the same streamed requests go direct to an engine and through the
+   router, alternating, so the added time to first token (goal: p50 <= 1 ms) and the
+   streaming throughput are measured against a baseline from the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+from weir.benchmarks._report import Figure, Report, add_output_flags, median_p99
+
+NAME = "router"
+HELP = "Routing decision latency, decisions/s per core, and proxied streaming overhead."
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    add_output_flags(parser)
+    parser.add_argument("--endpoints", type=int, default=1000, help="endpoints in the snapshot")
+    parser.add_argument("--decisions", type=int, default=20_000, help="routing decisions per run")
+    parser.add_argument(
+        "--streams", type=int, default=40, help="streamed requests per path per run"
+    )
+    parser.add_argument("--tokens", type=int, default=64, help="tokens per streamed request")
+    parser.add_argument(
+        "--skip-proxy", action="store_true", help="measure decisions only (no subprocesses)"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.endpoints < 1 or args.decisions < 1 or args.runs < 1:
+        raise SystemExit("--endpoints, --decisions and --runs must be positive")
+    report = Report(
+        NAME,
+        params={
+            "endpoints": args.endpoints,
+            "decisions": args.decisions,
+            "runs": args.runs,
+            "streams": 0 if args.skip_proxy else args.streams,
+            "tokens": args.tokens,
+        },
+    )
+    _decisions(report, args)
+    if not args.skip_proxy:
+        asyncio.run(_proxy(report, args))
+    report.emit(args.json)
+    return 0
+
+
+def _decisions(report: Report, args: argparse.Namespace) -> None:
+    from controlplane.contract import EndpointState, WatermarkState
+    from controlplane.routing import (
+        PoolSnapshot,
+        PrefixIndex,
+        RouteRequest,
+        RoutingContext,
+        default_config,
+        profile_from_config,
+    )
+
+    rng = random.Random(7)
+    marks = [WatermarkState.NORMAL] * 8 + [WatermarkState.PRESSURE, WatermarkState.CRITICAL]
+    states = [
+        EndpointState(
+            pool="bench",
+            endpoint_id=f"ep-{i:05d}",
+            address=f"http://10.0.{i // 250}.{i % 250}:8000",
+            model="m",
+            watermark=rng.choice(marks),
+            kv_capacity_tokens=500_000,
+            kv_used_tokens=rng.randrange(0, 400_000),
+            kv_reserved_growth_tokens=rng.randrange(0, 50_000),
+            waiting_prefill_tokens=rng.randrange(0, 20_000),
+            running_requests=rng.randrange(0, 64),
+            queued_requests=rng.randrange(0, 8),
+            predicted_ttft_s=rng.uniform(0.05, 0.5),
+            predicted_tpot_s=rng.uniform(0.01, 0.04),
+        )
+        for i in range(args.endpoints)
+    ]
+    snapshot = PoolSnapshot.of("bench", states, lease_deadline=1e12)
+    ids = [s.endpoint_id for s in states]
+    index = PrefixIndex()
+    prefixes = [tuple(rng.getrandbits(63) for _ in range(16)) for _ in range(500)]
+    for blocks in prefixes:
+        index.record(rng.choice(ids), blocks)
+    requests = [
+        RouteRequest(
+            request_id=f"r{i}",
+            model="m",
+            prompt_tokens=rng.randrange(100, 8000),
+            max_new_tokens=rng.randrange(16, 2048),
+            block_hashes=rng.choice(prefixes)[: rng.randrange(1, 17)],
+            owners=tuple(rng.sample(ids, 2)),
+            deadline_s=rng.choice((0.0, 5.0)),
+        )
+        for i in range(1000)
+    ]
+    profile = profile_from_config(default_config())
+    inflight = {rng.choice(ids): rng.randrange(1, 4) for _ in range(100)}
+    ctx = RoutingContext(snapshot, 0.0, inflight, sum(inflight.values()), index)
+    decide, clock = profile.decide, time.perf_counter_ns
+    for request in requests:  # warm-up
+        decide(request, ctx)
+    samples: list[float] = []
+    rates: list[float] = []
+    for _ in range(args.runs):
+        run_started = time.process_time()
+        n = len(requests)
+        for i in range(args.decisions):
+            request = requests[i % n]
+            started = clock()
+            decide(request, ctx)
+            samples.append((clock() - started) / 1000.0)
+        rates.append(args.decisions / max(time.process_time() - run_started, 1e-9))
+    median, p99 = median_p99(samples)
+    report.add(
+        Figure(
+            f"decision latency, {args.endpoints} endpoints",
+            median,
+            "µs",
+            p99=p99,
+            goal="p99 <= 50 µs",
+            met=p99 <= 50.0,
+        )
+    )
+    report.add(
+        Figure(
+            "decisions per second per core",
+            median_p99(rates)[0],
+            "1/s",
+            note="CPU time of one core; p99 column is the slowest run's rate",
+            p99=min(rates),
+        )
+    )
+
+
+@contextlib.contextmanager
+def _fleet() -> Iterator[tuple[str, str]]:
+    """A fast reference engine and a router in front of it, as subprocesses."""
+    from weir.local.ports import free_port, wait_for_port
+
+    engine_port, router_port = free_port(), free_port()
+    weir = [sys.executable, "-m", "weir.cli"]
+    engine_url = f"http://127.0.0.1:{engine_port}"
+    procs = [
+        subprocess.Popen(
+            [*weir, "engine", "--port", str(engine_port), "--model", "bench",
+             "--speed-factor", "1000"],
+            stdout=subprocess.DEVNULL,
+        ),
+        subprocess.Popen(
+            [*weir, "router", "--port", str(router_port), "--model", "bench",
+             "--endpoint", engine_url],
+            stdout=subprocess.DEVNULL,
+        ),
+    ]  # fmt: skip
+    try:
+        wait_for_port(engine_port, timeout_s=60)
+        wait_for_port(router_port, timeout_s=60)
+        yield engine_url, f"http://127.0.0.1:{router_port}"
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(timeout=10)
+
+
+async def _stream_once(session: object, url: str, tokens: int, i: int) -> tuple[float, float]:
+    """(time to first token, output tokens per second) of one streamed completion."""
+    import aiohttp
+
+    assert isinstance(session, aiohttp.ClientSession)
+    body = {
+        "model": "bench", "prompt": f"request {i}: tell me about weirs", "stream": True,
+        "max_tokens": tokens, "ignore_eos": True,
+    }  # fmt: skip
+    started = time.perf_counter()
+    first = 0.0
+    async with session.post(url + "/v1/completions", json=body) as reply:
+        if reply.status != 200:
+            raise RuntimeError(f"{url}: HTTP {reply.status}: {await reply.text()}")
+        async for line in reply.content:
+            if not first and line.startswith(b"data: {"):
+                first = time.perf_counter()
+    done = time.perf_counter()
+    return first - started, tokens / max(done - started, 1e-9)
+
+
+async def _proxy(report: Report, args: argparse.Namespace) -> None:
+    import aiohttp
+
+    direct_ttft: list[float] = []
+    routed_ttft: list[float] = []
+    added: list[float] = []
+    direct_rate: list[float] = []
+    routed_rate: list[float] = []
+    with _fleet() as (engine_url, router_url):
+        async with aiohttp.ClientSession() as session:
+            for i in range(5):  # warm connections and code paths
+                await _stream_once(session, engine_url, args.tokens, i)
+                await _stream_once(session, router_url, args.tokens, i)
+            for i in range(args.runs * args.streams):
+                # Alternate the order so neither path always runs on a warmer engine.
+                pair = [(engine_url, True), (router_url, False)]
+                if i % 2:
+                    pair.reverse()
+                got: dict[bool, float] = {}
+                for url, direct in pair:
+                    ttft, rate = await _stream_once(session, url, args.tokens, i)
+                    got[direct] = ttft
+                    (direct_ttft if direct else routed_ttft).append(ttft * 1000)
+                    (direct_rate if direct else routed_rate).append(rate)
+                added.append((got[False] - got[True]) * 1000)
+    for name, samples in (("TTFT direct", direct_ttft), ("TTFT via router", routed_ttft)):
+        median, p99 = median_p99(samples)
+        report.add(Figure(name, median, "ms", p99=p99))
+    median, p99 = median_p99(added)
+    report.add(
+        Figure(
+            "added TTFT (router - direct, paired)", median, "ms", p99=p99,
+            goal="p50 <= 1 ms", met=median <= 1.0,
+        )
+    )  # fmt: skip
+    for name, samples in (
+        ("stream throughput direct", direct_rate),
+        ("stream throughput via router", routed_rate),
+    ):
+        median, p99 = median_p99(samples)
+        report.add(Figure(name, median, "tok/s", p99=min(samples), note=""))
+    report.add(
+        Figure(
+            "throughput ratio router/direct",
+            median_p99(routed_rate)[0] / median_p99(direct_rate)[0],
+            "x",
+        )
+    )
