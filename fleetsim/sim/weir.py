@@ -15,7 +15,8 @@ change; and the relief ladder (`plan_relief`): at exhaustion, victims are migrat
 continuation re-routed by the router, excluding this endpoint) or recomputed in place.
 
 Engines run with Weir's engine flags (priority scheduling with aging, prefill yielding at
-chunk boundaries), as the operator renders them from the pool spec. When an engine dies,
+chunk boundaries, mixed prefill/decode iterations with a prefill time budget), as the
+operator renders them from the pool spec. When an engine dies,
 the router, which holds every stream, re-routes what it had in flight as continuations.
 
 Not modelled: tenant quotas charged in Redis (no quota is configured in these
@@ -71,6 +72,11 @@ from fleetsim.workloads import BLOCK_TOKENS
 
 # A lease lapses after this many missed heartbeats.
 LEASE_HEARTBEATS = 3
+# Weir's engine flags bound one iteration's prefill work so decodes keep flowing beside a
+# long prompt (SGLang: --enable-mixed-chunk and a smaller chunk).
+PREFILL_TIME_BUDGET_S = 0.5
+# Admitting a prompt this long publishes the sidecar's state at once.
+LONG_PROMPT_TOKENS = 4096
 # The router's queue keeps a request at most this long (the longest client wait).
 ROUTER_MAX_WAIT_S = 120.0
 
@@ -97,6 +103,7 @@ class Sidecar:
     admission_paused: bool = False
     used_tokens: int = 0
     reserved_tokens: int = 0
+    accounted_at: float = -1e9
     version: int = 0
 
     def predicted_total(self, flight: Flight) -> int:
@@ -164,6 +171,8 @@ class WeirPolicy:
             enable_priority_scheduling=True,
             priority_aging_s=1.0 / max(1e-9, policy.scheduling.aging_per_second),
             prefill_yield=True,
+            enable_mixed_chunk=True,
+            prefill_time_budget_s=PREFILL_TIME_BUDGET_S,
         )
 
     def _policy(self) -> PoolPolicy:
@@ -211,8 +220,14 @@ class WeirPolicy:
         if not slot.alive:
             return
         sidecar.version += 1
+        # Prompt tokens not yet prefilled: queued here, or admitted and still waiting for
+        # their first token (the sidecar knows what it sent and what has streamed back).
         waiting = sum(q.prompt_tokens for q, _ in sidecar.queue.values())
-        waiting += sum(r.total_len - r.computed for r in slot.model.waiting)
+        waiting += sum(
+            h.prompt_tokens - max(0, h.flight.visit_cached)
+            for h in sidecar.held.values()
+            if h.flight.generated == h.generated_at_admission
+        )
         state = EndpointState(
             pool=self._policy().pool,
             endpoint_id=sidecar.endpoint_id,
@@ -412,13 +427,21 @@ class WeirPolicy:
                 sidecar.held[flight.rid] = _Held(flight, queued.prompt_tokens, flight.generated)
                 sidecar.used_tokens += queued.prompt_tokens
                 sidecar.reserved_tokens += decision.needed_tokens - queued.prompt_tokens
+                if queued.prompt_tokens >= LONG_PROMPT_TOKENS:
+                    # Seconds of prefill just landed here: tell the routers now, not at
+                    # the next heartbeat, so short requests go elsewhere meanwhile.
+                    self._heartbeat(sidecar, now)
 
     def before_step(self, engine: int, now: float) -> None:
         self._admit(self.sidecars[engine], now)
 
     def after_step(self, engine: int, now: float) -> None:
         sidecar = self.sidecars[engine]
-        sidecar.account()
+        # The sidecar re-derives its KV account at its engine-poll rhythm, not every
+        # iteration; admissions and releases adjust it in between.
+        if now - sidecar.accounted_at >= self.sim.config.staleness.engine_poll_s:
+            sidecar.account()
+            sidecar.accounted_at = now
         previous = sidecar.watermark
         policy = self._policy()
         sidecar.watermark = classify(sidecar.usage(), previous, policy.kv)
