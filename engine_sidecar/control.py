@@ -19,7 +19,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from controlplane.contract import EndpointState, Lifecycle, SchemaError
-from controlplane.store.registry import EndpointRegistry, FencedError
+from controlplane.store import EndpointLease, EndpointRegistry, FencedError
 from engine_sidecar.ledger import COMMITTED
 from engine_sidecar.service import SidecarService
 
@@ -40,16 +40,16 @@ class ControlLink:
         self.service = service
         self.redis = redis
         self.registry = EndpointRegistry(redis, pool)
+        self.lease = EndpointLease(self.registry, lease_ttl_s)
         self.pool, self.endpoint_id, self.address = pool, endpoint_id, address
-        self.heartbeat_s, self.lease_ttl_s = heartbeat_s, lease_ttl_s
-        self.epoch = 0
-        self.version = 0
+        self.heartbeat_s = heartbeat_s
         self.started_at = time.time()
         self._task: asyncio.Task[None] | None = None
         self._last_preemptions = 0
         self._last_beat = time.monotonic()
 
     def state(self) -> EndpointState:
+        """This endpoint as it is now (the lease fills in epoch and version)."""
         service, ledger = self.service, self.service.ledger
         now = time.monotonic()
         elapsed = max(1e-3, now - self._last_beat)
@@ -62,8 +62,6 @@ class ControlLink:
             address=self.address,
             model=service.limits.model,
             role=service.policy.role,
-            epoch=self.epoch,
-            version=self.version,
             lifecycle=Lifecycle.DRAINING if service.draining else Lifecycle.READY,
             watermark=ledger.watermark,
             page_size=service.info.page_size,
@@ -79,44 +77,33 @@ class ControlLink:
             updated_at=time.time(),
         )
 
-    async def register(self) -> None:
-        registered = await self.registry.register(
-            self.state(), self.lease_ttl_s, epoch_floor=self.epoch
-        )
-        self.epoch, self.version = registered.epoch, registered.version
-
     async def beat(self) -> None:
-        """One heartbeat (registering first when needed), with its metric."""
+        """One heartbeat (the lease registers first when needed), with its metric."""
         metrics = self.service.metrics
         ledger = self.service.ledger
         changed_at = ledger.changed_at
         ledger.changed.clear()
         ledger.changed_at = None
         try:
-            if self.epoch == 0:
-                await self.register()
-            else:
-                self.version += 1
-                result = await self.registry.heartbeat(self.state(), self.lease_ttl_s)
-                if result.must_register:
-                    await self.register()
-            metrics.count("weir_sidecar_heartbeats_total", "ok")
-            if changed_at is not None:
-                delay = ledger.clock() - changed_at
-                metrics.observe("weir_sidecar_state_publish_delay_seconds", delay)
+            await self.lease.beat(self.state())
         except FencedError as exc:
             metrics.count("weir_sidecar_heartbeats_total", "fenced")
-            log.warning("%s; registering again", exc)
-            self.epoch = 0
+            log.error("%s; this sidecar stops publishing", exc)
+            return
         except (RedisError, OSError, SchemaError) as exc:
             metrics.count("weir_sidecar_heartbeats_total", "error")
             log.warning("heartbeat failed: %s", exc)
             if ledger.changed_at is None:
                 ledger.changed_at = changed_at
+            return
+        metrics.count("weir_sidecar_heartbeats_total", "ok")
+        if changed_at is not None:
+            delay = ledger.clock() - changed_at
+            metrics.observe("weir_sidecar_state_publish_delay_seconds", delay)
 
     async def _run(self) -> None:
         changed = self.service.ledger.changed
-        while True:
+        while self.lease.fenced is None:
             await self.beat()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(changed.wait(), timeout=self.heartbeat_s)
@@ -127,8 +114,8 @@ class ControlLink:
     async def drain(self) -> None:
         """Out of routing for good: mark draining in the store and publish it."""
         try:
-            if self.epoch:
-                await self.registry.drain(self.endpoint_id, self.epoch)
+            if self.lease.epoch:
+                await self.registry.drain(self.endpoint_id, self.lease.epoch)
         except (RedisError, OSError, FencedError) as exc:
             log.warning("drain in the store failed: %s", exc)
         await self.beat()
@@ -138,7 +125,6 @@ class ControlLink:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        if self.epoch:
-            with contextlib.suppress(RedisError, OSError, FencedError):
-                await self.registry.deregister(self.endpoint_id, self.epoch)
+        with contextlib.suppress(RedisError, OSError):
+            await self.lease.release()
         await self.redis.aclose()

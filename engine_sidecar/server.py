@@ -140,8 +140,7 @@ async def serve_sidecar(config: SidecarConfig) -> AsyncIterator[RunningSidecar]:
                 config.lease_ttl_s,
             )
             service.on_drain = link.drain
-            await link.beat()
-            link.start()
+            link.start()  # not awaited: an unreachable Redis must not hold up serving
         yield RunningSidecar(url, service, link, asyncio.Event())
     finally:
         for task in tasks:

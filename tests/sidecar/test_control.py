@@ -1,0 +1,128 @@
+"""The sidecar in the control plane: registration, heartbeats that publish its KV state,
+drain (the preStop path) and deregistration, against a real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from collections.abc import Awaitable, Callable
+
+import aiohttp
+import pytest
+
+from controlplane.contract import Lifecycle
+from controlplane.store import EndpointRegistry, connect
+from controlplane.store.connection import RedisSettings
+from engine_sidecar.server import SidecarConfig, serve_sidecar
+from fleetsim.server import RunningEngine
+from tests.sidecar.conftest import MODEL, REFERENCE_ENGINE_WARNINGS, pool_policy
+from tests.sidecar.streams import read_sse
+
+pytestmark = [pytest.mark.redis, REFERENCE_ENGINE_WARNINGS]
+
+
+async def _until(check: Callable[[], Awaitable[bool]], timeout_s: float = 10.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not await check():
+        assert loop.time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.02)
+
+
+async def test_registers_publishes_drains_and_deregisters(
+    engine: RunningEngine, redis_url: str
+) -> None:
+    redis = connect(RedisSettings(url=redis_url))
+    registry = EndpointRegistry(redis, "p")
+    config = SidecarConfig(
+        engine_url=engine.url,
+        redis_url=redis_url,
+        pool="p",
+        endpoint_id="pod-a",
+        advertise_url="http://pod-a:8001",
+        policy=pool_policy(),
+        heartbeat_s=0.2,
+        lease_ttl_s=2.0,
+    )
+    try:
+        async with serve_sidecar(config) as sidecar:
+
+            async def registered() -> bool:
+                return "pod-a" in (await registry.snapshot()).endpoints
+
+            async def draining() -> bool:
+                return sidecar.service.draining
+
+            await _until(registered)
+            snap = await registry.snapshot()
+            state = snap.endpoints["pod-a"]
+            assert (state.address, state.model, state.kv_capacity_tokens) == (
+                "http://pod-a:8001", MODEL, 8192,
+            )  # fmt: skip
+            assert state.epoch > 0
+            assert snap.lease_valid("pod-a")
+            body = {
+                "text": "grow the cache",
+                "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True},
+                "stream": True,
+            }
+            async with aiohttp.ClientSession() as http:
+                async with http.post(sidecar.url + "/generate", json=body) as resp:
+                    await read_sse(resp, stop_after=50)
+
+                    async def published() -> bool:
+                        now = (await registry.snapshot()).endpoints["pod-a"]
+                        return now.kv_used_tokens > 0 and now.version > state.version
+
+                    await _until(published)
+                    # The preStop hook: `weir sidecar drain --url ...` in a subprocess.
+                    drain = await asyncio.create_subprocess_exec(
+                        sys.executable, "-m", "weir.cli", "sidecar", "drain",
+                        "--url", sidecar.url, "--deadline-s", "0.2",
+                        stdout=subprocess.PIPE,
+                    )  # fmt: skip
+                    await _until(draining)
+                    rest = await read_sse(resp)
+                out, _ = await drain.communicate()
+                assert drain.returncode == 0
+                assert b'"aborted": 1' in out
+                assert rest.events
+                assert "error" in rest.events[-1]
+                async with http.post(sidecar.url + "/generate", json=body) as refused:
+                    assert refused.status == 429
+                    assert (await refused.json())["error"]["reason"] == "draining"
+            snap = await registry.snapshot()
+            assert snap.endpoints["pod-a"].lifecycle is Lifecycle.DRAINING
+            assert "pod-a" not in snap.membership().members
+            assert sidecar.service.ledger.own_used == 0
+        snap = await registry.snapshot()
+        assert "pod-a" not in snap.endpoints
+        assert engine.engine.loads().num_running_reqs == 0
+    finally:
+        await redis.aclose()
+
+
+async def test_runs_on_without_redis(engine: RunningEngine) -> None:
+    """Soft on control: with Redis unreachable, the sidecar still serves and admits."""
+    config = SidecarConfig(
+        engine_url=engine.url,
+        redis_url="redis://127.0.0.1:1/0",
+        pool="p",
+        endpoint_id="pod-b",
+        policy=pool_policy(),
+        heartbeat_s=0.2,
+    )
+    async with serve_sidecar(config) as sidecar:
+        body = {"text": "still here", "sampling_params": {"max_new_tokens": 8}, "stream": True}
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(sidecar.url + "/generate", json=body) as resp,
+        ):
+            assert resp.status == 200
+            assert (await read_sse(resp)).done
+
+        async def beat_failed() -> bool:
+            return 'result="error"' in sidecar.service.metrics.exposition().decode()
+
+        await _until(beat_failed, timeout_s=60.0)
