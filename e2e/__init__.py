@@ -1,0 +1,1 @@
+"""End-to-end tests: whole multi-process fleets, driven like a user drives them."""

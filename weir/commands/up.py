@@ -1,0 +1,131 @@
+"""`weir up`: a local fleet serving real requests — the quickest way to see Weir work.
+
+Starts Redis (unless --redis-url), N engines each with a sidecar, and a router; prints the
+URLs; streams a sample request through the router; then shows the fleet's status until
+Ctrl-C, when every child is stopped. `--smoke` exits after the sample traffic (non-zero if
+any request failed), which is how the end-to-end test drives it.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+NAME = "up"
+HELP = "Start a local fleet (Redis, engines, sidecars, router) and serve requests."
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--engines", type=int, default=2, help="engines (each with a sidecar)")
+    add("--port", type=int, default=8080, help="the router's port (0: a free one)")
+    add("--pool", default="local")
+    add("--engine", choices=("reference", "sglang"), default="reference",
+        help="reference engines, or real SGLang servers (GPU machine, sglang installed)")  # fmt: skip
+    add("--model", default="meta-llama/Llama-3.1-8B-Instruct",
+        help="the served model name; with --engine sglang, the weights' path")  # fmt: skip
+    add("--redis-url", default="", help="use this Redis instead of starting one")
+    add("--speed-factor", type=float, default=1.0, help="reference engines' simulated speed")
+    add("--requests", type=int, default=1, help="sample streamed requests sent at start")
+    add("--smoke", action="store_true", help="exit after the sample requests")
+    add("--status-every", type=float, default=5.0, help="seconds between status tables")
+
+
+def run(args: argparse.Namespace) -> int:
+    import signal
+    import sys
+    import time
+
+    from weir.local.fleet import FleetConfig, FleetError, LocalFleet, format_status
+
+    if args.requests < 0 or not args.status_every > 0:
+        print("weir up: --requests must be >= 0 and --status-every positive", file=sys.stderr)
+        return 2
+    try:
+        config = FleetConfig(
+            engines=args.engines,
+            router_port=args.port,
+            pool=args.pool,
+            model=args.model,
+            engine=args.engine,
+            model_path=args.model if args.engine == "sglang" else "",
+            redis_url=args.redis_url,
+            speed_factor=args.speed_factor,
+        )
+    except (ValueError, FleetError) as exc:
+        print(f"weir up: {exc}", file=sys.stderr)
+        return 2
+
+    def terminate(_signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, terminate)
+    fleet = LocalFleet(config)
+    try:
+        print(f"weir up: starting {config.engines} {config.engine} engine(s); logs in "
+              f"{fleet.workdir}", flush=True)  # fmt: skip
+        fleet.start()
+        print(f"  redis    {fleet.redis_url}")
+        for engine, sidecar in zip(fleet.engine_urls, fleet.sidecar_urls, strict=True):
+            print(f"  engine   {engine}  sidecar {sidecar}")
+        print(f"  router   {fleet.router_url}   (OpenAI base URL: {fleet.router_url}/v1)")
+        print(f"  metrics  {fleet.router_url}/metrics   status {fleet.router_url}/weir/v1/pool",
+              flush=True)  # fmt: skip
+        failures = sum(not _sample(fleet, i) for i in range(args.requests))
+        if args.smoke:
+            print(f"weir up: {args.requests - failures}/{args.requests} sample requests ok")
+            return 1 if failures else 0
+        print("weir up: serving; Ctrl-C stops the fleet", flush=True)
+        while True:
+            print(format_status(fleet.status()), flush=True)
+            if failed := fleet.failed_children():
+                print(f"weir up: {', '.join(failed)} exited; stopping", file=sys.stderr)
+                return 1
+            time.sleep(args.status_every)
+    except FleetError as exc:
+        print(f"weir up: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nweir up: stopping", flush=True)
+        return 0
+    finally:
+        fleet.stop()
+
+
+def _sample(fleet: object, i: int) -> bool:
+    """Stream one chat completion through the router, printing tokens as they come."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    from weir.local.fleet import LocalFleet
+
+    assert isinstance(fleet, LocalFleet)
+    body = {
+        "model": fleet.model,
+        "messages": [{"role": "user", "content": f"Sample request {i}: what does a weir do?"}],
+        "max_tokens": 48,
+        "stream": True,
+    }
+    request = urllib.request.Request(
+        fleet.router_url + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    print(f"sample {i} -> ", end="", flush=True)
+    try:
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            endpoint = reply.headers.get("x-weir-endpoint", "?")
+            done = False
+            for raw in reply:
+                line = raw.strip()
+                if line == b"data: [DONE]":
+                    done = True
+                elif line.startswith(b"data: "):
+                    chunk = json.loads(line[6:])
+                    for choice in chunk.get("choices", []):
+                        print(choice.get("delta", {}).get("content") or "", end="", flush=True)
+        print(f"  [{endpoint}{'' if done else ', INCOMPLETE'}]", flush=True)
+        return done
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        print(f"  [failed: {exc}]", flush=True)
+        return False

@@ -1,0 +1,222 @@
+"""A local fleet as plain processes: Redis, N engines each with a sidecar, and a router.
+
+`weir up` runs one. Every part is the real component started the way a cluster starts it
+(`weir engine` or SGLang's `launch_server`, `weir sidecar`, `weir router`), each child's
+output goes to a log file in the fleet's work directory, and `stop()` ends every child,
+newest first, terminating politely and killing what does not exit in time.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from weir.local.ports import free_port, wait_for_port
+from weir.local.redis_server import RedisServer
+
+WEIR = (sys.executable, "-m", "weir.cli")
+
+
+class FleetError(RuntimeError):
+    """A part of the fleet could not start; the message names it and its log."""
+
+
+@dataclass(frozen=True, slots=True)
+class FleetConfig:
+    engines: int = 2
+    router_port: int = 8080
+    pool: str = "local"
+    model: str = "meta-llama/Llama-3.1-8B-Instruct"
+    engine: str = "reference"  # or "sglang"
+    model_path: str = ""  # SGLang: the weights to serve
+    redis_url: str = ""  # empty: start a redis-server
+    speed_factor: float = 1.0
+    startup_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.engines <= 64:
+            raise ValueError("engines must be between 1 and 64")
+        if self.engine not in ("reference", "sglang"):
+            raise ValueError("engine must be 'reference' or 'sglang'")
+        if self.engine == "sglang":
+            if importlib.util.find_spec("sglang") is None:
+                raise FleetError(
+                    "--engine sglang needs SGLang on a GPU machine: pip install 'weir[sglang]'"
+                )
+            if not self.model_path:
+                raise ValueError("--engine sglang needs --model PATH (the weights to serve)")
+
+
+@dataclass
+class _Child:
+    name: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+
+@dataclass
+class LocalFleet:
+    config: FleetConfig
+    workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="weir-up-")))
+    redis: RedisServer | None = None
+    redis_url: str = ""
+    engine_urls: list[str] = field(default_factory=list)
+    sidecar_urls: list[str] = field(default_factory=list)
+    router_url: str = ""
+    _children: list[_Child] = field(default_factory=list)
+
+    @property
+    def model(self) -> str:
+        c = self.config
+        return c.model_path if c.engine == "sglang" else c.model
+
+    def start(self) -> LocalFleet:
+        c = self.config
+        try:
+            if c.redis_url:
+                self.redis_url = c.redis_url
+            else:
+                self.redis = RedisServer().start()
+                self.redis_url = self.redis.url
+            for i in range(c.engines):
+                port = free_port()
+                self._spawn(f"engine-{i}", self._engine_command(port), port)
+                self.engine_urls.append(f"http://127.0.0.1:{port}")
+            for i, engine_url in enumerate(self.engine_urls):
+                port = free_port()
+                self._spawn(
+                    f"sidecar-{i}",
+                    [*WEIR, "sidecar", "--engine-url", engine_url, "--port", str(port),
+                     "--redis-url", self.redis_url, "--pool", c.pool,
+                     "--endpoint-id", f"{c.pool}-{i}", "--heartbeat-s", "0.5",
+                     "--lease-ttl-s", "3"],
+                    port,
+                )  # fmt: skip
+                self.sidecar_urls.append(f"http://127.0.0.1:{port}")
+            port = c.router_port or free_port()
+            self._spawn(
+                "router",
+                [*WEIR, "router", "--port", str(port), "--pool", c.pool, "--model", self.model,
+                 "--redis-url", self.redis_url,
+                 "--bytes-per-token", "1" if c.engine == "reference" else "4"],
+                port,
+            )  # fmt: skip
+            self.router_url = f"http://127.0.0.1:{port}"
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _engine_command(self, port: int) -> list[str]:
+        c = self.config
+        if c.engine == "sglang":
+            return [sys.executable, "-m", "sglang.launch_server", "--model-path", c.model_path,
+                    "--host", "127.0.0.1", "--port", str(port), "--enable-metrics"]  # fmt: skip
+        return [*WEIR, "engine", "--port", str(port), "--model", c.model,
+                "--speed-factor", str(c.speed_factor)]  # fmt: skip
+
+    def _spawn(self, name: str, command: list[str], port: int) -> None:
+        log = self.workdir / f"{name}.log"
+        with log.open("wb") as out:
+            proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+        child = _Child(name, proc, log)
+        self._children.append(child)
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise FleetError(f"{name} exited with {proc.returncode}:\n{_tail(log)}")
+            try:
+                wait_for_port(port, timeout_s=0.5)
+                return
+            except TimeoutError:
+                if time.monotonic() > deadline:
+                    raise FleetError(f"{name} did not listen on {port}:\n{_tail(log)}") from None
+
+    def _wait_ready(self) -> None:
+        """Until the router sees every sidecar's endpoint in its snapshot."""
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        while True:
+            try:
+                status = self.status()
+                if len(status["endpoints"]) >= self.config.engines and not status["stale"]:
+                    return
+            except (OSError, urllib.error.URLError, ValueError):
+                pass
+            for child in self._children:
+                if child.proc.poll() is not None:
+                    raise FleetError(f"{child.name} exited:\n{_tail(child.log)}")
+            if time.monotonic() > deadline:
+                raise FleetError("the router did not see every endpoint in time")
+            time.sleep(0.1)
+
+    def status(self) -> dict[str, Any]:
+        """The fleet as the router sees it (`GET /weir/v1/pool`)."""
+        with urllib.request.urlopen(self.router_url + "/weir/v1/pool", timeout=5) as reply:
+            data: dict[str, Any] = json.loads(reply.read())
+            return data
+
+    def failed_children(self) -> list[str]:
+        return [c.name for c in self._children if c.proc.poll() is not None]
+
+    def stop(self) -> None:
+        for child in reversed(self._children):
+            if child.proc.poll() is None:
+                child.proc.terminate()
+        for child in reversed(self._children):
+            try:
+                child.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                child.proc.kill()
+                child.proc.wait()
+        self._children.clear()
+        if self.redis is not None:
+            self.redis.close()
+            self.redis = None
+
+    def __enter__(self) -> LocalFleet:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+def _tail(log: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def format_status(status: dict[str, Any]) -> str:
+    """A table of the fleet: one row per endpoint."""
+    rows = [("endpoint", "watermark", "kv used/capacity", "running", "queued", "lease")]
+    for e in status["endpoints"]:
+        capacity = e["kv_capacity_tokens"] or 1
+        used = e["kv_used_tokens"] + e["kv_reserved_growth_tokens"]
+        lease = "-" if e["lease_left_s"] is None else f"{e['lease_left_s']:.1f}s"
+        rows.append((
+            e["endpoint_id"], e["watermark"],
+            f"{e['kv_used_tokens']}/{e['kv_capacity_tokens']} ({100 * used / capacity:.0f}%)",
+            str(e["running_requests"]), str(e["queued_requests"]), lease,
+        ))  # fmt: skip
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(widths[i]) for i, cell in enumerate(r)).rstrip() for r in rows]
+    age = status["snapshot_age_s"]
+    lines.append(f"pool {status['pool']}: snapshot age {age:.1f}s, router queue {status['queued']}")
+    return "\n".join(lines)
