@@ -23,7 +23,7 @@ def policies(seed: int = 0) -> dict[str, Callable[[], FleetPolicy]]:
         "sglang_cache_aware": lambda: BaselinePolicy(SGLangCacheAware()),
         "llmd_weighted": lambda: BaselinePolicy(LlmdWeighted(seed)),
         "max_tokens_reserve": lambda: BaselinePolicy(
-            LeastOutstanding(seed), reserve_max_tokens=True
+            LeastOutstanding(seed), reserve_max_tokens=True, name="max_tokens_reserve"
         ),
         "weir": WeirPolicy,
     }

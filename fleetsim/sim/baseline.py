@@ -19,10 +19,12 @@ from fleetsim.sim.loop import Simulation
 
 
 class BaselinePolicy:
-    def __init__(self, router: BaselineRouter, *, reserve_max_tokens: bool = False) -> None:
+    def __init__(
+        self, router: BaselineRouter, *, reserve_max_tokens: bool = False, name: str = ""
+    ) -> None:
         self.router = router
         self.reserve = reserve_max_tokens
-        self.name = f"{router.name}+max_tokens_reserve" if reserve_max_tokens else router.name
+        self.name = name or router.name
         self._sim: Simulation | None = None
         self._outstanding: list[int] = []
         self._scraped: list[tuple[int, float]] = []

@@ -1,0 +1,166 @@
+"""What one simulated run measured, as plain JSON-ready numbers.
+
+Definitions (the report and docs/fleet-simulation.md use exactly these):
+
+- offered: every request the workload sent. rejected: refused before admission
+  (`overload`, or an engine's outright refusal). accepted: everything else that a router
+  took. lost: accepted requests that ended with neither a natural finish (`stop` /
+  `length`) nor a client's own action (`cancelled`, `deadline`), or never finished.
+- goodput: completed requests meeting all three SLOs (TTFT, TPOT, E2E; see `SLO`) per
+  second of offered traffic — counted per request, per output token, and weighted by
+  priority (weight = priority + 1).
+- KV high water: engine-seconds spent with the engine's KV at or above the policy's high
+  watermark; exhaustion events: iterations in which an engine had to retract running
+  requests because decode found no free page.
+- starvation: over low-priority requests (priority 0), the share that completed, the
+  share whose first token came within their `max_wait_s`, and the longest wait for a first
+  token (or until the request ended without one). Requests their clients cancelled are
+  left out.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from controlplane.contract import FinishReason
+from fleetsim.sim import SLO, Flight, SimResult
+from fleetsim.workloads import length_bucket
+
+CLIENT_ENDINGS = frozenset({FinishReason.CANCELLED, FinishReason.DEADLINE})
+
+
+def quantiles(values: Iterable[float]) -> dict[str, float]:
+    """p50, p90 and p99 (nearest rank); NaN for an empty sample."""
+    ordered = sorted(values)
+    if not ordered:
+        return {"p50": math.nan, "p90": math.nan, "p99": math.nan, "n": 0}
+    n = len(ordered)
+
+    def rank(q: float) -> float:
+        return ordered[max(0, math.ceil(q * n) - 1)]
+
+    return {"p50": rank(0.5), "p90": rank(0.9), "p99": rank(0.99), "n": n}
+
+
+def meets_slo(flight: Flight, slo: SLO) -> bool:
+    if not flight.completed:
+        return False
+    inp = flight.spec.input_tokens
+    return (
+        flight.ttft_s <= slo.ttft_for(inp)
+        and flight.tpot_s <= slo.tpot_s
+        and flight.e2e_s <= slo.e2e_for(inp, flight.generated)
+    )
+
+
+def is_rejected(flight: Flight) -> bool:
+    return flight.reason is FinishReason.OVERLOAD or (
+        flight.reason is FinishReason.ERROR and not flight.accepted
+    )
+
+
+def is_lost(flight: Flight) -> bool:
+    """Accepted, then neither finished naturally, nor ended by its client, nor refused
+    with `overload` (which a client sees and may retry): an error, an abort, or no end."""
+    if flight.completed or flight.reason in CLIENT_ENDINGS or is_rejected(flight):
+        return False
+    return flight.accepted or not flight.done
+
+
+def summarize(result: SimResult, slo: SLO, prefill_s_per_token: float) -> dict[str, Any]:
+    flights = result.flights
+    span = max(result.duration_s, 1e-9)
+    completed = [f for f in flights if f.completed]
+    good = [f for f in completed if meets_slo(f, slo)]
+    rejected = [f for f in flights if is_rejected(f)]
+    lost = [f for f in flights if is_lost(f)]
+    short = [f for f in completed if not f.spec.is_long]
+    low = [f for f in flights if f.spec.priority == 0 and f.reason not in CLIENT_ENDINGS]
+    preemptions: dict[str, int] = defaultdict(int)
+    for f in flights:
+        for mode, count in f.preemptions.items():
+            preemptions[mode] += count
+    cached = sum(f.cached_tokens for f in flights)
+    inputs = sum(f.spec.input_tokens for f in flights if f.first_token_at >= 0)
+    served: dict[str, int] = defaultdict(int)
+    for f in completed:
+        served[f.spec.tenant] += f.spec.input_tokens + f.generated
+    total_served = sum(served.values()) or 1
+    return {
+        "policy": result.policy,
+        "offered": len(flights),
+        "offered_rps": len(flights) / span,
+        "accepted": sum(f.accepted and not is_rejected(f) for f in flights),
+        "rejected": len(rejected),
+        "completed": len(completed),
+        "cancelled": sum(f.reason is FinishReason.CANCELLED for f in flights),
+        "deadline": sum(f.reason is FinishReason.DEADLINE for f in flights),
+        "lost": len(lost),
+        "goodput_rps": len(good) / span,
+        "goodput_tokens_per_s": sum(f.generated for f in good) / span,
+        "goodput_weighted": sum(f.spec.priority + 1 for f in good) / span,
+        "slo_attainment": len(good) / len(flights) if flights else math.nan,
+        "ttft_s": quantiles(f.ttft_s for f in completed),
+        "tpot_s": quantiles(f.tpot_s for f in completed if f.generated > 1),
+        "e2e_s": quantiles(f.e2e_s for f in completed),
+        "short_ttft_s": quantiles(f.ttft_s for f in short),
+        "ttft_by_input": _by_bucket(completed, "input", "ttft"),
+        "tpot_by_output": _by_bucket(completed, "output", "tpot"),
+        "e2e_by_input": _by_bucket(completed, "input", "e2e"),
+        "e2e_by_output": _by_bucket(completed, "output", "e2e"),
+        "queue_s": quantiles(f.queue_time_s for f in flights if f.accepted),
+        "kv_high_water_engine_s": result.high_water_s,
+        "kv_high_water_share": result.high_water_s / max(1e-9, result.end_s * result.engines),
+        "kv_exhaustion_events": result.exhaustion_events,
+        "kv_peak_usage": result.peak_usage,
+        "preemptions": dict(sorted(preemptions.items())),
+        "recomputed_tokens": sum(f.recomputed_tokens for f in flights),
+        "cached_tokens": cached,
+        "cache_hit_share": cached / inputs if inputs else 0.0,
+        "prefill_s_saved": cached * prefill_s_per_token,
+        "tenant_share": {t: n / total_served for t, n in sorted(served.items())},
+        "starvation": _starvation(low),
+        "end_s": result.end_s,
+    }
+
+
+def _by_bucket(flights: Sequence[Flight], side: str, metric: str) -> dict[str, dict[str, float]]:
+    groups: dict[str, list[float]] = defaultdict(list)
+    for f in flights:
+        tokens = f.spec.input_tokens if side == "input" else f.generated
+        if metric == "tpot" and f.generated < 2:
+            continue
+        value = {"ttft": f.ttft_s, "tpot": f.tpot_s, "e2e": f.e2e_s}[metric]
+        groups[length_bucket(tokens)].append(value)
+    return {bucket: quantiles(values) for bucket, values in sorted(groups.items())}
+
+
+def _starvation(low: Sequence[Flight]) -> dict[str, float]:
+    if not low:
+        return {
+            "requests": 0,
+            "completed_share": math.nan,
+            "within_max_wait_share": math.nan,
+            "max_wait_s": math.nan,
+        }
+    waits = []
+    within = 0
+    for f in low:
+        if f.first_token_at >= 0:
+            wait = f.ttft_s
+        elif f.finished_at >= 0:
+            wait = f.finished_at - f.spec.arrival_s
+        else:
+            wait = f.spec.max_wait_s or math.inf
+        waits.append(wait)
+        if f.first_token_at >= 0 and (not f.spec.max_wait_s or wait <= f.spec.max_wait_s):
+            within += 1
+    return {
+        "requests": len(low),
+        "completed_share": sum(f.completed for f in low) / len(low),
+        "within_max_wait_share": within / len(low),
+        "max_wait_s": max(waits),
+    }

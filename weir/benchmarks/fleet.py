@@ -1,0 +1,160 @@
+"""`weir bench fleet`: the long-request validation matrix in the fleet simulator.
+
+Every scenario (or a replayed trace) under every policy — Weir and the baselines — on
+the same simulated traffic, plus a load sweep for saturation points. Writes report.md,
+report.json and PNG plots to `--out`, and prints Weir's goal ratios as figures (median and
+p99 over `--runs` seeds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from weir.benchmarks._report import Figure, Report, add_output_flags, median_p99
+
+NAME = "fleet"
+HELP = "Simulate the validation matrix: Weir against the baselines on the same traffic."
+
+DEFAULT_SWEEP = "0.5,0.75,1.0,1.25,1.5"
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--scenario", default="all", help="a scenario name, or 'all'")
+    parser.add_argument("--engines", type=int, default=16, help="engines in the fleet")
+    parser.add_argument("--trace", type=Path, help="replay a Mooncake JSONL or Azure CSV trace")
+    parser.add_argument("--speedup", type=float, default=1.0, help="trace time compression")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("fleet-report"))
+    parser.add_argument(
+        "--load", type=float, default=0.9, help="offered load, fraction of nominal capacity"
+    )
+    parser.add_argument("--duration", type=float, default=30.0, help="arrival window, s")
+    parser.add_argument("--sweep", default=DEFAULT_SWEEP, help="loads for the sweep ('' = none)")
+    parser.add_argument("--sweep-scenario", default="few_long_many_short")
+    parser.add_argument("--policies", default="all", help="comma-separated, or 'all'")
+    parser.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1))
+    add_output_flags(parser)
+    parser.set_defaults(runs=1)
+
+
+def run(args: argparse.Namespace) -> int:
+    from fleetsim.report import (
+        CellSpec,
+        goals,
+        json_safe,
+        kv_plot,
+        markdown_document,
+        run_cells,
+        saturation,
+        sweep_plot,
+        trace_cell,
+        ttft_cdf_plot,
+    )
+    from fleetsim.sim import policies
+    from fleetsim.workloads import SCENARIOS
+
+    known = list(policies())
+    chosen = known if args.policies == "all" else args.policies.split(",")
+    bad = [p for p in chosen if p not in known]
+    if bad or args.engines < 1 or args.runs < 1 or not args.load > 0 or not args.duration > 0:
+        raise SystemExit(
+            f"bad arguments: unknown policies {bad} (known: {', '.join(known)})"
+            if bad
+            else "engines, runs, load and duration must be positive"
+        )
+    if args.scenario != "all" and args.scenario not in SCENARIOS:
+        raise SystemExit(f"unknown scenario {args.scenario!r}; known: {', '.join(SCENARIOS)}")
+    names = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
+    seeds = [args.seed + r for r in range(args.runs)]
+    loads = [float(x) for x in args.sweep.split(",") if x.strip()] if args.sweep else []
+
+    matrix: list[CellSpec] = []
+    for seed in seeds:
+        if args.trace:
+            matrix += [trace_cell(args.trace, p, seed, args.engines, args.speedup) for p in chosen]
+        else:
+            matrix += [
+                CellSpec(n, p, args.load, seed, args.engines, args.duration)
+                for n in names
+                for p in chosen
+            ]
+    sweep = [
+        CellSpec(args.sweep_scenario, p, x, args.seed, args.engines, args.duration)
+        for x in loads
+        for p in chosen
+    ]
+    if args.trace:
+        sweep = []
+    started = time.perf_counter()
+    cells = run_cells([*matrix, *sweep], args.jobs)
+    elapsed = time.perf_counter() - started
+    matrix_cells, sweep_cells = cells[: len(matrix)], cells[len(matrix) :]
+    goal_rows = goals(matrix_cells)
+    points = saturation(sweep_cells)
+
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    first = [c for c in matrix_cells if c.spec.seed == args.seed]
+    plots = [ttft_cdf_plot(first, out / "ttft_cdf.png"), kv_plot(first, out / "kv_over_time.png")]
+    if sweep_cells:
+        plots.append(sweep_plot(sweep_cells, out / "goodput_vs_load.png"))
+    params = {
+        "scenario": "trace" if args.trace else args.scenario,
+        "engines": args.engines,
+        "load": args.load,
+        "duration_s": args.duration,
+        "seeds": seeds,
+        "sweep": loads,
+        "policies": chosen,
+        "wall_s": round(elapsed, 1),
+    }
+    document = {
+        "params": params,
+        "cells": [
+            {
+                "scenario": c.spec.scenario,
+                "policy": c.spec.policy,
+                "seed": c.spec.seed,
+                "load": c.spec.load,
+                **c.summary,
+            }
+            for c in matrix_cells
+        ],
+        "goals": goal_rows,
+        "sweep": [{"policy": c.spec.policy, "load": c.spec.load, **c.summary} for c in sweep_cells],
+        "saturation": points,
+    }
+    (out / "report.json").write_text(json.dumps(json_safe(document), indent=1) + "\n")
+    (out / "report.md").write_text(markdown_document(first, goal_rows, sweep_cells, points, params))
+
+    report = Report(NAME, params={**params, "out": str(out)})
+    _figures(report, goal_rows)
+    report.add(Figure("wall time", elapsed, "s", goal="< 900", met=elapsed < 900))
+    report.emit(args.json)
+    return 0
+
+
+_GOALS: tuple[tuple[str, str, str, str, Callable[[float], bool]], ...] = (
+    ("goodput_ratio", "goodput vs best baseline", "x", ">= 1.5", lambda v: v >= 1.5),
+    ("short_ttft_p99_ratio", "short p99 TTFT vs best", "x", "<= 0.5", lambda v: v <= 0.5),
+    ("kv_exhaustion_events", "KV exhaustion events", "events", "0", lambda v: v == 0),
+    ("lost", "accepted requests lost", "requests", "0", lambda v: v == 0),
+)
+
+
+def _figures(report: Report, rows: list[dict[str, Any]]) -> None:
+    for name in dict.fromkeys(str(r["scenario"]) for r in rows):
+        mine = [r for r in rows if r["scenario"] == name]
+        for key, label, unit, goal, ok in _GOALS:
+            values = [float(r[key]) for r in mine if math.isfinite(float(r[key]))]
+            if not values:
+                continue
+            median, p99 = median_p99(values)
+            report.add(Figure(f"{name}: {label}", median, unit, p99, goal, ok(median)))
