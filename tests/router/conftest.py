@@ -66,6 +66,7 @@ async def make_fleet(
     speed_factor: float = 20.0,
     routing: RoutingPolicy | None = None,
     pool: str = POOL,
+    **gateway_config: object,
 ) -> AsyncIterator[Fleet]:
     async with contextlib.AsyncExitStack() as stack:
         redis = connect(RedisSettings(url=redis_url, retries=1, command_timeout_s=2.0))
@@ -90,7 +91,11 @@ async def make_fleet(
             )
             states[endpoint_id] = await registry.register(state, ttl_s)
         config = GatewayConfig(
-            pool=pool, model=MODEL, routing=routing or RoutingPolicy(), limits=Limits()
+            pool=pool,
+            model=MODEL,
+            routing=routing or RoutingPolicy(),
+            limits=Limits(),
+            **gateway_config,  # type: ignore[arg-type]
         )
         gateway = await serve_gateway(config, redis_url=redis_url)
         stack.push_async_callback(gateway.close)

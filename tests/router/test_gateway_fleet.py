@@ -231,3 +231,27 @@ async def test_routing_goes_on_within_the_staleness_bound_then_fails_closed(
                 assert reply.status == 503
         fresh_redis.start()
         await until(lambda: not gateway.view.is_stale(gateway.clock()), "recovery")
+
+
+async def test_when_every_endpoint_is_critical_requests_queue_then_flow_or_time_out(
+    redis_url: str,
+) -> None:
+    async with make_fleet(redis_url, engines=2, queue_max_wait_s=1.0) as fleet:
+        for endpoint_id in fleet.engines:
+            await fleet.report(endpoint_id, watermark=WatermarkState.CRITICAL)
+        gateway = fleet.gateway.gateway
+        async with aiohttp.ClientSession() as session:
+            # Nobody recovers: the queued request is refused when its time to live ends.
+            body = {"model": MODEL, "prompt": "wait for me", "max_tokens": 4}
+            async with session.post(fleet.url + "/v1/completions", json=body) as reply:
+                assert reply.status == 429
+                assert (await reply.json())["error"]["reason"] == "queue_timeout"
+                assert int(reply.headers["Retry-After"]) >= 1
+            # One endpoint recovers while a request waits: it is served there.
+            waiting = asyncio.create_task(_complete(session, fleet.url, "served after all"))
+            await until(lambda: len(gateway.queue) == 1, "the request to queue")
+            await fleet.report("e1", watermark=WatermarkState.NORMAL)
+            served, text = await waiting
+        assert served == "e1"
+        assert len(text) == 8
+        assert len(gateway.queue) == 0

@@ -1,0 +1,77 @@
+"""Per-request fields: priority and deadline from headers or body, and continuations."""
+
+from __future__ import annotations
+
+import pytest
+
+from controlplane.contract import Continuation, EngineAPI
+from controlplane.gateway import GatewayError, Limits
+from controlplane.gateway.requests import parse, resume_body
+
+MODELS = frozenset({"m"})
+
+
+def _parse(api: EngineAPI, body: dict[str, object], headers: dict[str, str] | None = None):
+    return parse(
+        api, body, headers or {}, models=MODELS, default_model="m", limits=Limits(1000, 1.0)
+    )
+
+
+def test_headers_win_over_body_fields_and_weir_fields_stay_out_of_the_upstream_body() -> None:
+    body = {"model": "m", "prompt": "hello", "priority": 3, "weir_deadline_ms": 9000,
+            "stream": True, "rid": "client-rid"}  # fmt: skip
+    request = _parse(
+        EngineAPI.COMPLETIONS, body, {"x-weir-priority": "7", "x-weir-deadline-ms": "2500"}
+    )
+    assert request.priority == 7
+    assert request.deadline_s == 2.5
+    assert request.stream
+    assert request.body == {"model": "m", "prompt": "hello", "priority": 7}
+    from_body = _parse(EngineAPI.COMPLETIONS, {**body, "stream": False})
+    assert (from_body.priority, from_body.deadline_s) == (3, 9.0)
+
+
+def test_limits_default_per_api_and_to_the_context_left() -> None:
+    assert _parse(EngineAPI.COMPLETIONS, {"model": "m", "prompt": "x"}).max_new_tokens == 16
+    assert _parse(EngineAPI.GENERATE, {"text": "x"}).max_new_tokens == 128
+    chat = _parse(EngineAPI.CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}]})
+    assert chat.max_new_tokens == 1000 - chat.prompt_tokens
+    with pytest.raises(GatewayError, match="context length"):
+        _parse(
+            EngineAPI.GENERATE, {"input_ids": [1] * 900, "sampling_params": {"max_new_tokens": 200}}
+        )
+
+
+@pytest.mark.parametrize(
+    ("api", "body", "expected"),
+    [
+        (EngineAPI.COMPLETIONS, {"model": "m", "prompt": "ab", "max_tokens": 10},
+         {"model": "m", "prompt": "abXYZ", "max_tokens": 7}),
+        (EngineAPI.CHAT, {"model": "m", "messages": [{"role": "user", "content": "q"}],
+                          "max_completion_tokens": 10},
+         {"model": "m", "max_tokens": 7, "continue_final_message": True,
+          "add_generation_prompt": False,
+          "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "XYZ"}]}),
+        (EngineAPI.GENERATE, {"text": "ab", "sampling_params": {"max_new_tokens": 10}},
+         {"text": "abXYZ", "sampling_params": {"max_new_tokens": 7}}),
+    ],
+)  # fmt: skip
+def test_a_continuation_extends_the_prompt_by_what_the_client_received(
+    api: EngineAPI, body: dict[str, object], expected: dict[str, object]
+) -> None:
+    continuation = Continuation(
+        request_id="r", model="m", api=api, body=body, generated_text="XYZ", max_new_tokens=10
+    )
+    assert resume_body(continuation, generated_tokens=3) == expected
+
+
+def test_a_generate_continuation_by_ids_appends_the_generated_ids() -> None:
+    continuation = Continuation(
+        request_id="r", model="m", api=EngineAPI.GENERATE,
+        body={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 5}},
+        prompt_ids=(1, 2), generated_ids=(7, 8), generated_text="??", max_new_tokens=5,
+    )  # fmt: skip
+    assert resume_body(continuation, 2) == {
+        "input_ids": [1, 2, 7, 8],
+        "sampling_params": {"max_new_tokens": 3},
+    }
