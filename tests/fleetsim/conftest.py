@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 
@@ -25,3 +26,12 @@ def small_config(**changes: object) -> EngineConfig:
 async def engine() -> AsyncIterator[RunningEngine]:
     async with serve_engine(small_config()) as running:
         yield running
+
+
+async def until(predicate: Callable[[], object], timeout_s: float = 30.0) -> None:
+    """Poll the engine's state (it lives in this event loop) until `predicate` holds."""
+    for _ in range(int(timeout_s / 0.002)):
+        if predicate():
+            return
+        await asyncio.sleep(0.002)
+    raise TimeoutError("condition not reached")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import aiohttp
 import openai
 from openai.types.chat import ChatCompletionMessageParam
@@ -11,6 +9,8 @@ from openai.types.chat import ChatCompletionMessageParam
 from fleetsim.engine import encode
 from fleetsim.engine.chat_template import render
 from fleetsim.server import RunningEngine
+
+from .conftest import until
 
 
 def client(engine: RunningEngine) -> openai.AsyncOpenAI:
@@ -142,10 +142,7 @@ async def test_client_disconnect_aborts_the_request(engine: RunningEngine) -> No
         )  # fmt: skip
         await resp.content.readline()
         resp.close()
-    for _ in range(500):
-        if not model.requests:
-            break
-        await asyncio.sleep(0.01)
+    await until(lambda: not model.requests)
     assert not model.requests
     assert model.kv.used_pages == 0
     model.check()

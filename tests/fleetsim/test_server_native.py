@@ -1,0 +1,222 @@
+"""SGLang's native surface over real HTTP: /generate, state, control, both API versions."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+from typing import Any
+
+import aiohttp
+import pytest
+
+from fleetsim.server import RunningEngine, serve_engine
+
+from .conftest import small_config, until
+
+
+async def post(http: aiohttp.ClientSession, url: str, body: object) -> tuple[int, Any]:
+    async with http.post(url, json=body) as resp:
+        text = await resp.text()
+        return resp.status, json.loads(text) if text.startswith(("{", "[")) else text
+
+
+async def get(http: aiohttp.ClientSession, url: str) -> tuple[int, Any]:
+    async with http.get(url) as resp:
+        text = await resp.text()
+        return resp.status, json.loads(text) if text.startswith(("{", "[")) else text
+
+
+def gen(text: str, n: int, **extra: object) -> dict[str, object]:
+    return {"text": text, "sampling_params": {"max_new_tokens": n, "ignore_eos": True}, **extra}
+
+
+async def test_generate_plain_and_streamed_agree(engine: RunningEngine) -> None:
+    async with aiohttp.ClientSession() as http:
+        status, plain = await post(http, f"{engine.url}/generate", gen("abc", 25, rid="p-1"))
+        assert status == 200
+        chunks = []
+        async with http.post(
+            f"{engine.url}/generate", json=gen("abc", 25, rid="s-1", stream=True)
+        ) as resp:
+            assert resp.headers["Content-Type"].startswith("text/event-stream")
+            async for line in resp.content:
+                if line.startswith(b"data: "):
+                    chunks.append(line[6:].strip())
+    assert chunks[-1] == b"[DONE]"
+    events = [json.loads(c) for c in chunks[:-1]]
+    # Cumulative text and ids; finish_reason null until the last chunk.
+    assert all(e["meta_info"]["finish_reason"] is None for e in events[:-1])
+    assert all(a["text"] == b["text"][: len(a["text"])] for a, b in itertools.pairwise(events))
+    last = events[-1]
+    assert last["text"] == plain["text"]
+    assert last["output_ids"] == plain["output_ids"]
+    meta = plain["meta_info"]
+    assert meta["id"] == "p-1"
+    assert meta["finish_reason"] == {"type": "length", "length": 25}
+    assert (meta["prompt_tokens"], meta["completion_tokens"]) == (3, 25)
+    assert meta["e2e_latency"] >= 0
+    assert last["meta_info"]["id"] == "s-1"
+
+
+@pytest.mark.parametrize("version", ["0.5.5", "0.5.23"])
+async def test_surface_differs_by_version(version: str) -> None:
+    async with (
+        serve_engine(small_config(), api_version=version) as eng,
+        aiohttp.ClientSession() as http,
+    ):
+        status, info = await get(http, f"{eng.url}/get_server_info")
+        assert status == 200
+        assert info["version"] == version
+        assert info["max_total_num_tokens"] == 16384
+        assert info["page_size"] == 4
+        assert info["chunked_prefill_size"] == 512
+        assert info["internal_states"][0]["memory_usage"]["token_capacity"] == 16384
+        new = version == "0.5.23"
+        assert (await get(http, f"{eng.url}/server_info"))[0] == (200 if new else 404)
+        assert (await get(http, f"{eng.url}/ready"))[0] == (200 if new else 404)
+        assert (await get(http, f"{eng.url}/get_load"))[0] == (404 if new else 200)
+        assert (await get(http, f"{eng.url}/v1/loads?include=all"))[0] == (200 if new else 404)
+        assert (await get(http, f"{eng.url}/health"))[0] == 200
+        assert (await get(http, f"{eng.url}/health_generate"))[0] == 200
+        status, model_info = await get(http, f"{eng.url}/get_model_info")
+        assert status == 200
+        assert model_info["is_generation"] is True
+        _, metrics = await get(http, f"{eng.url}/metrics")
+        assert ("sglang:kv_used_tokens{" in metrics) is new
+        assert "sglang:token_usage{" in metrics
+        if not new:
+            # 0.5.5 pause takes no body and aborts everything.
+            task = asyncio.create_task(post(http, f"{eng.url}/generate", gen("x", 100000)))
+            await until(lambda: eng.engine.requests)
+            assert (await post(http, f"{eng.url}/pause_generation", None))[0] == 200
+            status, body = await task
+            assert body["meta_info"]["finish_reason"]["type"] == "abort"
+            assert (await post(http, f"{eng.url}/continue_generation", None))[0] == 200
+            _, load = await get(http, f"{eng.url}/get_load")
+            assert load == [{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}]
+
+
+async def test_loads_and_metrics_follow_running_requests(engine: RunningEngine) -> None:
+    async with aiohttp.ClientSession() as http:
+        tasks = [
+            asyncio.create_task(post(http, f"{engine.url}/generate", gen(f"r{i}", 4000)))
+            for i in range(3)
+        ]
+        await until(lambda: len(engine.engine.decoding) == 3)
+        _, loads = await get(http, f"{engine.url}/v1/loads")
+        rank = loads["loads"][0]
+        assert rank["num_running_reqs"] == 3
+        assert rank["num_used_tokens"] > 0
+        assert rank["max_total_num_tokens"] == 16384
+        assert 0 < rank["token_usage"] < 1
+        # A prefill iteration ran since the requests arrived: the gauges were refreshed.
+        _, metrics = await get(http, f"{engine.url}/metrics")
+        assert 'sglang:num_running_reqs{engine_type="unified"' in metrics
+        assert "sglang:num_running_reqs{" in metrics
+        await post(http, f"{engine.url}/abort_request", {"rid": "", "abort_all": True})
+        results = await asyncio.gather(*tasks)
+        assert {r[1]["meta_info"]["finish_reason"]["type"] for r in results} == {"abort"}
+        _, metrics = await get(http, f"{engine.url}/metrics")
+    assert "sglang:num_aborted_requests_total" in metrics
+    assert engine.engine.kv.used_pages == 0
+
+
+async def test_pause_modes(engine: RunningEngine) -> None:
+    model = engine.engine
+    async with aiohttp.ClientSession() as http:
+        url = engine.url
+        _, reference = await post(http, f"{url}/generate", gen("pause me", 300, rid="ref"))
+        for mode in ("in_place", "retract"):
+            task = asyncio.create_task(post(http, f"{url}/generate", gen("pause me", 300)))
+            await until(lambda: model.decoding and len(model.decoding[0].output_ids) >= 10)
+            status, _ = await post(http, f"{url}/pause_generation", {"mode": mode})
+            assert status == 200
+            req = next(iter(model.requests.values()))
+            held = len(req.output_ids)
+            await asyncio.sleep(0.05)
+            assert len(req.output_ids) == held  # nothing runs while paused
+            if mode == "retract":
+                assert req.computed == 0
+                assert model.kv.used_pages == 0
+            else:
+                assert req.computed > 0
+            assert (await post(http, f"{url}/continue_generation", {}))[0] == 200
+            _, body = await task
+            assert body["output_ids"] == reference["output_ids"]
+            assert body["meta_info"]["num_retractions"] == (1 if mode == "retract" else 0)
+        status, _ = await post(http, f"{url}/pause_generation", {"mode": "sideways"})
+        assert status == 400
+        assert not model.paused
+
+
+async def test_flush_cache_refused_while_running(engine: RunningEngine) -> None:
+    model = engine.engine
+    async with aiohttp.ClientSession() as http:
+        await post(http, f"{engine.url}/generate", gen("cache me " * 20, 10))
+        assert model.kv.evictable_pages > 0
+        task = asyncio.create_task(post(http, f"{engine.url}/generate", gen("busy", 100000)))
+        await until(lambda: model.requests)
+        status, _ = await post(http, f"{engine.url}/flush_cache", None)
+        assert status == 400
+        await post(http, f"{engine.url}/abort_request", {"abort_all": True})
+        await task
+        status, text = await post(http, f"{engine.url}/flush_cache", None)
+    assert status == 200
+    assert text.startswith("Cache flushed")
+    assert model.kv.evictable_pages == 0
+    assert model.kv.free_pages == model.kv.total_pages
+
+
+async def test_full_queue_answers_503() -> None:
+    config = small_config(max_running_requests=1, max_queued_requests=1)
+    async with serve_engine(config) as eng, aiohttp.ClientSession() as http:
+        url = f"{eng.url}/generate"
+        running = asyncio.create_task(post(http, url, gen("a", 100000)))
+        await until(lambda: eng.engine.decoding)
+        queued = asyncio.create_task(post(http, url, gen("b", 5)))
+        await until(lambda: eng.engine.waiting)
+        status, body = await post(http, url, gen("c", 5))
+        assert status == 503
+        assert "queue is full" in body["error"]["message"]
+        status, body = await post(
+            http, f"{eng.url}/v1/completions", {"prompt": "d", "max_tokens": 3}
+        )
+        assert status == 503
+        assert body["object"] == "error"
+        await post(http, f"{eng.url}/abort_request", {"rid": running_rid(eng)})
+        assert (await running)[0] == 200
+        status, body = await queued
+    assert status == 200
+    assert body["meta_info"]["completion_tokens"] == 5
+
+
+def running_rid(eng: RunningEngine) -> str:
+    return eng.engine.decoding[0].rid
+
+
+async def test_priority_scheduling_runs_higher_first() -> None:
+    config = small_config(max_running_requests=1, enable_priority_scheduling=True)
+    async with serve_engine(config) as eng, aiohttp.ClientSession() as http:
+        url = f"{eng.url}/generate"
+        first = asyncio.create_task(post(http, url, gen("a", 50, rid="first")))
+        await until(lambda: eng.engine.decoding)
+        low = asyncio.create_task(post(http, url, gen("b", 5, rid="low", priority=0)))
+        await until(lambda: len(eng.engine.waiting) == 1)
+        high = asyncio.create_task(post(http, url, gen("c", 5, rid="high", priority=10)))
+        await until(lambda: len(eng.engine.waiting) == 2)
+        results = await asyncio.gather(first, low, high)
+    by_rid = {r[1]["meta_info"]["id"]: r[1] for r in results}
+    assert by_rid["high"]["meta_info"]["e2e_latency"] < by_rid["low"]["meta_info"]["e2e_latency"]
+
+
+async def test_kill_drops_connections_like_a_crash() -> None:
+    async with serve_engine(small_config()) as eng, aiohttp.ClientSession() as http:
+        async with http.post(f"{eng.url}/generate", json=gen("x", 100000, stream=True)) as resp:
+            await resp.content.readline()
+            await eng.kill()
+            with pytest.raises(aiohttp.ClientError):
+                async for _ in resp.content:
+                    pass
+        with pytest.raises(aiohttp.ClientConnectionError):
+            await http.get(f"{eng.url}/health")
