@@ -7,12 +7,15 @@ owners from the same membership, and the fleet simulator runs the same code.
 from controlplane.ownership.blocks import block_hashes, prefix_key
 from controlplane.ownership.membership import Membership
 from controlplane.ownership.overrides import HotPrefix, HotPrefixOverride, HotPrefixTable
+from controlplane.ownership.ring import DEFAULT_VNODES, OwnershipRing
 
 __all__ = [
+    "DEFAULT_VNODES",
     "HotPrefix",
     "HotPrefixOverride",
     "HotPrefixTable",
     "Membership",
+    "OwnershipRing",
     "block_hashes",
     "prefix_key",
 ]

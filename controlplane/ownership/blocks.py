@@ -22,8 +22,12 @@ from controlplane.contract import CacheIdentity
 DIGEST_BYTES = 8
 
 
-def _pack(tokens: Sequence[int]) -> bytes:
+def _pack(tokens: Sequence[int] | bytes) -> bytes:
+    """Token ids as uint32s (native order: little-endian on every supported CPU). Bytes are byte-level token ids (one per byte),
+    so `b"hi"` and `[104, 105]` are the same prompt."""
     try:
+        if isinstance(tokens, bytes | bytearray | memoryview):
+            return array("I", list(tokens)).tobytes()
         return array("I", tokens).tobytes()
     except (OverflowError, TypeError) as exc:
         raise ValueError(f"token ids must be integers in [0, 2**32): {exc}") from exc
@@ -35,7 +39,10 @@ def _check_block(block_tokens: int) -> None:
 
 
 def block_hashes(
-    identity: CacheIdentity, tokens: Sequence[int], block_tokens: int, max_blocks: int = -1
+    identity: CacheIdentity,
+    tokens: Sequence[int] | bytes,
+    block_tokens: int,
+    max_blocks: int = -1,
 ) -> list[int]:
     """Chained 64-bit hashes of the full blocks of `tokens` (at most `max_blocks` if >= 0)."""
     _check_block(block_tokens)
@@ -55,7 +62,7 @@ def block_hashes(
 
 
 def prefix_key(
-    identity: CacheIdentity, tokens: Sequence[int], block_tokens: int, owner_blocks: int
+    identity: CacheIdentity, tokens: Sequence[int] | bytes, block_tokens: int, owner_blocks: int
 ) -> int:
     """The ownership key of a prompt: the chained hash of its first `owner_blocks` blocks.
 
