@@ -451,6 +451,8 @@ class Gateway:
             "x-weir-request-id": ex.route.request_id,
             "x-weir-priority": str(client.priority),
         }
+        if client.stream:  # the router can resume it: a sidecar may migrate it away
+            headers["x-weir-migratable"] = "1"
         if client.deadline_s:
             left = client.deadline_s - (self.clock() - ex.started)
             headers["x-weir-deadline-ms"] = str(max(1, int(left * 1000)))

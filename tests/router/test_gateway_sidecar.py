@@ -1,0 +1,79 @@
+"""The router in front of real sidecars: a sidecar that migrates a request ends its stream
+with `weir.preempted`, and the router resumes it on another endpoint, spliced into the
+client's stream with exactly the tokens of an uninterrupted run."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+import aiohttp
+import pytest
+
+from controlplane.gateway import GatewayConfig, serve_gateway
+from engine_sidecar.server import SidecarConfig, serve_sidecar
+from fleetsim.engine import EngineConfig
+from fleetsim.server import serve_engine
+from tests.router.conftest import MODEL, until
+
+pytestmark = pytest.mark.redis
+POOL = "sidecar-test"
+
+
+async def test_a_migrated_request_resumes_elsewhere_with_the_same_tokens(redis_url: str) -> None:
+    async with contextlib.AsyncExitStack() as stack:
+        sidecars = {}
+        for i in range(2):
+            engine = await stack.enter_async_context(
+                serve_engine(EngineConfig(model=MODEL, max_total_tokens=200_000, speed_factor=2))
+            )
+            sidecars[f"s{i}"] = await stack.enter_async_context(
+                serve_sidecar(
+                    SidecarConfig(
+                        engine_url=engine.url, redis_url=redis_url, pool=POOL,
+                        endpoint_id=f"s{i}", heartbeat_s=0.2, lease_ttl_s=5.0,
+                    )
+                )
+            )  # fmt: skip
+        running = await serve_gateway(GatewayConfig(pool=POOL, model=MODEL), redis_url=redis_url)
+        stack.push_async_callback(running.close)
+        gateway = running.gateway
+        await until(lambda: len(gateway.view.snapshot.endpoints) == 2, "both sidecars")
+
+        body = {
+            "model": MODEL, "prompt": "The weir keeper said: ", "stream": True,
+            "max_tokens": 120, "ignore_eos": True,
+        }  # fmt: skip
+        async with aiohttp.ClientSession() as session:
+            async with session.post(sidecars["s1"].url + "/v1/completions", json=body) as reply:
+                direct = _text([ln async for ln in reply.content])
+            async with session.post(running.url + "/v1/completions", json=body) as reply:
+                assert reply.status == 200
+                serving = reply.headers["x-weir-endpoint"]
+                lines = []
+                async for line in reply.content:
+                    lines.append(line)
+                    if len(lines) == 10:
+                        await _migrate(session, sidecars[serving].url)
+        assert [line for line in lines if line.strip()][-1] == b"data: [DONE]\n"
+        assert _text(lines) == direct
+        assert len(direct) == 120
+        resumed = gateway.metrics.registry.get_sample_value(
+            "weir_router_resumes_total", {"pool": POOL, "reason": "preempted"}
+        )
+        assert resumed == 1
+
+
+async def _migrate(session: aiohttp.ClientSession, sidecar_url: str) -> None:
+    async with session.get(sidecar_url + "/weir/v1/state") as reply:
+        requests = (await reply.json())["requests"]
+    (rid,) = requests
+    async with session.post(
+        sidecar_url + "/weir/v1/preempt", json={"rid": rid, "mode": "migrate"}
+    ) as reply:
+        assert reply.status == 200, await reply.text()
+
+
+def _text(lines: list[bytes]) -> str:
+    chunks = [json.loads(line[6:]) for line in lines if line.startswith(b"data: {")]
+    return "".join(c["choices"][0]["text"] for c in chunks if c.get("choices"))
