@@ -1,0 +1,37 @@
+"""Operator settings, read once from the environment (the chart sets every one of them).
+
+WEIR_IMAGE                  image for sidecars whose pool names none
+WEIR_REDIS_URL              the control plane the operator reads status from and drains
+WEIR_REDIS_SECRET           Secret holding the Redis URL that pods receive
+WEIR_REDIS_SECRET_KEY       key of that Secret (default: url)
+WEIR_STATUS_INTERVAL_S      seconds between status and scaling passes (default: 5)
+WEIR_DRAIN_POLL_S           seconds between checks of a drain in progress (default: 2)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class OperatorConfig:
+    image: str = "ghcr.io/weir-dev/weir:0.1.0"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_secret: str = "weir-redis"
+    redis_secret_key: str = "url"
+    status_interval_s: float = 5.0
+    drain_poll_s: float = 2.0
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> OperatorConfig:
+        base = cls()
+        return cls(
+            image=env.get("WEIR_IMAGE", base.image),
+            redis_url=env.get("WEIR_REDIS_URL", base.redis_url),
+            redis_secret=env.get("WEIR_REDIS_SECRET", base.redis_secret),
+            redis_secret_key=env.get("WEIR_REDIS_SECRET_KEY", base.redis_secret_key),
+            status_interval_s=float(env.get("WEIR_STATUS_INTERVAL_S", base.status_interval_s)),
+            drain_poll_s=float(env.get("WEIR_DRAIN_POLL_S", base.drain_poll_s)),
+        )

@@ -1,0 +1,142 @@
+"""The kopf handlers: every decorator of the operator lives here and delegates.
+
+- create / update (spec) / resume: parse the pool, render its children, apply what
+  changed (`reconciling`). An invalid spec sets `Degraded=True, reason=InvalidSpec` and
+  fails permanently: kopf retries it only when the spec changes again, so a bad pool never
+  turns into a crash loop.
+- a timer every `status_interval_s`: status from the Deployment, the pods and the control
+  plane, and the scaling step (autoscaling, drain-first scale-down) (`observing`).
+- delete: the finalizer clears the pool's control-plane state; children go with their
+  owner references.
+
+Errors are classified: an unreachable control plane or a busy API server is temporary
+(retried with a delay), a child the API server rejects as invalid is permanent.
+
+Handlers are registered into a registry the caller passes (`register`), with the settings
+as arguments rather than read at import, so `weir operator` and the tests run the same
+code with their own settings.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import kopf
+from kubernetes_asyncio import client, config
+
+from fleet_operator import observing, reconciling
+from fleet_operator.config import OperatorConfig
+from fleet_operator.fleet import ControlPlaneUnreachableError, RedisControlPlane
+from fleet_operator.spec import GROUP, PLURAL, VERSION
+
+FINALIZER = "inference.weir.dev/control-plane"
+
+
+async def connect_kubernetes() -> client.ApiClient:
+    """In-cluster service account first, the developer's kubeconfig otherwise (the same
+    order kopf's own login uses)."""
+    try:
+        config.load_incluster_config()  # type: ignore[no-untyped-call]
+    except config.ConfigException:
+        await config.load_kube_config()
+    return client.ApiClient()
+
+
+def register(registry: kopf.OperatorRegistry, operator_config: OperatorConfig) -> None:
+    """Declare every handler of the operator in `registry`."""
+
+    @kopf.on.startup(registry=registry)
+    async def startup(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
+        settings.persistence.finalizer = FINALIZER
+        settings.posting.level = logging.INFO
+        settings.watching.server_timeout = 300
+        memo.api = await connect_kubernetes()
+        memo.control = RedisControlPlane.from_url(operator_config.redis_url)
+
+    @kopf.on.login(registry=registry)
+    async def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+        # The same credentials as the operator's own client: service account, else kubeconfig.
+        return await kopf.login_via_async_client(**kwargs)
+
+    @kopf.on.cleanup(registry=registry)
+    async def cleanup(memo: Any, **_: Any) -> None:
+        await memo.control.close()
+        await memo.api.close()
+
+    @kopf.on.resume(GROUP, VERSION, PLURAL, registry=registry)
+    @kopf.on.create(GROUP, VERSION, PLURAL, registry=registry)
+    @kopf.on.update(GROUP, VERSION, PLURAL, field="spec", registry=registry)
+    async def reconcile(
+        body: kopf.Body,
+        name: str,
+        namespace: str | None,
+        spec: kopf.Spec,
+        meta: kopf.Meta,
+        status: kopf.Status,
+        patch: kopf.Patch,
+        memo: Any,
+        logger: kopf.Logger,
+        **_: Any,
+    ) -> None:
+        await reconciling.reconcile(
+            api=memo.api,
+            config=operator_config,
+            body=body,
+            name=name,
+            namespace=namespace or "",
+            spec=dict(spec),
+            generation=int(meta.get("generation") or 0),
+            status=dict(status),
+            patch=patch,
+            logger=logger,
+        )
+
+    @kopf.timer(
+        GROUP,
+        VERSION,
+        PLURAL,
+        interval=operator_config.status_interval_s,
+        initial_delay=min(1.0, operator_config.status_interval_s),
+        registry=registry,
+    )
+    async def observe(
+        body: kopf.Body,
+        name: str,
+        namespace: str | None,
+        spec: kopf.Spec,
+        meta: kopf.Meta,
+        status: kopf.Status,
+        patch: kopf.Patch,
+        memo: Any,
+        logger: kopf.Logger,
+        **_: Any,
+    ) -> None:
+        await observing.observe(
+            api=memo.api,
+            control=memo.control,
+            body=body,
+            name=name,
+            namespace=namespace or "",
+            spec=dict(spec),
+            generation=int(meta.get("generation") or 0),
+            status=dict(status),
+            patch=patch,
+            logger=logger,
+        )
+
+    @kopf.on.delete(GROUP, VERSION, PLURAL, registry=registry)
+    async def forget(name: str, memo: Any, logger: kopf.Logger, **_: Any) -> None:
+        try:
+            removed = await memo.control.forget(name)
+        except ControlPlaneUnreachableError as exc:
+            raise kopf.TemporaryError(
+                f"cannot clear the control plane yet: {exc}", delay=10
+            ) from exc
+        logger.info("cleared %d control-plane keys of pool %s", removed, name)
+
+
+def build_registry(operator_config: OperatorConfig) -> kopf.OperatorRegistry:
+    registry = kopf.OperatorRegistry()
+    register(registry, operator_config)
+    return registry

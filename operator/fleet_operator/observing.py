@@ -1,0 +1,184 @@
+"""The periodic pass: status from the Deployment, the pods and the control plane, and the
+scaling step.
+
+A scale-down drains first. The victims (see `scaling.pick_victims`) are marked draining in
+the control plane, so routers stop sending them work, and get the lowest
+`controller.kubernetes.io/pod-deletion-cost`, so the ReplicaSet removes exactly them. The
+replica count drops only once they are idle or the pool's drain deadline has passed. The
+drain in progress is kept in `status.drain`, so it survives an operator restart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import kopf
+from kubernetes_asyncio.client import ApiClient, ApiException, AppsV1Api, CoreV1Api
+
+from fleet_operator.applying import merge_patch, read_manifest
+from fleet_operator.fleet import ControlPlane, ControlPlaneUnreachableError, FleetObservation
+from fleet_operator.reconciling import classify, deployment_ref, now_iso
+from fleet_operator.rendering import POOL_LABEL
+from fleet_operator.scaling import (
+    PodView,
+    Recommendation,
+    drain_finished,
+    pick_victims,
+    prune,
+    recommend,
+    target_replicas,
+)
+from fleet_operator.spec import InvalidPoolError, Pool, parse_pool
+from fleet_operator.status import DeploymentView, Observed, build_status
+
+DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
+VICTIM_COST = "-1000"
+
+
+async def observe(
+    *,
+    api: ApiClient,
+    control: ControlPlane,
+    body: kopf.Body,
+    name: str,
+    namespace: str,
+    spec: Mapping[str, Any],
+    generation: int,
+    status: Mapping[str, Any],
+    patch: kopf.Patch,
+    logger: kopf.Logger,
+) -> None:
+    previous = status.get("conditions") or []
+    try:
+        pool = parse_pool(name, namespace, spec)
+    except InvalidPoolError as exc:
+        seen = Observed(generation=generation, invalid=str(exc))
+        patch.status.update(build_status(seen, previous, now_iso()))
+        return
+    try:
+        live = await read_manifest(api, deployment_ref(name, namespace))
+    except ApiException as exc:
+        raise classify(exc, "reading the engine Deployment") from exc
+    deployment = DeploymentView.from_manifest(live) if live else None
+    fleet: FleetObservation | None = None
+    unreachable = ""
+    try:
+        fleet = await control.observe(pool.name)
+    except ControlPlaneUnreachableError as exc:
+        unreachable = str(exc)
+        logger.warning("control plane unreachable: %s", exc)
+    draining: Sequence[str] = (status.get("drain") or {}).get("victims") or ()
+    if deployment is not None and fleet is not None:
+        try:
+            deployment, draining = await _scale(
+                api, control, body, pool, deployment, fleet, status, patch, logger
+            )
+        except ControlPlaneUnreachableError as exc:
+            unreachable = str(exc)
+        except ApiException as exc:
+            raise classify(exc, "scaling the pool") from exc
+    seen = Observed(
+        generation=generation,
+        deployment=deployment,
+        fleet=fleet,
+        control_plane_error=unreachable,
+        draining=draining,
+    )
+    # Only what changed: an idle pool costs the API server no writes.
+    patch.status.update(merge_patch(build_status(seen, previous, now_iso()), status))
+
+
+async def _pods(api: ApiClient, pool: Pool) -> list[PodView]:
+    listed = await CoreV1Api(api).list_namespaced_pod(
+        pool.namespace, label_selector=f"{POOL_LABEL}={pool.name}"
+    )
+    pods: list[PodView] = []
+    for pod in listed.items:
+        # Filter again: a selector is a request, and terminating pods are already leaving.
+        if (pod.metadata.labels or {}).get(POOL_LABEL) != pool.name:
+            continue
+        if pod.metadata.deletion_timestamp:
+            continue
+        conditions = (pod.status.conditions if pod.status else None) or []
+        ready = any(c.type == "Ready" and c.status == "True" for c in conditions)
+        pods.append(PodView(name=pod.metadata.name, ready=ready))
+    return pods
+
+
+async def _set_replicas(api: ApiClient, pool: Pool, replicas: int) -> None:
+    await AppsV1Api(api).patch_namespaced_deployment(
+        pool.name, pool.namespace, {"spec": {"replicas": replicas}}
+    )
+
+
+async def _scale(
+    api: ApiClient,
+    control: ControlPlane,
+    body: kopf.Body,
+    pool: Pool,
+    deployment: DeploymentView,
+    fleet: FleetObservation,
+    status: Mapping[str, Any],
+    patch: kopf.Patch,
+    logger: kopf.Logger,
+) -> tuple[DeploymentView, Sequence[str]]:
+    """One scaling step; returns the Deployment as it now stands and the victims still
+    draining."""
+    now = time.time()
+    current = deployment.replicas
+    drain = status.get("drain")
+    if drain:
+        victims = list(drain.get("victims") or [])
+        deadline = pool.spec.sidecar.drain_deadline_seconds
+        if not drain_finished(victims, fleet, float(drain.get("startedAt") or 0), now, deadline):
+            return deployment, victims
+        target = int(drain["targetReplicas"])
+        await _set_replicas(api, pool, target)
+        patch.status["drain"] = None
+        message = f"scaled {current} -> {target} engines after draining {', '.join(victims)}"
+        logger.info(message)
+        kopf.info(body, reason="ScaledDown", message=message)
+        return dataclasses.replace(deployment, replicas=target), ()
+
+    policy = pool.spec.autoscaling
+    history = [
+        Recommendation(float(r["at"]), int(r["replicas"]))
+        for r in (status.get("autoscaler") or {}).get("recommendations") or []
+    ]
+    if policy.enabled:
+        history = prune(
+            [*history, Recommendation(now, recommend(policy, fleet, current))], policy, now
+        )
+        patch.status["autoscaler"] = {
+            "recommendations": [{"at": r.at, "replicas": r.replicas} for r in history]
+        }
+    target = target_replicas(pool.spec.replicas, policy, history, now, current)
+    if target > current:
+        await _set_replicas(api, pool, target)
+        message = f"scaled {current} -> {target} engines"
+        logger.info(message)
+        kopf.info(body, reason="ScaledUp", message=message)
+        return dataclasses.replace(deployment, replicas=target), ()
+    if target == current:
+        return deployment, ()
+
+    victims = pick_victims(await _pods(api, pool), fleet, current - target)
+    registered = await control.drain(pool.name, victims)
+    core = CoreV1Api(api)
+    for victim in victims:
+        await core.patch_namespaced_pod(
+            victim,
+            pool.namespace,
+            {"metadata": {"annotations": {DELETION_COST: VICTIM_COST}}},
+        )
+    patch.status["drain"] = {"victims": victims, "targetReplicas": target, "startedAt": now}
+    message = (
+        f"draining {', '.join(victims) or 'no pods'} ({len(registered)} registered) "
+        f"before scaling {current} -> {target}"
+    )
+    logger.info(message)
+    kopf.info(body, reason="Draining", message=message)
+    return deployment, victims

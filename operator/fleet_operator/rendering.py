@@ -1,0 +1,357 @@
+"""Pure builders: from a parsed pool to the child objects that run it.
+
+Each builder returns a plain manifest (a dict, as the API server would receive it) built
+from the official client models, so field names and nesting are the client's, not ours.
+No I/O and no clock: the same pool always renders the same children, which is what lets
+`applying` patch only what changed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from kubernetes_asyncio.client import (
+    ApiClient,
+    V1ConfigMap,
+    V1ConfigMapVolumeSource,
+    V1Container,
+    V1ContainerPort,
+    V1Deployment,
+    V1DeploymentSpec,
+    V1DeploymentStrategy,
+    V1EmptyDirVolumeSource,
+    V1EnvVar,
+    V1EnvVarSource,
+    V1ExecAction,
+    V1HTTPGetAction,
+    V1LabelSelector,
+    V1Lifecycle,
+    V1LifecycleHandler,
+    V1ObjectFieldSelector,
+    V1ObjectMeta,
+    V1PodAffinityTerm,
+    V1PodAntiAffinity,
+    V1PodDisruptionBudget,
+    V1PodDisruptionBudgetSpec,
+    V1PodSpec,
+    V1PodTemplateSpec,
+    V1Probe,
+    V1ResourceRequirements,
+    V1RollingUpdateDeployment,
+    V1SecretKeySelector,
+    V1Service,
+    V1ServicePort,
+    V1ServiceSpec,
+    V1Volume,
+    V1VolumeMount,
+    V1WeightedPodAffinityTerm,
+)
+from kubernetes_asyncio.client import V1Affinity as Affinity
+
+from controlplane.contract import encode_json
+from fleet_operator.config import OperatorConfig
+from fleet_operator.spec import Pool
+
+POOL_LABEL = "inference.weir.dev/pool"
+POLICY_HASH = "inference.weir.dev/policy-hash"
+POLICY_FILE = "policy.json"
+POLICY_DIR = "/etc/weir"
+GPU = "nvidia.com/gpu"
+
+# Serialization uses no client state; a real ApiClient would need a running event loop.
+_serializer: ApiClient = object.__new__(ApiClient)
+
+
+def _plain(model: object) -> dict[str, Any]:
+    data: dict[str, Any] = _serializer.sanitize_for_serialization(model)
+    return data
+
+
+def selector_labels(pool: Pool) -> dict[str, str]:
+    return {POOL_LABEL: pool.name, "app.kubernetes.io/component": "engine"}
+
+
+def labels(pool: Pool) -> dict[str, str]:
+    return {
+        **selector_labels(pool),
+        "app.kubernetes.io/name": "weir",
+        "app.kubernetes.io/instance": pool.name,
+        "app.kubernetes.io/managed-by": "weir-operator",
+    }
+
+
+def _meta(pool: Pool, name: str | None = None) -> V1ObjectMeta:
+    return V1ObjectMeta(name=name or pool.name, namespace=pool.namespace, labels=labels(pool))
+
+
+def policy_json(pool: Pool) -> str:
+    return encode_json(pool.policy).decode()
+
+
+def policy_hash(pool: Pool) -> str:
+    return hashlib.sha256(policy_json(pool).encode()).hexdigest()[:16]
+
+
+def configmap_name(pool: Pool) -> str:
+    return f"{pool.name}-policy"
+
+
+def render_configmap(pool: Pool) -> dict[str, Any]:
+    """The pool policy, read by sidecars and routers with `--policy-file`."""
+    return _plain(
+        V1ConfigMap(
+            api_version="v1",
+            kind="ConfigMap",
+            metadata=_meta(pool, configmap_name(pool)),
+            data={POLICY_FILE: policy_json(pool)},
+        )
+    )
+
+
+def engine_args(pool: Pool) -> list[str]:
+    """SGLang launch flags derived from the spec (see SGLANG_CONTRACT.md)."""
+    spec = pool.spec
+    args = [
+        "--model-path",
+        spec.model.path,
+        "--served-model-name",
+        spec.model.served,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(spec.engine.port),
+        "--context-length",
+        str(spec.model.context_length),
+        "--tp",
+        str(spec.engine.tensor_parallel),
+        "--page-size",
+        str(spec.kv.page_size),
+        "--chunked-prefill-size",
+        str(spec.scheduling.chunked_prefill_size),
+        "--enable-metrics",
+    ]
+    if spec.scheduling.max_running_requests > 0:
+        args += ["--max-running-requests", str(spec.scheduling.max_running_requests)]
+    if spec.scheduling.priority_scheduling:
+        # fcfs honours priorities; lpm would ignore them and starve uncached prompts.
+        args += ["--enable-priority-scheduling", "--schedule-policy", "fcfs"]
+    if spec.engine.mem_fraction_static > 0:
+        args += ["--mem-fraction-static", str(spec.engine.mem_fraction_static)]
+    return [*args, *spec.engine.extra_args]
+
+
+def sidecar_args(pool: Pool) -> list[str]:
+    port = pool.spec.sidecar.port
+    return [
+        "sidecar",
+        "--engine-url",
+        f"http://127.0.0.1:{pool.spec.engine.port}",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(port),
+        "--redis-url",
+        "$(WEIR_REDIS_URL)",
+        "--pool",
+        pool.name,
+        "--endpoint-id",
+        "$(POD_NAME)",
+        "--advertise-url",
+        f"http://$(POD_IP):{port}",
+        "--policy-file",
+        f"{POLICY_DIR}/{POLICY_FILE}",
+    ]
+
+
+def drain_command(pool: Pool) -> list[str]:
+    port = pool.spec.sidecar.port
+    return [
+        "weir",
+        "sidecar",
+        "drain",
+        "--url",
+        f"http://127.0.0.1:{port}",
+        "--deadline-s",
+        str(pool.spec.sidecar.drain_deadline_seconds),
+    ]
+
+
+def _engine_resources(pool: Pool) -> V1ResourceRequirements:
+    resources = pool.spec.engine.resources
+    limits = dict(resources.get("limits") or {})
+    requests = dict(resources.get("requests") or {})
+    if GPU not in limits and GPU not in requests:
+        limits[GPU] = str(pool.spec.engine.tensor_parallel)
+    return V1ResourceRequirements(limits=limits, requests=requests or None)
+
+
+def _field_env(name: str, path: str) -> V1EnvVar:
+    return V1EnvVar(
+        name=name, value_from=V1EnvVarSource(field_ref=V1ObjectFieldSelector(field_path=path))
+    )
+
+
+def render_deployment(pool: Pool, replicas: int, config: OperatorConfig) -> dict[str, Any]:
+    """Engines with their sidecars. `replicas` is passed in because scaling owns it: a
+    re-render keeps whatever count the scaler last set."""
+    spec = pool.spec
+    sidecar_port = spec.sidecar.port
+    probe_period = 10
+    engine = V1Container(
+        name="engine",
+        image=spec.engine.image,
+        command=["python3", "-m", "sglang.launch_server"],
+        args=engine_args(pool),
+        env=[V1EnvVar(name=e.name, value=e.value) for e in spec.engine.env] or None,
+        resources=_engine_resources(pool),
+        volume_mounts=[V1VolumeMount(name="dshm", mount_path="/dev/shm")],
+    )
+    sidecar = V1Container(
+        name="sidecar",
+        image=spec.sidecar.image or config.image,
+        command=["weir"],
+        args=sidecar_args(pool),
+        ports=[V1ContainerPort(name="http", container_port=sidecar_port)],
+        env=[
+            V1EnvVar(
+                name="WEIR_REDIS_URL",
+                value_from=V1EnvVarSource(
+                    secret_key_ref=V1SecretKeySelector(
+                        name=config.redis_secret, key=config.redis_secret_key
+                    )
+                ),
+            ),
+            _field_env("POD_NAME", "metadata.name"),
+            _field_env("POD_IP", "status.podIP"),
+        ],
+        resources=V1ResourceRequirements(
+            limits=spec.sidecar.resources.get("limits"),
+            requests=spec.sidecar.resources.get("requests"),
+        ),
+        volume_mounts=[V1VolumeMount(name="policy", mount_path=POLICY_DIR, read_only=True)],
+        # The sidecar answers /health once it runs and /ready once its engine serves and it
+        # holds a lease; weights can take long to load, hence the generous startup probe.
+        startup_probe=V1Probe(
+            http_get=V1HTTPGetAction(path="/ready", port="http"),
+            period_seconds=probe_period,
+            failure_threshold=max(1, spec.engine.startup_timeout_seconds // probe_period),
+        ),
+        readiness_probe=V1Probe(
+            http_get=V1HTTPGetAction(path="/ready", port="http"), period_seconds=5
+        ),
+        liveness_probe=V1Probe(
+            http_get=V1HTTPGetAction(path="/health", port="http"),
+            period_seconds=probe_period,
+            failure_threshold=3,
+        ),
+        lifecycle=V1Lifecycle(
+            pre_stop=V1LifecycleHandler(_exec=V1ExecAction(command=drain_command(pool)))
+        ),
+    )
+    anti_affinity = Affinity(
+        pod_anti_affinity=V1PodAntiAffinity(
+            preferred_during_scheduling_ignored_during_execution=[
+                V1WeightedPodAffinityTerm(
+                    weight=100,
+                    pod_affinity_term=V1PodAffinityTerm(
+                        label_selector=V1LabelSelector(match_labels={POOL_LABEL: pool.name}),
+                        topology_key="kubernetes.io/hostname",
+                    ),
+                )
+            ]
+        )
+    )
+    template = V1PodTemplateSpec(
+        metadata=V1ObjectMeta(labels=labels(pool), annotations={POLICY_HASH: policy_hash(pool)}),
+        spec=V1PodSpec(
+            containers=[engine, sidecar],
+            affinity=anti_affinity,
+            # preStop drains for up to the deadline; leave time for the engine to stop.
+            termination_grace_period_seconds=spec.sidecar.drain_deadline_seconds + 30,
+            volumes=[
+                V1Volume(name="dshm", empty_dir=V1EmptyDirVolumeSource(medium="Memory")),
+                V1Volume(
+                    name="policy",
+                    config_map=V1ConfigMapVolumeSource(name=configmap_name(pool)),
+                ),
+            ],
+        ),
+    )
+    return _plain(
+        V1Deployment(
+            api_version="apps/v1",
+            kind="Deployment",
+            metadata=_meta(pool),
+            spec=V1DeploymentSpec(
+                replicas=replicas,
+                selector=V1LabelSelector(match_labels=selector_labels(pool)),
+                # Never take an engine away before its replacement serves: GPUs are scarce,
+                # so surge one at a time.
+                strategy=V1DeploymentStrategy(
+                    type="RollingUpdate",
+                    rolling_update=V1RollingUpdateDeployment(max_surge=1, max_unavailable=0),
+                ),
+                template=template,
+            ),
+        )
+    )
+
+
+def render_service(pool: Pool) -> dict[str, Any]:
+    """Headless: routers address endpoints individually, never through a virtual IP."""
+    return _plain(
+        V1Service(
+            api_version="v1",
+            kind="Service",
+            metadata=_meta(pool),
+            spec=V1ServiceSpec(
+                cluster_ip="None",
+                selector=selector_labels(pool),
+                ports=[V1ServicePort(name="http", port=pool.spec.sidecar.port, target_port="http")],
+                publish_not_ready_addresses=False,
+            ),
+        )
+    )
+
+
+def render_pdb(pool: Pool) -> dict[str, Any]:
+    return _plain(
+        V1PodDisruptionBudget(
+            api_version="policy/v1",
+            kind="PodDisruptionBudget",
+            metadata=_meta(pool),
+            spec=V1PodDisruptionBudgetSpec(
+                max_unavailable=1, selector=V1LabelSelector(match_labels=selector_labels(pool))
+            ),
+        )
+    )
+
+
+def render_servicemonitor(pool: Pool) -> dict[str, Any]:
+    """Prometheus Operator's ServiceMonitor (a CRD: no client model exists for it)."""
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "ServiceMonitor",
+        "metadata": _plain(_meta(pool)),
+        "spec": {
+            "selector": {"matchLabels": selector_labels(pool)},
+            "endpoints": [{"port": "http", "path": "/metrics", "interval": "15s"}],
+        },
+    }
+
+
+def render_children(
+    pool: Pool, replicas: int, config: OperatorConfig, *, monitoring: bool
+) -> list[dict[str, Any]]:
+    """Every child of the pool, in the order they are applied (the policy before the pods
+    that mount it). `monitoring`: whether the ServiceMonitor CRD exists in the cluster."""
+    children = [
+        render_configmap(pool),
+        render_service(pool),
+        render_pdb(pool),
+        render_deployment(pool, replicas, config),
+    ]
+    if monitoring:
+        children.append(render_servicemonitor(pool))
+    return children
