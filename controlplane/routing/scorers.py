@@ -11,6 +11,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from controlplane.contract import Role
 from controlplane.routing.cost import CostModel
 from controlplane.routing.framework import Cycle
 from controlplane.routing.snapshot import EndpointView
@@ -151,5 +152,7 @@ class TransferScorer:
 
     def score(self, cycle: Cycle, candidates: Sequence[EndpointView]) -> list[float]:
         request, cost, half = cycle.request, self.cost, self.half_at_s
+        if request.role is not Role.PREFILL:  # only a prefill ships KV afterwards
+            return [1.0] * len(candidates)
         transfer_s = cost.transfer_s
         return [half / (half + transfer_s(request, view)) for view in candidates]
