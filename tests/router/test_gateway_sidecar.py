@@ -10,7 +10,7 @@ import json
 import aiohttp
 import pytest
 
-from controlplane.gateway import GatewayConfig, serve_gateway
+from controlplane.gateway import GatewayConfig, TenantKeys, serve_gateway
 from engine_sidecar.server import SidecarConfig, serve_sidecar
 from fleetsim.engine import EngineConfig
 from fleetsim.server import serve_engine
@@ -18,6 +18,7 @@ from tests.router.conftest import MODEL, until
 
 pytestmark = pytest.mark.redis
 POOL = "sidecar-test"
+AUTH = {"Authorization": "Bearer sk-team-a"}
 
 
 async def test_a_migrated_request_resumes_elsewhere_with_the_same_tokens(redis_url: str) -> None:
@@ -35,7 +36,11 @@ async def test_a_migrated_request_resumes_elsewhere_with_the_same_tokens(redis_u
                     )
                 )
             )  # fmt: skip
-        running = await serve_gateway(GatewayConfig(pool=POOL, model=MODEL), redis_url=redis_url)
+        running = await serve_gateway(
+            GatewayConfig(pool=POOL, model=MODEL),
+            redis_url=redis_url,
+            keys=TenantKeys({"sk-team-a": "team-a"}),
+        )
         stack.push_async_callback(running.close)
         gateway = running.gateway
         await until(lambda: len(gateway.view.snapshot.endpoints) == 2, "both sidecars")
@@ -47,7 +52,9 @@ async def test_a_migrated_request_resumes_elsewhere_with_the_same_tokens(redis_u
         async with aiohttp.ClientSession() as session:
             async with session.post(sidecars["s1"].url + "/v1/completions", json=body) as reply:
                 direct = _text([ln async for ln in reply.content])
-            async with session.post(running.url + "/v1/completions", json=body) as reply:
+            async with session.post(
+                running.url + "/v1/completions", json=body, headers=AUTH
+            ) as reply:
                 assert reply.status == 200
                 serving = reply.headers["x-weir-endpoint"]
                 lines = []
@@ -68,6 +75,7 @@ async def _migrate(session: aiohttp.ClientSession, sidecar_url: str) -> None:
     async with session.get(sidecar_url + "/weir/v1/state") as reply:
         requests = (await reply.json())["requests"]
     (rid,) = requests
+    assert requests[rid]["tenant"] == "team-a"  # the API key's tenant reached the sidecar
     async with session.post(
         sidecar_url + "/weir/v1/preempt", json={"rid": rid, "mode": "migrate"}
     ) as reply:
