@@ -438,8 +438,8 @@ class Gateway:
         """One upstream call: ("done", response) | ("refused", None) before any byte
         reached the client | ("broken" or "preempted", None) after."""
         view = self.view.snapshot.by_id.get(endpoint_id)
-        if view is None:
-            return "refused", None
+        if view is None:  # it left the pool since the decision
+            return ("refused" if ex.response is None else "broken"), None
         assert self._session is not None
         ex.endpoint, ex.address = endpoint_id, view.state.address
         ex.upstream_rid = uuid.uuid4().hex
