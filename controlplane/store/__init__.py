@@ -14,6 +14,7 @@ from controlplane.store.connection import RedisSettings, connect
 from controlplane.store.follower import PoolFollower, Refresh
 from controlplane.store.keys import PoolKeys
 from controlplane.store.lease import EndpointLease, reap_forever
+from controlplane.store.quotas import Amounts, ChargeResult, QuotaStore, TenantUsage
 from controlplane.store.registry import (
     EndpointRegistry,
     FencedError,
@@ -30,9 +31,11 @@ from controlplane.store.snapshot import (
 )
 
 __all__ = [
+    "Amounts",
     "Change",
     "ChangeBatch",
     "ChangeKind",
+    "ChargeResult",
     "EndpointLease",
     "EndpointRegistry",
     "FeedPosition",
@@ -42,9 +45,11 @@ __all__ = [
     "PoolFollower",
     "PoolKeys",
     "PoolSnapshot",
+    "QuotaStore",
     "Reaped",
     "RedisSettings",
     "Refresh",
+    "TenantUsage",
     "connect",
     "reap_forever",
 ]

@@ -80,3 +80,52 @@ class PoolKeys:
     @property
     def hot_expiry(self) -> str:
         return self._key("hotexp")
+
+    # tenant quotas (see lua/quota_charge.lua)
+    @property
+    def quotas(self) -> str:
+        return self._key("quotas")
+
+    @property
+    def quota_records(self) -> str:
+        """tenant -> TenantQuota (msgpack), as it was set."""
+        return self._key("quotarecords")
+
+    @property
+    def usage(self) -> str:
+        return self._key("usage")
+
+    @property
+    def classes(self) -> str:
+        return self._key("classes")
+
+    @property
+    def charges(self) -> str:
+        return self._key("charges")
+
+    @property
+    def holders(self) -> str:
+        return self._key("holders")
+
+    def held_by(self, holder: str) -> str:
+        return self._key(f"held:{check_name('holder', holder)}")
+
+    # prefill -> decode handoff credits (see lua/credit_issue.lua)
+    @property
+    def credits(self) -> str:
+        return self._key("credits")
+
+    @property
+    def credit_expiry(self) -> str:
+        return self._key("creditexp")
+
+    @property
+    def credit_budget(self) -> str:
+        return self._key("creditbudget")
+
+    # command channel
+    def commands(self, endpoint_id: str) -> str:
+        return self._key(f"cmd:{check_name('endpoint id', endpoint_id)}")
+
+    def command_id(self, command_id: str) -> str:
+        return self._key(f"cmdid:{check_name('command id', command_id)}")

@@ -29,7 +29,7 @@ from controlplane.contract import (
 )
 from controlplane.ownership import HotPrefix, HotPrefixOverride, HotPrefixTable
 from controlplane.store.keys import PoolKeys, check_name
-from controlplane.store.scripts import run_batch, script
+from controlplane.store.scripts import as_text, run_batch, script
 from controlplane.store.snapshot import (
     ChangeBatch,
     EndpointMeta,
@@ -114,10 +114,6 @@ def _ttl_ms(ttl_s: float) -> int:
     if not (isinstance(ttl_s, int | float) and math.isfinite(ttl_s) and 0 < ttl_s <= 86_400):
         raise ValueError(f"lease ttl must be in (0, 86400] seconds, got {ttl_s!r}")
     return max(1, round(ttl_s * 1000))
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 class EndpointRegistry:
@@ -259,7 +255,7 @@ class EndpointRegistry:
             (self.reap_limit, self.feed_maxlen),
         )
         now = int(reply[0])
-        items = [_text(x) for x in reply[1:]]
+        items = [as_text(x) for x in reply[1:]]
         split = items.index("")
         return Reaped(now, tuple(items[:split]), tuple(int(k) for k in items[split + 1 :]))
 
@@ -379,5 +375,5 @@ def _prefix_key(key: int) -> str:
 def _heartbeat_result(reply: list[Any]) -> HeartbeatResult:
     status, epoch, version, lifecycle, lease = reply
     return HeartbeatResult(
-        HeartbeatStatus(_text(status)), int(epoch), int(version), _text(lifecycle), int(lease)
+        HeartbeatStatus(as_text(status)), int(epoch), int(version), as_text(lifecycle), int(lease)
     )

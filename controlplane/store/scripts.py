@@ -1,7 +1,7 @@
 """Lua scripts: one purpose per `.lua` file, loaded as package data, called by SHA.
 
 Every script is prefixed with `lua/_feed.lua` (the change-feed publisher and the server
-clock), so the shared pieces are written once. The SHA is computed locally; a call goes out
+clock) and any further preludes it names (`_quota.lua`), so shared pieces are written once. The SHA is computed locally; a call goes out
 as EVALSHA and only a NOSCRIPT reply (a restarted server, a promoted replica) makes the
 client load the source and retry, so the script text crosses the wire once per server.
 """
@@ -29,9 +29,9 @@ def _read(name: str) -> str:
 class LuaScript:
     """One script of the store, ready to run against any connection or pipeline."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, preludes: tuple[str, ...] = ()) -> None:
         self.name = name
-        self.source = _read(_PRELUDE) + "\n" + _read(name)
+        self.source = "\n".join(_read(part) for part in (_PRELUDE, *preludes, name))
         self.sha = hashlib.sha1(self.source.encode()).hexdigest()
 
     async def __call__(self, redis: Redis, keys: Sequence[str], args: Sequence[Arg]) -> Any:
@@ -50,9 +50,10 @@ class LuaScript:
 
 
 @cache
-def script(name: str) -> LuaScript:
-    """The script in `lua/<name>`, read and hashed once per process."""
-    return LuaScript(name)
+def script(name: str, *preludes: str) -> LuaScript:
+    """The script in `lua/<name>` after `lua/_feed.lua` and `preludes`, read and hashed
+    once per process."""
+    return LuaScript(name, preludes)
 
 
 async def run_batch(
@@ -80,3 +81,8 @@ async def run_batch(
         await lua.load(redis)
         pending = missing
     return results
+
+
+def as_text(reply: object) -> str:
+    """A string from a Redis reply (bytes unless the client decodes responses)."""
+    return reply.decode() if isinstance(reply, bytes) else str(reply)
