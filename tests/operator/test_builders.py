@@ -1,0 +1,219 @@
+"""Pure parts of the operator: spec parsing, rendering, merge patches, status, scaling."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from controlplane.contract import (
+    AutoscalingPolicy,
+    Lifecycle,
+    PoolPolicy,
+    PreemptionMode,
+    WatermarkState,
+    decode_json,
+)
+from fleet_operator.applying import merge_patch
+from fleet_operator.config import OperatorConfig
+from fleet_operator.fleet import EndpointView, FleetObservation
+from fleet_operator.rendering import (
+    POLICY_HASH,
+    engine_args,
+    render_children,
+    render_configmap,
+    render_deployment,
+)
+from fleet_operator.scaling import (
+    PodView,
+    Recommendation,
+    drain_finished,
+    pick_victims,
+    recommend,
+    stabilized,
+    target_replicas,
+)
+from fleet_operator.spec import InvalidPoolError, ReplicaSpec, parse_pool
+from fleet_operator.status import DeploymentView, Observed, build_status
+
+SPEC: dict[str, Any] = {
+    "model": {"name": "m", "source": "org/m", "servedName": "m-chat", "contextLength": 4096},
+    "engine": {"tensorParallel": 4, "memFractionStatic": 0.8, "extraArgs": ["--foo", "1"]},
+    "kv": {"pageSize": 64},
+    "scheduling": {"chunkedPrefillSize": -1, "priorityScheduling": False,
+                   "preemptionModes": ["migrate"]},
+    "tenants": [{"name": "a", "maxConcurrency": 3, "reservedFraction": 0.5}],
+}  # fmt: skip
+
+
+def endpoint(eid: str, **kw: Any) -> EndpointView:
+    fields: dict[str, Any] = {
+        "endpoint_id": eid,
+        "lifecycle": Lifecycle.READY,
+        "watermark": WatermarkState.NORMAL,
+        "lease_valid": True,
+        "in_flight": 0,
+        "kv_used_tokens": 0,
+        "kv_reserved_growth_tokens": 0,
+        "kv_capacity_tokens": 1000,
+        "waiting_prefill_tokens": 0,
+        "predicted_ttft_s": 0.0,
+    }
+    fields.update(kw)
+    return EndpointView(**fields)
+
+
+def test_spec_becomes_the_contracts_policy() -> None:
+    pool = parse_pool("m", "ns", SPEC)
+    policy = pool.policy
+    assert isinstance(policy, PoolPolicy)
+    assert (policy.model, policy.context_length, policy.kv.page_size) == ("m-chat", 4096, 64)
+    assert policy.scheduling.preemption_modes == (PreemptionMode.MIGRATE,)
+    assert policy.tenants[0].max_concurrency == 3
+    roundtrip = decode_json(render_configmap(pool)["data"]["policy.json"], PoolPolicy)
+    assert roundtrip == policy
+
+
+@pytest.mark.parametrize(("name", "spec", "message"), [
+    ("Bad_Name", SPEC, "DNS label"),
+    ("m", {"model": {"name": "m"}, "kv": {"pageSize": "16"}}, "Expected `int`"),
+    ("m", {"engine": {}}, "model"),
+    ("m", {**SPEC, "engine": {"port": 8000}}, "must differ"),
+    ("m", {**SPEC, "tenants": [{"name": "a"}, {"name": "a"}]}, "unique"),
+    ("m", {**SPEC, "tenants": [{"name": "a", "reservedFraction": 0.7},
+                              {"name": "b", "reservedFraction": 0.7}]}, "sum"),
+])  # fmt: skip
+def test_invalid_specs_name_the_problem(name: str, spec: dict[str, Any], message: str) -> None:
+    with pytest.raises(InvalidPoolError, match=message):
+        parse_pool(name, "ns", spec)
+
+
+def test_engine_flags_follow_the_spec() -> None:
+    args = engine_args(parse_pool("m", "ns", SPEC))
+
+    def value(flag: str) -> str:
+        return args[args.index(flag) + 1]
+
+    assert value("--model-path") == "org/m"
+    assert value("--served-model-name") == "m-chat"
+    assert value("--tp") == "4"
+    assert value("--chunked-prefill-size") == "-1"
+    assert value("--mem-fraction-static") == "0.8"
+    assert "--enable-priority-scheduling" not in args
+    assert "--max-running-requests" not in args  # 0 leaves it to SGLang
+    assert args[-2:] == ["--foo", "1"]
+
+
+def test_policy_change_changes_the_pod_template_hash() -> None:
+    config = OperatorConfig()
+    a = render_deployment(parse_pool("m", "ns", SPEC), 1, config)
+    b = render_deployment(parse_pool("m", "ns", {**SPEC, "kv": {"pageSize": 32}}), 1, config)
+    annotations = [d["spec"]["template"]["metadata"]["annotations"][POLICY_HASH] for d in (a, b)]
+    assert annotations[0] != annotations[1]
+    assert render_deployment(parse_pool("m", "ns", SPEC), 1, config) == a  # deterministic
+
+
+def test_servicemonitor_only_when_its_crd_exists() -> None:
+    pool = parse_pool("m", "ns", SPEC)
+    kinds = [c["kind"] for c in render_children(pool, 1, OperatorConfig(), monitoring=False)]
+    assert kinds == ["ConfigMap", "Service", "PodDisruptionBudget", "Deployment"]
+    with_monitor = render_children(pool, 1, OperatorConfig(), monitoring=True)
+    assert with_monitor[-1]["kind"] == "ServiceMonitor"
+
+
+def test_merge_patch_touches_only_differences() -> None:
+    desired = {"spec": {"replicas": 2, "template": {"containers": [{"name": "a", "image": "x"}]}}}
+    live = {
+        "spec": {
+            "replicas": 2,
+            "template": {"containers": [{"name": "a", "image": "x", "imagePullPolicy": "Always"}]},
+            "progressDeadlineSeconds": 600,
+        },
+        "status": {"readyReplicas": 2},
+    }
+    assert merge_patch(desired, live) == {}  # server defaults are not differences
+    changed = {"spec": {"replicas": 2, "template": {"containers": [{"name": "a", "image": "y"}]}}}
+    assert merge_patch(changed, live) == {
+        "spec": {"template": {"containers": [{"name": "a", "image": "y"}]}}
+    }
+
+
+def test_status_counts_and_conditions() -> None:
+    fleet = FleetObservation((
+        endpoint("a", kv_used_tokens=500, kv_reserved_growth_tokens=100),
+        endpoint("b", watermark=WatermarkState.CRITICAL, kv_used_tokens=900),
+        endpoint("c", lifecycle=Lifecycle.DRAINING),
+        endpoint("d", lease_valid=False),
+    ))  # fmt: skip
+    seen = Observed(generation=3, deployment=DeploymentView(3, 3, 3, True), fleet=fleet)
+    status = build_status(seen, [], "2026-01-01T00:00:00+00:00")
+    assert status["endpoints"] == {"live": 2, "draining": 1, "expired": 1}
+    assert status["watermarks"] == {"normal": 2, "pressure": 0, "critical": 1, "exhausted": 0}
+    assert status["kvUsage"] == "50%"
+    conditions = {c["type"]: c for c in status["conditions"]}
+    assert conditions["Ready"]["status"] == "True"
+    assert (conditions["Degraded"]["status"], conditions["Degraded"]["reason"]) == (
+        "True",
+        "LeasesExpired",
+    )
+    # A condition keeps its transition time while its status holds.
+    later = build_status(seen, status["conditions"], "2026-01-01T01:00:00+00:00")
+    assert {c["type"]: c["lastTransitionTime"] for c in later["conditions"]} == {
+        c["type"]: "2026-01-01T00:00:00+00:00" for c in status["conditions"]
+    }
+
+
+def test_unreachable_control_plane_is_a_condition_not_an_error() -> None:
+    seen = Observed(generation=1, deployment=DeploymentView(1, 0, 1, True), control_plane_error="x")
+    conditions = {c["type"]: c for c in build_status(seen, [], "t")["conditions"]}
+    assert conditions["ControlPlaneReachable"]["status"] == "False"
+    assert conditions["ControlPlaneReachable"]["reason"] == "RedisUnavailable"
+    assert conditions["Ready"]["reason"] == "EnginesNotReady"
+
+
+def test_autoscaling_follows_the_worst_signal_with_stabilization() -> None:
+    policy = AutoscalingPolicy(
+        enabled=True, target_kv_pressure=0.5, scale_up_stabilization_s=30,
+        scale_down_stabilization_s=300,
+    )  # fmt: skip
+    hot = FleetObservation((endpoint("a", kv_used_tokens=900), endpoint("b", kv_used_tokens=900)))
+    assert recommend(policy, hot, current=2) == 4  # 0.9 / 0.5 = 1.8x
+    calm = FleetObservation((endpoint("a", kv_used_tokens=250),))
+    assert recommend(policy, calm, current=2) == 1
+    assert recommend(policy, FleetObservation(), current=2) == 2  # no signal: hold
+
+    # A single spike does not scale up; a sustained one does.
+    spike = [Recommendation(0, 2), Recommendation(10, 6)]
+    assert stabilized(spike, policy, now=10, current=2) == 2
+    sustained = [Recommendation(0, 6), Recommendation(10, 5)]
+    assert stabilized(sustained, policy, now=10, current=2) == 5
+    # A lull does not scale down until the whole down window agrees.
+    lull = [Recommendation(0, 4), Recommendation(200, 1)]
+    assert stabilized(lull, policy, now=200, current=4) == 4
+    assert stabilized(lull, policy, now=350, current=4) == 1
+
+    bounds = ReplicaSpec(min=2, max=5)
+    assert target_replicas(bounds, policy, sustained, now=10, current=2) == 5
+    assert target_replicas(bounds, policy, [Recommendation(0, 9)], now=1, current=2) == 5
+    off = AutoscalingPolicy(enabled=False)
+    assert target_replicas(bounds, off, sustained, now=10, current=4) == 2
+
+
+def test_victims_are_the_cheapest_to_drain() -> None:
+    pods = [PodView("a", True), PodView("b", True), PodView("c", True), PodView("d", False)]
+    fleet = FleetObservation((
+        endpoint("a", in_flight=3), endpoint("b", in_flight=1), endpoint("c", in_flight=1,
+        kv_used_tokens=10),
+    ))  # fmt: skip
+    assert pick_victims(pods, fleet, 1) == ["d"]  # not ready: serves nothing
+    assert pick_victims(pods, fleet, 3) == ["d", "b", "c"]
+    assert pick_victims(pods, fleet, 0) == []
+
+
+def test_drain_waits_for_in_flight_work_but_not_past_its_deadline() -> None:
+    busy = FleetObservation((endpoint("b", lifecycle=Lifecycle.DRAINING, in_flight=2),))
+    idle = FleetObservation((endpoint("b", lifecycle=Lifecycle.DRAINING, in_flight=0),))
+    assert not drain_finished(["b"], busy, started_at=0, now=10, deadline_s=60)
+    assert drain_finished(["b"], busy, started_at=0, now=60, deadline_s=60)
+    assert drain_finished(["b"], idle, started_at=0, now=10, deadline_s=60)
+    assert drain_finished(["b"], FleetObservation(), started_at=0, now=1, deadline_s=60)
