@@ -18,7 +18,7 @@ def redis_server() -> Iterator[RedisServer]:
 
 
 @pytest.fixture
-def redis_url(redis_server: RedisServer) -> Iterator[str]:
+def redis_url(redis_server: RedisServer) -> str:
     """A clean database on the session's server."""
     import redis
 

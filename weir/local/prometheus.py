@@ -17,18 +17,18 @@ import urllib.parse
 import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from types import TracebackType
 
 import yaml
 
 from weir.local.ports import free_port, wait_for_port
+from weir.local.process import LocalService, stop_process
 
 
 class PrometheusNotInstalledError(RuntimeError):
     pass
 
 
-class PrometheusServer:
+class PrometheusServer(LocalService):
     """One `prometheus` process scraping fixed targets, with no retention to speak of.
 
     `jobs` maps a job name to its `host:port` targets; each target is scraped at
@@ -131,26 +131,9 @@ class PrometheusServer:
         raise TimeoutError(f"prometheus did not scrape all {wanted} targets {scrapes} times")
 
     def stop(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
+        stop_process(self._proc, timeout_s=10)
         self._proc = None
 
     def close(self) -> None:
         self.stop()
         self._dir.cleanup()
-
-    def __enter__(self) -> PrometheusServer:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()

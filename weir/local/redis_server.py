@@ -10,9 +10,9 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from types import TracebackType
 
 from weir.local.ports import free_port, wait_for_port
+from weir.local.process import LocalService, stop_process
 
 
 class RedisNotInstalledError(RuntimeError):
@@ -28,7 +28,7 @@ def _binary(name: str) -> str:
     return path
 
 
-class RedisServer:
+class RedisServer(LocalService):
     """One redis-server process with no persistence, on a free loopback port."""
 
     def __init__(self, port: int | None = None, extra_args: tuple[str, ...] = ()) -> None:
@@ -60,13 +60,7 @@ class RedisServer:
         return self
 
     def stop(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
+        stop_process(self._proc, timeout_s=5)
         self._proc = None
 
     def restart(self) -> None:
@@ -77,14 +71,3 @@ class RedisServer:
     def close(self) -> None:
         self.stop()
         self._dir.cleanup()
-
-    def __enter__(self) -> RedisServer:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
