@@ -5,7 +5,9 @@ is still filling), or the prefix cache as one tree node. A cache node's `refs` c
 requests whose page path runs through it; a request holds a reference on every node of its
 path, so a node's references are never fewer than its children's and an unreferenced node
 roots an unreferenced subtree. Unreferenced nodes are evictable; eviction takes unreferenced
-leaves in least-recently-used order, so a page in use is never reclaimed. Allocation fails
+leaves in least-recently-used order (a use is a match or a release), so a page in use is
+never reclaimed. Each cache salt (SGLang's `cache_salt`) has its own tree: requests with
+different salts never share KV. Allocation fails
 closed: it either hands out every page asked for or none.
 """
 
@@ -18,7 +20,7 @@ from collections.abc import Iterable, Sequence
 class CacheNode:
     """One full page of cached tokens, reached from its parent by the page's token ids."""
 
-    __slots__ = ("children", "key", "last_used", "page", "parent", "refs")
+    __slots__ = ("children", "key", "page", "parent", "refs")
 
     def __init__(self, key: tuple[int, ...], page: int, parent: CacheNode | None) -> None:
         self.key = key
@@ -26,7 +28,6 @@ class CacheNode:
         self.parent = parent
         self.children: dict[tuple[int, ...], CacheNode] = {}
         self.refs = 0
-        self.last_used = 0.0
 
 
 class KVCache:
@@ -39,8 +40,7 @@ class KVCache:
         self.page_size = page_size
         self.prefix_cache = prefix_cache
         self._free = list(range(total_pages - 1, -1, -1))
-        self.root = CacheNode((), -1, None)
-        self.root.refs = 1  # never evicted
+        self._roots: dict[str, CacheNode] = {}
         self._leaves: OrderedDict[CacheNode, None] = OrderedDict()
         self.cached_pages = 0
         self.evictable_pages = 0
@@ -100,20 +100,28 @@ class KVCache:
         return self.evict(self.evictable_pages)
 
     # -- prefix cache --------------------------------------------------------------------
-    def match(self, ids: Sequence[int], max_tokens: int, now: float) -> list[CacheNode]:
+    def root(self, salt: str = "") -> CacheNode:
+        node = self._roots.get(salt)
+        if node is None:
+            node = self._roots[salt] = CacheNode((), -1, None)
+            node.refs = 1  # never evicted
+        return node
+
+    def match(self, ids: Sequence[int], max_tokens: int, salt: str = "") -> list[CacheNode]:
         """The cached path of full pages that prefixes `ids`, at most `max_tokens` long."""
         if not self.prefix_cache:
             return []
         size = self.page_size
-        node = self.root
+        node = self.root(salt)
         path: list[CacheNode] = []
         for start in range(0, max_tokens - size + 1, size):
             child = node.children.get(tuple(ids[start : start + size]))
             if child is None:
                 break
-            child.last_used = now
             path.append(child)
             node = child
+        if path and path[-1] in self._leaves:
+            self._leaves.move_to_end(path[-1])  # a hit is a use
         return path
 
     def lock(self, nodes: Iterable[CacheNode]) -> None:
@@ -137,7 +145,7 @@ class KVCache:
         pages: list[int],
         ids: Sequence[int],
         full_pages: int,
-        now: float,
+        salt: str = "",
     ) -> None:
         """Move a holder's filled private pages into the cache, extending its locked `path`
         in place and consuming the adopted pages from the front of `pages`.
@@ -149,7 +157,7 @@ class KVCache:
         if not self.prefix_cache:
             return
         size = self.page_size
-        parent = path[-1] if path else self.root
+        parent = path[-1] if path else self.root(salt)
         adopted = 0
         for index in range(len(path), full_pages):
             key = tuple(ids[index * size : (index + 1) * size])
@@ -164,7 +172,6 @@ class KVCache:
             else:
                 self.free((page,))
                 self.lock((node,))
-            node.last_used = now
             path.append(node)
             parent = node
         del pages[:adopted]
@@ -190,7 +197,7 @@ class KVCache:
             for page in pages:
                 own(page, f"holder {index}")
         cached = evictable = 0
-        stack = list(self.root.children.values())
+        stack = [child for root in self._roots.values() for child in root.children.values()]
         while stack:
             node = stack.pop()
             cached += 1

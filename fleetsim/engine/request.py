@@ -69,6 +69,7 @@ class EngineRequest:
     stop: tuple[str, ...] = ()
     stop_token_ids: frozenset[int] = frozenset()
     priority: int = 0
+    cache_salt: str = ""
     arrival: float = 0.0
 
     output_ids: list[int] = field(default_factory=list)

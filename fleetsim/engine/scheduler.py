@@ -104,11 +104,7 @@ class EngineModel:
         self.prefill_budget = (
             config.chunked_prefill_size if config.chunked_prefill_size > 0 else math.inf
         )
-        if config.prefill_time_budget_s is not None:
-            model, hw = config.timing.model, config.timing.hardware
-            per_token = 2.0 * model.params / (hw.flops * hw.compute_efficiency)
-            cap = (config.prefill_time_budget_s - hw.fixed_overhead_s) / per_token
-            self.prefill_budget = min(self.prefill_budget, max(float(self.page_size), cap))
+        self.time_budget = config.prefill_time_budget_s
         # cumulative counters (metrics are derived from these)
         self.steps = 0
         self.decode_steps = 0
@@ -135,6 +131,7 @@ class EngineModel:
         stop: Iterable[str] = (),
         stop_token_ids: Iterable[int] = (),
         priority: int = 0,
+        cache_salt: str = "",
         now: float = 0.0,
     ) -> EngineRequest:
         """A validated request. Raises RequestError with SGLang's message on bad input;
@@ -183,6 +180,7 @@ class EngineModel:
             stop=tuple(s for s in stop if s),
             stop_token_ids=frozenset(stop_token_ids),
             priority=priority,
+            cache_salt=cache_salt,
             arrival=now,
         )
 
@@ -249,7 +247,7 @@ class EngineModel:
             return self.abort(abort_all=True, now=now, message="Abort by pause_generation.")
         if mode == "retract":
             for req in self.decoding + self.prefilling:
-                self._retract(req, now)
+                self._retract(req)
             self.waiting[:0] = self.prefilling + self.decoding
             self.decoding.clear()
             self.prefilling.clear()
@@ -331,7 +329,7 @@ class EngineModel:
         if pf_tokens == 0 and dec_seqs == 0 and self.prefilling and not self.decoding:
             # Admitted prefills that cannot get a page while nothing else runs: requeue the
             # newest so the pool cannot deadlock.
-            self._requeue(self.prefilling.pop(), now, result)
+            self._requeue(self.prefilling.pop(), result)
         result.prefill_tokens = pf_tokens
         result.decode_tokens = dec_seqs
         result.duration = self.config.timing.iteration_s(
@@ -365,7 +363,9 @@ class EngineModel:
     def _order_waiting(self, now: float) -> None:
         cfg = self.config
         if cfg.schedule_policy == "lpm" and self.kv.prefix_cache:
-            self.waiting.sort(key=lambda r: -len(self.kv.match(r.history(), r.total_len - 1, now)))
+            self.waiting.sort(
+                key=lambda r: -len(self.kv.match(r.history(), r.total_len - 1, r.cache_salt))
+            )
         elif cfg.enable_priority_scheduling:
             sign = 1 if cfg.schedule_low_priority_values_first else -1
             aging = cfg.priority_aging_s
@@ -394,13 +394,17 @@ class EngineModel:
         reserved = self._reserved_growth()
         running = len(self.prefilling) + len(self.decoding)
         limit = self.config.running_limit
-        pending = sum(r.total_len - r.computed for r in self.prefilling)
+        # Admit about one iteration's prefill work. With yielding, work already admitted
+        # does not count: new short prompts must be able to overtake a long one.
+        pending = 0
+        if not self.config.prefill_yield:
+            pending = sum(r.total_len - r.computed for r in self.prefilling)
         admitted = 0
         for req in self.waiting:
             if running >= limit or pending >= self.prefill_budget:
                 break
             history = req.history()
-            nodes = kv.match(history, req.total_len - 1, now)
+            nodes = kv.match(history, req.total_len - 1, req.cache_salt)
             matched = len(nodes) * ps
             uncached = req.total_len - matched
             clipped = min(req.max_new_tokens - len(req.output_ids), CLIP_MAX_NEW_TOKENS)
@@ -448,6 +452,10 @@ class EngineModel:
                 break
             start = req.computed
             end = min(req.total_len, start + int(min(budget, req.total_len - start)))
+            if self.time_budget is not None:
+                end = self._fit_time(start, end, tokens, pairs, context)
+                if end <= start:
+                    break
             held = len(req.nodes) + len(req.pages)
             need = -(-end // ps) - held
             if need > 0:
@@ -469,7 +477,7 @@ class EngineModel:
             context += start
             budget -= n
             served.add(id(req))
-            self._cache_full_pages(req, now)
+            self._cache_full_pages(req)
             if token is not None:
                 self._prefilled(req, token, now, result)
         if tokens and cfg.prefill_yield:
@@ -479,6 +487,31 @@ class EngineModel:
                 elif req.computed < req.total_len:
                     req.prefill_yields = 0
         return tokens, pairs, context
+
+    def _fit_time(self, start: int, end: int, tokens: int, pairs: int, context: int) -> int:
+        """The largest chunk end ≤ `end` whose iteration, with the chunks already chosen,
+        stays within the prefill time budget (the first chunk always gets a page's worth,
+        so prefill progresses whatever the budget)."""
+        assert self.time_budget is not None
+        timing, budget = self.config.timing, self.time_budget
+
+        def fits(stop: int) -> bool:
+            extra = (stop * (stop + 1) - start * (start + 1)) // 2
+            took = timing.iteration_s(tokens + stop - start, pairs + extra, context + start, 0, 0)
+            return took <= budget
+
+        if fits(end):
+            return end
+        lo, hi = start, end  # fits(lo) or lo == start; not fits(hi)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if fits(mid):
+                lo = mid
+            else:
+                hi = mid
+        if lo == start and tokens == 0:
+            return min(end, start + self.page_size)
+        return lo
 
     def _prefilled(self, req: EngineRequest, token: int, now: float, result: StepResult) -> None:
         """The request's whole history has KV: take its sampled token and start decoding."""
@@ -493,10 +526,10 @@ class EngineModel:
         self.decoding.append(req)
         self._append(req, token, now, result)
 
-    def _cache_full_pages(self, req: EngineRequest, now: float) -> None:
+    def _cache_full_pages(self, req: EngineRequest) -> None:
         full = req.computed // self.page_size
         if full > len(req.nodes) and self.kv.prefix_cache:
-            self.kv.adopt(req.nodes, req.pages, req.history(), full, now)
+            self.kv.adopt(req.nodes, req.pages, req.history(), full, req.cache_salt)
 
     # -- decode --------------------------------------------------------------------------
     def _decode(
@@ -582,11 +615,13 @@ class EngineModel:
                 break
             if req.computed == (len(req.nodes) + len(req.pages)) * ps:
                 pages_needed -= 1
-            self._retract(req, now)
+            self._retract(req)
             victims.add(id(req))
             result.retracted.append(req)
         self.decoding = [r for r in self.decoding if id(r) not in victims]
         self.waiting[:0] = [r for r in order if id(r) in victims]
+        while pages_needed > kv.available_pages and self.prefilling:
+            self._requeue(self.prefilling.pop(), result)  # partial prefills give way too
         if pages_needed > kv.available_pages:
             # A single sequence the whole pool cannot hold: fail closed.
             doomed = list(self.decoding)
@@ -598,25 +633,25 @@ class EngineModel:
         self._last_retracted = len(victims)
         self.new_token_ratio = self.init_ratio
 
-    def _retract(self, req: EngineRequest, now: float) -> None:
-        self._release(req, now)
+    def _retract(self, req: EngineRequest) -> None:
+        self._release(req)
         req.computed = 0
         req.retractions += 1
         req.phase = Phase.WAITING
 
-    def _requeue(self, req: EngineRequest, now: float, result: StepResult) -> None:
-        self._retract(req, now)
+    def _requeue(self, req: EngineRequest, result: StepResult) -> None:
+        self._retract(req)
         self.waiting.insert(0, req)
         result.retracted.append(req)
 
     # -- release -------------------------------------------------------------------------
-    def _release(self, req: EngineRequest, now: float) -> None:
+    def _release(self, req: EngineRequest) -> None:
         """Give back the request's KV; its computed full pages stay cached (evictable), so
         a recompute or a continuation of the same history hits the prefix cache."""
         kv = self.kv
         if req.nodes or req.pages:
             if req.phase is not Phase.WAITING:
-                self._cache_full_pages(req, now)
+                self._cache_full_pages(req)
             kv.unlock(req.nodes)
             kv.free(req.pages)
             req.nodes = []
@@ -627,7 +662,7 @@ class EngineModel:
             return
         phase = req.phase
         req.finished_at = now
-        self._release(req, now)
+        self._release(req)
         req.finish = finish
         req.phase = Phase.FINISHED
         self.requests.pop(req.rid, None)

@@ -118,6 +118,7 @@ class EngineServer:
             stop=spec.stop,
             stop_token_ids=spec.stop_token_ids,
             priority=spec.priority if self.config.enable_priority_scheduling else 0,
+            cache_salt=spec.cache_salt,
             now=self.driver.now(),
         )
         return self.driver.submit(req)

@@ -40,6 +40,7 @@ class GenerateSpec:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     priority: int = 0
+    cache_salt: str = ""
     include_usage: bool = False
     continuous_usage: bool = False
     model: str = ""
@@ -114,6 +115,15 @@ def _priority(body: Mapping[str, Any]) -> int:
     return _int(body, "priority", 0) or 0
 
 
+def _salt(body: Mapping[str, Any]) -> str:
+    salt = body.get("cache_salt")
+    if salt is None:
+        return ""
+    if not isinstance(salt, str):
+        raise BadRequestError("cache_salt must be a string.")
+    return salt
+
+
 def parse_generate(body: Mapping[str, Any]) -> GenerateSpec:
     """SGLang's /generate: `text` or `input_ids`, `sampling_params`, `stream`, `rid`…"""
     text, ids = body.get("text"), body.get("input_ids")
@@ -143,6 +153,7 @@ def parse_generate(body: Mapping[str, Any]) -> GenerateSpec:
         stop=_stops(params.get("stop")),
         stop_token_ids=_token_ids(params.get("stop_token_ids") or [], "stop_token_ids"),
         priority=_priority(body),
+        cache_salt=_salt(body),
     )
 
 
@@ -185,6 +196,7 @@ def _openai_spec(
         stop=_stops(body.get("stop")),
         stop_token_ids=_token_ids(body.get("stop_token_ids") or [], "stop_token_ids"),
         priority=_priority(body),
+        cache_salt=_salt(body),
     )
     return _openai_common(body, spec)
 
