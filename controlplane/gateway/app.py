@@ -16,21 +16,24 @@ path is the upstream call.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
 import msgspec
 from aiohttp import web
+from redis.exceptions import RedisError
 
 from controlplane.contract import CacheIdentity, Continuation, EngineAPI, RoutingPolicy
 from controlplane.gateway.errors import GatewayError, overload, unavailable
 from controlplane.gateway.metrics import RouterMetrics, length_bucket
 from controlplane.gateway.pool import PoolView
+from controlplane.gateway.quotas import QuotaGate
 from controlplane.gateway.relay import (
     DONE,
     PREEMPTED_EVENT,
@@ -86,6 +89,7 @@ class GatewayConfig:
     queue_max_wait_s: float = 30.0
     connect_timeout_s: float = 2.0
     chunk_timeout_s: float = 120.0
+    enforce_quotas: bool = False
 
 
 class _ClientGoneError(Exception):
@@ -119,10 +123,12 @@ class Gateway:
         view: PoolView,
         keys: TenantKeys | None = None,
         clock: Callable[[], float] = time.monotonic,
+        quotas: QuotaGate | None = None,
     ) -> None:
         self.config = config
         self.view = view
         self.keys = keys or TenantKeys()
+        self.quotas = quotas
         self.clock = clock
         self.profile = profile_from_config(config.profile or default_config(config.routing))
         self.prefix_index = PrefixIndex()
@@ -329,9 +335,19 @@ class Gateway:
                 limits=self.config.limits,
             )
             route = self.route_request(client, tenant)
-            decision = await self._admit(route)
+            if self.quotas is not None:
+                await self.quotas.charge(
+                    tenant, route.request_id, client.prompt_tokens, client.max_new_tokens
+                )
         except GatewayError as exc:
             return self._refuse(exc, tenant)
+        try:
+            decision = await self._admit(route)
+        except BaseException as exc:
+            self._release_quota(route.request_id, 0, 0)
+            if isinstance(exc, GatewayError):
+                return self._refuse(exc, tenant)
+            raise
         received = Received(api, prompt_tokens=client.prompt_tokens)
         splicer = Splicer(received, self.config.limits.bytes_per_token)
         ex = _Exchange(client, route, tenant, started, received, splicer)
@@ -390,6 +406,7 @@ class Gateway:
         finally:
             if reserved:
                 self._release(reserved)
+            self._release_quota(ex.route.request_id, ex.client.prompt_tokens, ex.received.tokens)
             self._account(ex)
 
     def _resume_decision(self, ex: _Exchange) -> Decision | None:
@@ -541,6 +558,16 @@ class Gateway:
         await response.write_eof()
         return response
 
+    def _release_quota(self, request_id: str, input_tokens: int, output_tokens: int) -> None:
+        if self.quotas is not None:
+            self._spawn(self.quotas.release(request_id, input_tokens, output_tokens))
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run `work` in the background, awaited at shutdown."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
     def _abort_upstream(self, ex: _Exchange) -> None:
         """Tell the engine the client left: its rid is aborted at once."""
         if not ex.address or self._session is None:
@@ -554,9 +581,7 @@ class Gateway:
             except (aiohttp.ClientError, TimeoutError) as exc:
                 log.info("abort of %s at %s failed: %s", rid, url, exc)
 
-        task = asyncio.get_running_loop().create_task(abort())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._spawn(abort())
 
     def _count_unary(self, ex: _Exchange, raw: bytes, status: int) -> None:
         if status != 200:
@@ -611,6 +636,11 @@ class Gateway:
 
     async def _metrics(self, _request: web.Request) -> web.Response:
         self._observe_snapshot()
+        if self.quotas is not None:
+            gauge = self.metrics.quota_utilization
+            with contextlib.suppress(RedisError, OSError):  # scrape what is known
+                for (tenant, resource), ratio in (await self.quotas.utilization()).items():
+                    gauge.labels(self.config.pool, tenant, resource).set(ratio)
         return web.Response(
             body=self.metrics.exposition(), content_type="text/plain", charset="utf-8"
         )

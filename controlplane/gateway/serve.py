@@ -14,8 +14,15 @@ from redis.asyncio import Redis
 
 from controlplane.gateway.app import Gateway, GatewayConfig
 from controlplane.gateway.pool import PoolView, RingOwners, StoreFeed, static_endpoints
+from controlplane.gateway.quotas import QuotaGate
 from controlplane.gateway.tenants import TenantKeys
-from controlplane.store import EndpointRegistry, PoolFollower, RedisSettings, connect
+from controlplane.store import (
+    EndpointRegistry,
+    PoolFollower,
+    QuotaStore,
+    RedisSettings,
+    connect,
+)
 
 
 @dataclass
@@ -23,14 +30,14 @@ class RunningGateway:
     gateway: Gateway
     url: str
     _runner: web.AppRunner
-    _feed_task: asyncio.Task[None] | None
+    _tasks: list[asyncio.Task[None]]
     _redis: Redis | None
 
     async def close(self) -> None:
-        if self._feed_task is not None:
-            self._feed_task.cancel()
+        for task in self._tasks:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._feed_task
+                await task
         await self._runner.cleanup()
         if self._redis is not None:
             await self._redis.aclose()
@@ -50,6 +57,10 @@ async def serve_gateway(
     clock = time.monotonic
     redis: Redis | None = None
     feed: StoreFeed | None = None
+    quotas: QuotaGate | None = None
+    tasks: list[asyncio.Task[None]] = []
+    if config.enforce_quotas and not redis_url:
+        raise ValueError("quotas live in the control plane: enforce_quotas needs redis_url")
     if endpoints:
         view = PoolView(config.pool, math.inf)
         view.update(static_endpoints(config.pool, config.model, endpoints), clock())
@@ -59,11 +70,18 @@ async def serve_gateway(
         follower = PoolFollower(EndpointRegistry(redis, config.pool))
         owners = RingOwners(config.routing.virtual_nodes)
         feed = StoreFeed(follower, view, clock, owners_for=owners)
-    gateway = Gateway(config, view, keys, clock)
+        if config.enforce_quotas:
+            quotas = QuotaGate(QuotaStore(redis, config.pool))
+            await quotas.store.renew_holder(quotas.holder, quotas.lease_ttl_s)
+    gateway = Gateway(config, view, keys, clock, quotas)
     runner = web.AppRunner(gateway.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
     await site.start()
     port = runner.addresses[0][1]
-    task = asyncio.get_running_loop().create_task(feed.run()) if feed is not None else None
-    return RunningGateway(gateway, f"http://{config.host}:{port}", runner, task, redis)
+    loop = asyncio.get_running_loop()
+    if feed is not None:
+        tasks.append(loop.create_task(feed.run()))
+    if quotas is not None:
+        tasks.append(loop.create_task(quotas.keep_lease()))
+    return RunningGateway(gateway, f"http://{config.host}:{port}", runner, tasks, redis)

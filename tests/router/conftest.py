@@ -13,7 +13,13 @@ import msgspec
 import pytest
 
 from controlplane.contract import EndpointState, RoutingPolicy
-from controlplane.gateway import GatewayConfig, Limits, RunningGateway, serve_gateway
+from controlplane.gateway import (
+    GatewayConfig,
+    Limits,
+    RunningGateway,
+    TenantKeys,
+    serve_gateway,
+)
 from controlplane.store import EndpointRegistry, RedisSettings, connect
 from fleetsim.engine import EngineConfig
 from fleetsim.server import RunningEngine, serve_engine
@@ -66,6 +72,7 @@ async def make_fleet(
     speed_factor: float = 20.0,
     routing: RoutingPolicy | None = None,
     pool: str = POOL,
+    keys: TenantKeys | None = None,
     **gateway_config: object,
 ) -> AsyncIterator[Fleet]:
     async with contextlib.AsyncExitStack() as stack:
@@ -97,7 +104,7 @@ async def make_fleet(
             limits=Limits(),
             **gateway_config,  # type: ignore[arg-type]
         )
-        gateway = await serve_gateway(config, redis_url=redis_url)
+        gateway = await serve_gateway(config, redis_url=redis_url, keys=keys)
         stack.push_async_callback(gateway.close)
         fleet = Fleet(registry, running, states, gateway, stack)
         await until(

@@ -28,6 +28,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="route on the last snapshot this long while Redis is unreachable, then refuse")  # fmt: skip
     add("--queue-max-wait-s", type=float, default=30.0)
     add("--max-attempts", type=int, default=3, help="endpoints tried before the first byte")
+    add("--quotas", action="store_true",
+        help="enforce tenant quotas from the control plane (needs --redis-url)")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -57,7 +59,10 @@ def run(args: argparse.Namespace) -> int:
             profile=profile,
             max_attempts=args.max_attempts,
             queue_max_wait_s=args.queue_max_wait_s,
+            enforce_quotas=args.quotas,
         )
+        if args.quotas and not args.redis_url:
+            raise ValueError("--quotas needs --redis-url (quotas live in the control plane)")
     except (OSError, ValueError, ProfileError, yaml.YAMLError) as exc:
         print(f"weir router: {exc}", file=sys.stderr)
         return 2

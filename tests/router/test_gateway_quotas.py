@@ -1,0 +1,99 @@
+"""Tenant quotas hold across router replicas sharing one Redis: concurrency, token rates,
+unknown tenants, and slots that come back when a request ends."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+
+from controlplane.contract import TenantQuota
+from controlplane.gateway import GatewayConfig, RunningGateway, TenantKeys, serve_gateway
+from controlplane.store import QuotaStore
+from tests.router.conftest import MODEL, POOL, Fleet, make_fleet, until
+
+pytestmark = pytest.mark.redis
+
+KEYS = TenantKeys({"sk-a": "team-a", "sk-r": "team-rate", "sk-x": "team-unknown"})
+
+
+def _auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+@contextlib.asynccontextmanager
+async def _two_routers(redis_url: str) -> AsyncIterator[tuple[Fleet, RunningGateway]]:
+    async with make_fleet(
+        redis_url, engines=2, speed_factor=1.0, keys=KEYS, enforce_quotas=True
+    ) as fleet:
+        quotas = QuotaStore(fleet.registry.redis, POOL)
+        await quotas.set_quota(TenantQuota(name="team-a", max_concurrency=2))
+        await quotas.set_quota(TenantQuota(name="team-rate", input_tokens_per_min=100))
+        second = await serve_gateway(
+            GatewayConfig(pool=POOL, model=MODEL, enforce_quotas=True),
+            redis_url=redis_url,
+            keys=KEYS,
+        )
+        try:
+            await until(lambda: len(second.gateway.view.snapshot.endpoints) == 2, "replica 2")
+            yield fleet, second
+        finally:
+            await second.close()
+
+
+async def _open_stream(
+    session: aiohttp.ClientSession, url: str, key: str
+) -> aiohttp.ClientResponse:
+    body = {"model": MODEL, "prompt": "long story", "stream": True, "max_tokens": 3000,
+            "ignore_eos": True}  # fmt: skip
+    reply = await session.post(url + "/v1/completions", json=body, headers=_auth(key))
+    assert reply.status == 200, await reply.text()
+    await reply.content.readline()  # admitted and streaming
+    return reply
+
+
+async def _short(session: aiohttp.ClientSession, url: str, key: str, prompt: str = "hi"):
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2}
+    async with session.post(url + "/v1/completions", json=body, headers=_auth(key)) as reply:
+        return reply.status, dict(reply.headers), await reply.json()
+
+
+async def test_concurrency_holds_across_two_router_replicas(redis_url: str) -> None:
+    async with _two_routers(redis_url) as (fleet, second), aiohttp.ClientSession() as session:
+        first = await _open_stream(session, fleet.url, "sk-a")
+        other = await _open_stream(session, second.url, "sk-a")
+        for url in (fleet.url, second.url):
+            status, headers, body = await _short(session, url, "sk-a")
+            assert status == 429
+            assert body["error"]["reason"] == "concurrency"
+            assert int(headers["Retry-After"]) >= 1
+        first.close()  # the client goes away: its slot comes back once the release lands
+        for _ in range(500):
+            status, _, _ = await _short(session, second.url, "sk-a")
+            if status == 200:
+                break
+            assert status == 429
+        assert status == 200
+        other.close()
+
+
+async def test_token_rates_unknown_tenants_and_oversized_requests(redis_url: str) -> None:
+    async with _two_routers(redis_url) as (fleet, second), aiohttp.ClientSession() as session:
+        status, _, _ = await _short(session, fleet.url, "sk-r", "x" * 60)
+        assert status == 200
+        status, headers, body = await _short(session, second.url, "sk-r", "y" * 60)
+        assert status == 429
+        assert body["error"]["reason"] == "input_tokens"
+        assert int(headers["Retry-After"]) >= 1
+        status, _, body = await _short(session, fleet.url, "sk-r", "z" * 150)
+        assert (status, body["error"]["reason"]) == (400, "exceeds_quota")
+        status, _, body = await _short(session, fleet.url, "sk-x")
+        assert (status, body["error"]["reason"]) == (403, "unknown_tenant")
+        async with session.get(fleet.url + "/metrics") as reply:
+            exposition = await reply.text()
+        assert (
+            'weir_router_quota_utilization_ratio{pool="router-test",resource="input_tokens",tenant="team-rate"}'
+            in exposition
+        )
