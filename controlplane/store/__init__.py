@@ -10,7 +10,9 @@ nothing is written); `ValueError` for invalid names and arguments; `redis` excep
 when Redis stays unreachable after the client's retries.
 """
 
+from controlplane.store.commands import CommandChannel, Delivery
 from controlplane.store.connection import RedisSettings, connect
+from controlplane.store.credits import CreditRefusal, CreditStore
 from controlplane.store.follower import PoolFollower, Refresh
 from controlplane.store.keys import PoolKeys
 from controlplane.store.lease import EndpointLease, reap_forever
@@ -36,6 +38,10 @@ __all__ = [
     "ChangeBatch",
     "ChangeKind",
     "ChargeResult",
+    "CommandChannel",
+    "CreditRefusal",
+    "CreditStore",
+    "Delivery",
     "EndpointLease",
     "EndpointRegistry",
     "FeedPosition",
