@@ -50,6 +50,9 @@ class EngineConfig:
     enable_metrics: bool = True
     timing: TimingModel = field(default_factory=TimingModel)
     speed_factor: float = 1.0
+    # Seconds (real time) the server reports "starting" (/health 503) after it listens,
+    # like SGLang loading weights and warming up.
+    startup_s: float = 0.0
     token_backend: Literal["hash", "torch"] = "hash"
     eos_per_mille: float = DEFAULT_EOS_PER_MILLE
     seed: int = 0
@@ -68,6 +71,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 problems.append(f"{name} must be at least 1")
+        if not self.startup_s >= 0:
+            problems.append("startup_s must not be negative")
         if not self.speed_factor > 0:
             problems.append("speed_factor must be positive")
         if self.prefill_max_yields < 0:

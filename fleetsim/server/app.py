@@ -410,6 +410,7 @@ class EngineServer:
                 ],
                 "weir_reference_engine": {
                     "speed_factor": cfg.speed_factor,
+                    "startup_s": cfg.startup_s,
                     "token_backend": cfg.token_backend,
                     "model_profile": timing.model.name,
                     "hardware_profile": timing.hardware.name,
@@ -473,13 +474,14 @@ class EngineServer:
         )
 
     async def ready(self, request: web.Request) -> web.Response:
-        if not self.driver.alive:
+        if not self.driver.ready:
             return _json({"status": "not ready"}, 503)
         return _json({"status": "ready"})
 
     async def health(self, request: web.Request) -> web.Response:
-        """A one-token generation, unless tokens flowed moments ago (as SGLang does)."""
-        if not self.driver.alive:
+        """A one-token generation, unless tokens flowed moments ago (as SGLang does);
+        503 while starting."""
+        if not self.driver.ready:
             return web.Response(status=503)
         if self.driver.last_output_at >= 0 and (
             self.driver.now() - self.driver.last_output_at < _RECENT_OUTPUT_S

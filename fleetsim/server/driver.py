@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Iterable
 
 from fleetsim.engine import EngineModel, EngineRequest, StepResult
 from fleetsim.server.metrics import EngineMetrics
+
+log = logging.getLogger(__name__)
 
 
 class Stream:
@@ -42,6 +45,8 @@ class EngineDriver:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._loop = asyncio.get_running_loop()
+        self.ready_at = self._loop.time() + model.config.startup_s
+        self.crashed: BaseException | None = None
 
     def now(self) -> float:
         return self._loop.time()
@@ -59,6 +64,11 @@ class EngineDriver:
     @property
     def alive(self) -> bool:
         return self._task is not None and not self._task.done()
+
+    @property
+    def ready(self) -> bool:
+        """Past startup and stepping: what /health and /ready report."""
+        return self.alive and self.now() >= self.ready_at
 
     # -- requests ----------------------------------------------------------------------
     def submit(self, req: EngineRequest) -> Stream:
@@ -101,6 +111,16 @@ class EngineDriver:
 
     # -- the step loop ----------------------------------------------------------------
     async def _run(self) -> None:
+        try:
+            await self._step_forever()
+        except Exception as exc:
+            # A bug, not a load condition: fail every request loudly instead of hanging.
+            log.exception("engine step loop crashed")
+            self.crashed = exc
+            self._ended(self.model.abort(abort_all=True, now=self.now(),
+                                         message=f"Engine crashed: {exc!r}"))  # fmt: skip
+
+    async def _step_forever(self) -> None:
         model, loop = self.model, self._loop
         interval = model.config.decode_log_interval
         deadline = loop.time()

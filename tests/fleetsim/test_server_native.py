@@ -220,3 +220,21 @@ async def test_kill_drops_connections_like_a_crash() -> None:
                     pass
         with pytest.raises(aiohttp.ClientConnectionError):
             await http.get(f"{eng.url}/health")
+
+
+async def test_health_is_503_while_starting() -> None:
+    async with serve_engine(small_config(startup_s=0.3)) as eng, aiohttp.ClientSession() as http:
+        assert (await get(http, f"{eng.url}/health"))[0] == 503
+        assert (await get(http, f"{eng.url}/ready"))[0] == 503
+        statuses: list[int] = []
+
+        async def probe() -> bool:
+            statuses.append((await get(http, f"{eng.url}/health"))[0])
+            return statuses[-1] == 200
+
+        for _ in range(500):
+            if await probe():
+                break
+            await asyncio.sleep(0.01)
+        assert statuses[-1] == 200
+        assert (await get(http, f"{eng.url}/ready"))[0] == 200

@@ -44,6 +44,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add("--priority-aging-s", type=float, default=None)
     add("--speed-factor", type=float, default=1.0,
         help="simulated GPU speed relative to the timing profile")  # fmt: skip
+    add("--startup-s", type=float, default=0.0,
+        help="seconds /health answers 503 after start, as while loading weights")  # fmt: skip
     add("--token-backend", choices=("hash", "torch"), default="hash")
     add("--eos-per-mille", type=float, default=None)
 
@@ -71,6 +73,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         prefill_time_budget_s=args.prefill_time_budget_s,
         priority_aging_s=args.priority_aging_s,
         speed_factor=args.speed_factor,
+        startup_s=args.startup_s,
         token_backend=args.token_backend,
         **extra,
     )
