@@ -238,3 +238,23 @@ async def test_health_is_503_while_starting() -> None:
             await asyncio.sleep(0.01)
         assert statuses[-1] == 200
         assert (await get(http, f"{eng.url}/ready"))[0] == 200
+
+
+async def test_scheduler_gauges_refresh_on_sglang_cadence() -> None:
+    """Gauges move at prefill iterations and every decode_log_interval decode steps, so
+    during a long decode they lag what /v1/loads reports live."""
+    config = small_config(decode_log_interval=100000, page_size=1)
+    async with serve_engine(config) as eng, aiohttp.ClientSession() as http:
+        task = asyncio.create_task(post(http, f"{eng.url}/generate", gen("abcd", 5000)))
+        await until(lambda: eng.engine.decoding and len(eng.engine.decoding[0].output_ids) > 50)
+        _, loads = await get(http, f"{eng.url}/v1/loads")
+        _, metrics = await get(http, f"{eng.url}/metrics")
+        await post(http, f"{eng.url}/abort_request", {"abort_all": True})
+        await task
+    used = next(
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("sglang:num_used_tokens{")
+    )
+    assert used == 4  # the prompt's KV, as of the prefill iteration
+    assert loads["loads"][0]["num_used_tokens"] > 50
