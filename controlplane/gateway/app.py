@@ -29,7 +29,8 @@ import msgspec
 from aiohttp import web
 from redis.exceptions import RedisError
 
-from controlplane.contract import CacheIdentity, Continuation, EngineAPI, RoutingPolicy
+from controlplane.contract import CacheIdentity, Continuation, EngineAPI, Role, RoutingPolicy
+from controlplane.gateway.credits import CREDIT_HEADER, HandoffGate
 from controlplane.gateway.errors import GatewayError, overload, unavailable
 from controlplane.gateway.metrics import RouterMetrics, length_bucket
 from controlplane.gateway.pool import PoolView
@@ -90,6 +91,11 @@ class GatewayConfig:
     connect_timeout_s: float = 2.0
     chunk_timeout_s: float = 120.0
     enforce_quotas: bool = False
+    # A prefill pool (role PREFILL) takes a handoff credit on its decode pool's class.
+    role: Role = Role.MIXED
+    decode_pool: str = ""
+    kv_bytes_per_token: int = 131_072
+    credit_ttl_s: float = 30.0
 
 
 class _ClientGoneError(Exception):
@@ -114,6 +120,7 @@ class _Exchange:
     finish: str = "error"
     failed: set[str] = field(default_factory=set)
     retry_after_s: float = 0.0
+    credit: str = ""
 
 
 class Gateway:
@@ -124,11 +131,13 @@ class Gateway:
         keys: TenantKeys | None = None,
         clock: Callable[[], float] = time.monotonic,
         quotas: QuotaGate | None = None,
+        credits: HandoffGate | None = None,
     ) -> None:
         self.config = config
         self.view = view
         self.keys = keys or TenantKeys()
         self.quotas = quotas
+        self.credits = credits
         self.clock = clock
         self.profile = profile_from_config(config.profile or default_config(config.routing))
         self.prefix_index = PrefixIndex()
@@ -201,6 +210,7 @@ class Gateway:
             max_new_tokens=client.max_new_tokens,
             tenant=tenant,
             adapter=client.adapter,
+            role=self.config.role,
             priority=client.priority,
             deadline_s=client.deadline_s,
             block_hashes=hashes,
@@ -341,7 +351,10 @@ class Gateway:
                 )
         except GatewayError as exc:
             return self._refuse(exc, tenant)
+        credit = ""
         try:
+            if self.credits is not None:
+                credit = (await self.credits.take(route.request_id, client.prompt_tokens)).credit_id
             decision = await self._admit(route)
         except BaseException as exc:
             self._release_quota(route.request_id, 0, 0)
@@ -350,7 +363,7 @@ class Gateway:
             raise
         received = Received(api, prompt_tokens=client.prompt_tokens)
         splicer = Splicer(received, self.config.limits.bytes_per_token)
-        ex = _Exchange(client, route, tenant, started, received, splicer)
+        ex = _Exchange(client, route, tenant, started, received, splicer, credit=credit)
         return await self._serve(request, ex, decision)
 
     def _refuse(self, exc: GatewayError, tenant: str) -> web.Response:
@@ -468,6 +481,8 @@ class Gateway:
             "x-weir-request-id": ex.route.request_id,
             "x-weir-priority": str(client.priority),
         }
+        if ex.credit:
+            headers[CREDIT_HEADER] = ex.credit
         if client.stream:  # the router can resume it: a sidecar may migrate it away
             headers["x-weir-migratable"] = "1"
         if client.deadline_s:

@@ -12,11 +12,14 @@ from dataclasses import dataclass
 from aiohttp import web
 from redis.asyncio import Redis
 
+from controlplane.contract import Role
 from controlplane.gateway.app import Gateway, GatewayConfig
+from controlplane.gateway.credits import HandoffGate
 from controlplane.gateway.pool import PoolView, RingOwners, StoreFeed, static_endpoints
 from controlplane.gateway.quotas import QuotaGate
 from controlplane.gateway.tenants import TenantKeys
 from controlplane.store import (
+    CreditStore,
     EndpointRegistry,
     PoolFollower,
     QuotaStore,
@@ -59,8 +62,11 @@ async def serve_gateway(
     feed: StoreFeed | None = None
     quotas: QuotaGate | None = None
     tasks: list[asyncio.Task[None]] = []
-    if config.enforce_quotas and not redis_url:
-        raise ValueError("quotas live in the control plane: enforce_quotas needs redis_url")
+    credits: HandoffGate | None = None
+    if (config.enforce_quotas or config.role is Role.PREFILL) and not redis_url:
+        raise ValueError("quotas and handoff credits live in the control plane: give redis_url")
+    if config.role is Role.PREFILL and not config.decode_pool:
+        raise ValueError("a prefill pool's router needs decode_pool (the handoff credit class)")
     if endpoints:
         view = PoolView(config.pool, math.inf)
         view.update(static_endpoints(config.pool, config.model, endpoints), clock())
@@ -73,7 +79,13 @@ async def serve_gateway(
         if config.enforce_quotas:
             quotas = QuotaGate(QuotaStore(redis, config.pool))
             await quotas.store.renew_holder(quotas.holder, quotas.lease_ttl_s)
-    gateway = Gateway(config, view, keys, clock, quotas)
+        if config.role is Role.PREFILL:
+            # The decode pool keeps the budget; its name is the credit class.
+            credits = HandoffGate(
+                CreditStore(redis, config.decode_pool), config.decode_pool,
+                config.kv_bytes_per_token, config.credit_ttl_s,
+            )  # fmt: skip
+    gateway = Gateway(config, view, keys, clock, quotas, credits)
     runner = web.AppRunner(gateway.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import msgspec
 import pytest
 
-from controlplane.contract import EndpointState, RoutingPolicy
+from controlplane.contract import EndpointState, Role, RoutingPolicy
 from controlplane.gateway import (
     GatewayConfig,
     Limits,
@@ -63,6 +63,17 @@ async def until(condition: Callable[[], bool], what: str, timeout_s: float = 15.
         await asyncio.sleep(0.02)
 
 
+async def eventually(
+    attempt: Callable[[], Awaitable[bool]], what: str, timeout_s: float = 15.0
+) -> None:
+    """Retry `attempt` (a real request, say) until it succeeds or the timeout passes."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not await attempt():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
 @contextlib.asynccontextmanager
 async def make_fleet(
     redis_url: str,
@@ -73,6 +84,7 @@ async def make_fleet(
     routing: RoutingPolicy | None = None,
     pool: str = POOL,
     keys: TenantKeys | None = None,
+    role: Role = Role.MIXED,
     **gateway_config: object,
 ) -> AsyncIterator[Fleet]:
     async with contextlib.AsyncExitStack() as stack:
@@ -94,6 +106,7 @@ async def make_fleet(
                 endpoint_id=endpoint_id,
                 address=engine.url,
                 model=MODEL,
+                role=role,
                 kv_capacity_tokens=200_000,
             )
             states[endpoint_id] = await registry.register(state, ttl_s)
@@ -102,6 +115,7 @@ async def make_fleet(
             model=MODEL,
             routing=routing or RoutingPolicy(),
             limits=Limits(),
+            role=role,
             **gateway_config,  # type: ignore[arg-type]
         )
         gateway = await serve_gateway(config, redis_url=redis_url, keys=keys)

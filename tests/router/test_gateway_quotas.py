@@ -9,10 +9,10 @@ from collections.abc import AsyncIterator
 import aiohttp
 import pytest
 
-from controlplane.contract import TenantQuota
+from controlplane.contract import Role, TenantQuota
 from controlplane.gateway import GatewayConfig, RunningGateway, TenantKeys, serve_gateway
-from controlplane.store import QuotaStore
-from tests.router.conftest import MODEL, POOL, Fleet, make_fleet, until
+from controlplane.store import CreditStore, QuotaStore
+from tests.router.conftest import MODEL, POOL, Fleet, eventually, make_fleet, until
 
 pytestmark = pytest.mark.redis
 
@@ -70,12 +70,13 @@ async def test_concurrency_holds_across_two_router_replicas(redis_url: str) -> N
             assert body["error"]["reason"] == "concurrency"
             assert int(headers["Retry-After"]) >= 1
         first.close()  # the client goes away: its slot comes back once the release lands
-        for _ in range(500):
+
+        async def admitted() -> bool:
             status, _, _ = await _short(session, second.url, "sk-a")
-            if status == 200:
-                break
-            assert status == 429
-        assert status == 200
+            assert status in (200, 429)
+            return status == 200
+
+        await eventually(admitted, "the slot to come back")
         other.close()
 
 
@@ -97,3 +98,23 @@ async def test_token_rates_unknown_tenants_and_oversized_requests(redis_url: str
             'weir_router_quota_utilization_ratio{pool="router-test",resource="input_tokens",tenant="team-rate"}'
             in exposition
         )
+
+
+async def test_a_prefill_pool_admits_only_with_a_decode_handoff_credit(redis_url: str) -> None:
+    async with make_fleet(
+        redis_url, engines=1, role=Role.PREFILL, decode_pool="decode-a", credit_ttl_s=1.0,
+        kv_bytes_per_token=1000,
+    ) as fleet, aiohttp.ClientSession() as session:  # fmt: skip
+        credits = CreditStore(fleet.registry.redis, "decode-a")
+        await credits.set_budget("decode-a", 2 * 2 * 1000)  # two 2-token prompts
+        assert [(await _short(session, fleet.url, ""))[0] for _ in range(2)] == [200, 200]
+        assert await credits.outstanding("decode-a") == 4000
+        status, headers, body = await _short(session, fleet.url, "")
+        assert (status, body["error"]["reason"]) == (429, "decode_credit")
+        assert int(headers["Retry-After"]) >= 1
+
+        async def admitted() -> bool:
+            return (await _short(session, fleet.url, ""))[0] == 200
+
+        # The unconsumed credits expire and their bytes come back.
+        await eventually(admitted, "a credit to expire")

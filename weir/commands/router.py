@@ -28,6 +28,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="route on the last snapshot this long while Redis is unreachable, then refuse")  # fmt: skip
     add("--queue-max-wait-s", type=float, default=30.0)
     add("--max-attempts", type=int, default=3, help="endpoints tried before the first byte")
+    add("--prefill-for", metavar="DECODE_POOL", default="",
+        help="this pool does prefill only: admit with a handoff credit on DECODE_POOL")  # fmt: skip
     add("--quotas", action="store_true",
         help="enforce tenant quotas from the control plane (needs --redis-url)")  # fmt: skip
 
@@ -40,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
 
     import yaml
 
-    from controlplane.contract import RoutingPolicy
+    from controlplane.contract import Role, RoutingPolicy
     from controlplane.gateway import GatewayConfig, Limits, TenantKeys, serve_gateway
     from controlplane.routing import ProfileError, profile_from_config
 
@@ -60,9 +62,11 @@ def run(args: argparse.Namespace) -> int:
             max_attempts=args.max_attempts,
             queue_max_wait_s=args.queue_max_wait_s,
             enforce_quotas=args.quotas,
+            role=Role.PREFILL if args.prefill_for else Role.MIXED,
+            decode_pool=args.prefill_for,
         )
-        if args.quotas and not args.redis_url:
-            raise ValueError("--quotas needs --redis-url (quotas live in the control plane)")
+        if (args.quotas or args.prefill_for) and not args.redis_url:
+            raise ValueError("--quotas and --prefill-for need --redis-url (the control plane)")
     except (OSError, ValueError, ProfileError, yaml.YAMLError) as exc:
         print(f"weir router: {exc}", file=sys.stderr)
         return 2
