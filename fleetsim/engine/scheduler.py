@@ -138,11 +138,10 @@ class EngineModel:
         `max_new_tokens=None` means "up to the context length"."""
         if not input_ids:
             raise RequestError("The input must not be empty.")
-        for token in input_ids:
-            if not 0 <= token < VOCAB_SIZE:
-                raise RequestError(
-                    f"Token id {token} is out of the vocabulary (0..{VOCAB_SIZE - 1})."
-                )
+        low, high = min(input_ids), max(input_ids)
+        if low < 0 or high >= VOCAB_SIZE:
+            bad = low if low < 0 else high
+            raise RequestError(f"Token id {bad} is out of the vocabulary (0..{VOCAB_SIZE - 1}).")
         n = len(input_ids)
         if n >= self.context_len:
             raise RequestError(

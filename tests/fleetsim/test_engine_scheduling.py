@@ -170,3 +170,20 @@ def test_a_sequence_larger_than_the_pool_fails_closed() -> None:
     # Every slot used, none overwritten: the last sampled token needs no KV.
     assert len(req.output_ids) == 64 - 10 + 1
     assert model.kv.used_pages == 0
+
+
+def test_lpm_admits_the_longest_cached_prefix_first() -> None:
+    for policy, expected in (("fcfs", ["cold", "warm"]), ("lpm", ["warm", "cold"])):
+        config = EngineConfig(max_total_tokens=8192, max_running_requests=1, page_size=4)
+        model = EngineModel(config.replace(schedule_policy=policy))
+        cached = "a shared document to summarise " * 8
+        make(model, "seed", cached, 1)
+        drain(model)
+        make(model, "blocker", "b", 5)
+        model.step(0.0)
+        make(model, "cold", "an unrelated question " * 8, 1)
+        make(model, "warm", cached + "?", 1)
+        order: list[str] = []
+        while model.has_work:
+            order += [r.rid for r in model.step(0.0).finished if r.rid != "blocker"]
+        assert order == expected, policy
