@@ -1,0 +1,80 @@
+{{/* Chart name, truncated to the 63 characters a label allows. */}}
+{{- define "weir.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Full name: release-chart unless the release already contains the chart name. */}}
+{{- define "weir.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "weir.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Labels every object carries; pass a dict with "ctx" (the root) and "component". */}}
+{{- define "weir.labels" -}}
+helm.sh/chart: {{ include "weir.chart" .ctx }}
+{{ include "weir.selectorLabels" . }}
+app.kubernetes.io/version: {{ .ctx.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
+app.kubernetes.io/part-of: weir
+{{- end }}
+
+{{- define "weir.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "weir.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "weir.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end }}
+
+{{/* The Secret holding the Redis URL under key `url`. */}}
+{{- define "weir.redisSecret" -}}
+{{- if and (not .Values.redis.enabled) .Values.redis.external.existingSecret }}
+{{- .Values.redis.external.existingSecret }}
+{{- else }}
+{{- printf "%s-redis" (include "weir.fullname" .) }}
+{{- end }}
+{{- end }}
+
+{{/* The Redis password: the value, else the one already installed, else a new one. */}}
+{{- define "weir.redisPassword" -}}
+{{- if .Values.redis.password }}
+{{- .Values.redis.password }}
+{{- else }}
+{{- $existing := lookup "v1" "Secret" .Release.Namespace (include "weir.redisSecret" .) }}
+{{- if and $existing (index $existing.data "password") }}
+{{- index $existing.data "password" | b64dec }}
+{{- else }}
+{{- randAlphaNum 32 }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "weir.podSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: 10001
+runAsGroup: 10001
+fsGroup: 10001
+seccompProfile:
+  type: RuntimeDefault
+{{- end }}
+
+{{- define "weir.containerSecurityContext" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+capabilities:
+  drop: [ALL]
+{{- end }}

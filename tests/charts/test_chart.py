@@ -1,0 +1,191 @@
+"""The Helm chart, rendered by the real `helm` binary: lint, template with several values
+files, and check what comes out (schemas, CRD copy, RBAC, dashboards, values schema)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+import yaml
+from kubernetes_asyncio import client
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "weir"
+VALUES = sorted(Path(__file__).parent.glob("values-*.yaml"))
+
+
+@cache
+def helm() -> str:
+    """The helm binary that scripts/k8s_tools.py extracts (see TESTING.md)."""
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "k8s_tools.py")],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return str(Path(out.stdout.strip()) / "helm")
+
+
+def run_helm(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([helm(), *args], capture_output=True, text=True, check=False)
+
+
+@cache
+def rendered(values: Path) -> list[dict[str, Any]]:
+    out = run_helm("template", "weir", str(CHART), "--namespace", "weir", "-f", str(values),
+                   "--include-crds")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+
+
+def kinds(docs: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    found: dict[str, list[dict[str, Any]]] = {}
+    for doc in docs:
+        found.setdefault(doc["kind"], []).append(doc)
+    return found
+
+
+MODELS = {
+    "Deployment": client.V1Deployment,
+    "StatefulSet": client.V1StatefulSet,
+    "Service": client.V1Service,
+    "ServiceAccount": client.V1ServiceAccount,
+    "Secret": client.V1Secret,
+    "ConfigMap": client.V1ConfigMap,
+    "ClusterRole": client.V1ClusterRole,
+    "ClusterRoleBinding": client.V1ClusterRoleBinding,
+    "NetworkPolicy": client.V1NetworkPolicy,
+    "HorizontalPodAutoscaler": client.V2HorizontalPodAutoscaler,
+    "Pod": client.V1Pod,
+    "CustomResourceDefinition": client.V1CustomResourceDefinition,
+}
+
+
+class _Response:
+    def __init__(self, doc: dict[str, Any]) -> None:
+        self.data = json.dumps(doc)
+
+
+@pytest.mark.parametrize("values", VALUES, ids=lambda p: p.stem)
+def test_helm_lint(values: Path) -> None:
+    out = run_helm("lint", "--strict", str(CHART), "-f", str(values))
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("values", VALUES, ids=lambda p: p.stem)
+async def test_rendered_manifests_match_the_api_models(values: Path) -> None:
+    """Each manifest deserializes into the official client model and serializes back to
+    itself: a misspelt or misplaced field would be dropped and show up as a difference."""
+    api = client.ApiClient()
+    try:
+        for doc in rendered(values):
+            model = MODELS.get(doc["kind"])
+            where = f"{doc['kind']}/{doc['metadata']['name']}"
+            assert doc["metadata"]["name"], where
+            if model is None:
+                assert doc["kind"] in {"ServiceMonitor", "PodMonitor"}, where
+                assert doc["apiVersion"] == "monitoring.coreos.com/v1", where
+                continue
+            roundtrip = api.sanitize_for_serialization(
+                api.deserialize(cast(Any, _Response(doc)), model)
+            )
+            assert roundtrip == doc, where
+    finally:
+        await api.close()
+
+
+def test_chart_crd_is_identical_to_crds_folder() -> None:
+    for source in (ROOT / "crds").glob("*.yaml"):
+        assert (CHART / "crds" / source.name).read_bytes() == source.read_bytes(), source.name
+    assert {p.name for p in (CHART / "crds").glob("*")} == {
+        p.name for p in (ROOT / "crds").glob("*")
+    }
+
+
+def test_default_install_has_every_part() -> None:
+    found = kinds(rendered(Path(__file__).parent / "values-default.yaml"))
+    names = {d["metadata"]["name"] for docs in found.values() for d in docs}
+    assert {"weir-operator", "weir-router", "weir-redis"} <= names
+    assert {"StatefulSet", "HorizontalPodAutoscaler", "NetworkPolicy", "ClusterRole",
+            "CustomResourceDefinition", "Pod"} <= found.keys()  # fmt: skip
+    redis = found["StatefulSet"][0]["spec"]["template"]["spec"]["containers"][0]
+    assert "--requirepass" in redis["args"]
+    secret = next(s for s in found["Secret"] if s["metadata"]["name"] == "weir-redis")
+    assert {"url", "password"} <= secret["data"].keys()
+    test_pod = found["Pod"][0]
+    assert test_pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+
+
+def test_operator_rbac_is_least_privilege() -> None:
+    role = kinds(rendered(Path(__file__).parent / "values-default.yaml"))["ClusterRole"][0]
+    for rule in role["rules"]:
+        assert "*" not in rule["verbs"], rule
+        assert "*" not in rule["resources"], rule
+        assert "secrets" not in rule["resources"], rule
+        assert "delete" not in rule["verbs"], rule
+
+
+def test_external_redis_and_existing_secret() -> None:
+    external = kinds(rendered(Path(__file__).parent / "values-external-redis.yaml"))
+    assert "StatefulSet" not in external
+    assert "NetworkPolicy" not in external
+    (secret,) = external["Secret"]
+    assert "password" not in secret["data"]
+    only = kinds(rendered(Path(__file__).parent / "values-operator-only.yaml"))
+    assert "Secret" not in only  # the user's Secret is referenced, not created
+    env = only["Deployment"][0]["spec"]["template"]["spec"]["containers"][0]["env"]
+    url = next(e for e in env if e["name"] == "WEIR_REDIS_URL")
+    assert url["valueFrom"]["secretKeyRef"]["name"] == "team-redis"
+
+
+def test_production_values_reach_the_manifests() -> None:
+    found = kinds(rendered(Path(__file__).parent / "values-production.yaml"))
+    secrets = {s["metadata"]["namespace"] for s in found["Secret"]}
+    assert secrets == {"weir", "inference", "batch"}
+    assert {"ServiceMonitor", "PodMonitor"} <= found.keys()
+    router = next(d for d in found["Deployment"] if d["metadata"]["name"] == "weir-router")
+    args = router["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert [args[i + 1] for i, a in enumerate(args) if a == "--pool"] == ["llama-8b", "qwen-72b"]
+    assert "/etc/weir/pools/qwen-72b/policy.json" in args
+    statefulset = found["StatefulSet"][0]
+    assert statefulset["spec"]["volumeClaimTemplates"][0]["spec"]["storageClassName"] == "fast-ssd"
+    dashboards = [c for c in found["ConfigMap"] if "grafana_dashboard" in c["metadata"]["labels"]]
+    assert {c["metadata"]["namespace"] for c in dashboards} == {"monitoring"}
+
+
+def test_dashboards_ship_as_labelled_configmaps() -> None:
+    found = kinds(rendered(Path(__file__).parent / "values-default.yaml"))
+    shipped = {}
+    for cm in found["ConfigMap"]:
+        if cm["metadata"]["labels"].get("grafana_dashboard") == "1":
+            ((key, text),) = cm["data"].items()
+            shipped[key] = json.loads(text)
+    files = {p.name: json.loads(p.read_text()) for p in (CHART / "dashboards").glob("*.json")}
+    assert shipped == files
+    assert len(files) == 3
+
+
+@pytest.mark.parametrize("setting", [
+    "router.replicas=0",
+    "redis.external.url=http://not-redis",
+    "image.pullPolicy=Sometimes",
+    "operator.statusIntervalSeconds=0",
+    "no.such.value=1",
+])  # fmt: skip
+def test_values_schema_rejects_bad_values(setting: str) -> None:
+    out = run_helm("template", "weir", str(CHART), "--set", setting)
+    assert out.returncode != 0
+    assert (
+        "values don't meet the specifications of the schema" in out.stderr or "at '/" in out.stderr
+    )
+
+
+def test_external_redis_needs_a_url() -> None:
+    out = run_helm("template", "weir", str(CHART), "--set", "redis.enabled=false")
+    assert out.returncode != 0
+    assert "redis.external.url or redis.external.existingSecret is required" in out.stderr

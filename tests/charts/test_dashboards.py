@@ -1,0 +1,68 @@
+"""Every query of every dashboard reads only metrics Weir exports (the telemetry catalogue),
+and every dashboard is well formed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from controlplane.telemetry.catalog import metric_names
+from fleet_operator.dashboards import DASHBOARDS, DashboardQuery, dashboard_queries, promql_metrics
+
+QUERIES = dashboard_queries()
+
+
+@pytest.mark.parametrize("query", QUERIES, ids=lambda q: f"{q.dashboard}: {q.panel}")
+def test_every_query_reads_exported_metrics(query: DashboardQuery) -> None:
+    assert query.metrics, query.expr
+    assert query.metrics <= metric_names(), query.metrics - metric_names()
+
+
+def test_the_required_views_are_there() -> None:
+    titles = {json.loads(p.read_text())["title"] for p in DASHBOARDS.glob("*.json")}
+    assert titles == {"Weir / Fleet overview", "Weir / Latency", "Weir / Tenants"}
+    read = frozenset().union(*(q.metrics for q in QUERIES))
+    for metric in (
+        "weir_router_endpoints",  # endpoints per watermark state
+        "weir_sidecar_kv_reserved_growth_tokens",
+        "weir_sidecar_kv_growth_tokens_per_second",
+        "weir_sidecar_admission_rejections_total",
+        "weir_sidecar_preemptions_total",
+        "weir_sidecar_cancel_to_freed_ms_bucket",
+        "weir_router_lease_expiries_total",
+        "weir_router_ring_version",
+        "weir_router_ttft_seconds_bucket",
+        "weir_router_tpot_seconds_bucket",
+        "weir_router_e2e_seconds_bucket",
+        "weir_router_quota_utilization_ratio",
+        "weir_router_kv_token_seconds_total",
+    ):
+        assert metric in read, metric
+
+
+def test_panels_have_unique_ids_and_fit_the_grid() -> None:
+    for path in DASHBOARDS.glob("*.json"):
+        board = json.loads(path.read_text())
+        ids = [p["id"] for p in board["panels"]]
+        assert len(ids) == len(set(ids)), path.name
+        for panel in board["panels"]:
+            grid = panel["gridPos"]
+            assert grid["x"] + grid["w"] <= 24, (path.name, panel["title"])
+            if panel["type"] != "row":
+                assert panel["description"], (path.name, panel["title"])
+
+
+def test_metric_extraction_and_expansion() -> None:
+    expr = (
+        "histogram_quantile(0.99, sum by (le, tenant) (rate(weir_router_ttft_seconds_bucket"
+        '{pool=~"$pool", tenant=~"$tenant"}[$__rate_interval]))) / on(pool) group_left '
+        "max by (pool) (weir_router_ring_version)"
+    )
+    assert promql_metrics(expr) == {"weir_router_ttft_seconds_bucket", "weir_router_ring_version"}
+    assert promql_metrics("label_values(weir_router_requests_total, tenant)") == {
+        "weir_router_requests_total"
+    }
+    expanded = DashboardQuery("d", "p", expr).expanded()
+    assert "$" not in expanded
+    assert "[1m]" in expanded
