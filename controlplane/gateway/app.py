@@ -273,14 +273,28 @@ class Gateway:
                 "queue_full", "every endpoint is saturated and the queue is full",
                 exc.retry_after_s,
             ) from None  # fmt: skip
+        # A deadline shorter than the queue's time to live bounds the wait.
+        wait_s = self.queue.max_wait_s
+        if route.deadline_s:
+            wait_s = min(wait_s, route.deadline_s)
         try:
-            return await asyncio.wait_for(future, self.queue.max_wait_s)
+            return await asyncio.wait_for(future, wait_s)
         except TimeoutError:
+            if wait_s < self.queue.max_wait_s:
+                raise GatewayError(
+                    504, "deadline", "deadline",
+                    "the request's deadline passed while every endpoint was saturated",
+                ) from None  # fmt: skip
             raise overload(
                 "queue_timeout",
                 f"every endpoint stayed saturated for {self.queue.max_wait_s:g}s",
                 self.queue.retry_after_s(self.clock()),
             ) from None
+        except BaseException:
+            # Handed an endpoint just as the client left: give the reservation back.
+            if future.done() and not future.cancelled():
+                self._release(future.result().endpoint_id)
+            raise
         finally:
             self.queue.remove(route.request_id)
             self.metrics.queue_seconds.labels(self.config.pool, str(route.priority)).observe(

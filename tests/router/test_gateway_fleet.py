@@ -247,6 +247,12 @@ async def test_when_every_endpoint_is_critical_requests_queue_then_flow_or_time_
                 assert reply.status == 429
                 assert (await reply.json())["error"]["reason"] == "queue_timeout"
                 assert int(reply.headers["Retry-After"]) >= 1
+            # A deadline shorter than the queue's time to live ends the wait sooner.
+            async with session.post(
+                fleet.url + "/v1/completions", json=body, headers={"x-weir-deadline-ms": "200"}
+            ) as reply:
+                assert reply.status == 504
+                assert (await reply.json())["error"]["reason"] == "deadline"
             # One endpoint recovers while a request waits: it is served there.
             waiting = asyncio.create_task(_complete(session, fleet.url, "served after all"))
             await until(lambda: len(gateway.queue) == 1, "the request to queue")
