@@ -257,10 +257,16 @@ class EngineServer:
                         ],
                     }
                 )
-            text = req.output_text() if last else decode(req.output_ids)
-            delta = text[sent_text:]
-            sent_text = len(text)
-            stream.sent = len(req.output_ids)
+            if last:  # the final text is cut before a matched stop string
+                delta = req.output_text()[sent_text:]
+                stream.sent = len(req.output_ids)
+            else:
+                # Generated tokens are ASCII bytes (ids and characters match 1:1); hold
+                # back what could still turn out to be the start of a stop string.
+                upto = max(stream.sent, len(req.output_ids) - max(0, req.stop_window - 1))
+                delta = decode(req.output_ids[stream.sent : upto])
+                stream.sent = upto
+            sent_text += len(delta)
             reason, matched = self._finish_reason(req)
             if delta or last:
                 choice: dict[str, object] = {"index": 0, "logprobs": None, "finish_reason": reason}

@@ -146,3 +146,20 @@ async def test_client_disconnect_aborts_the_request(engine: RunningEngine) -> No
     assert not model.requests
     assert model.kv.used_pages == 0
     model.check()
+
+
+async def test_streamed_text_stops_exactly_before_a_stop_string(engine: RunningEngine) -> None:
+    async with client(engine) as oai:
+        probe = await oai.completions.create(
+            model="m", prompt="stop here", max_tokens=40, extra_body={"ignore_eos": True}
+        )
+        text = probe.choices[0].text
+        stop = text[20:23]
+        stream = await oai.completions.create(
+            model="m", prompt="stop here", max_tokens=40, stop=[stop], stream=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        chunks = [chunk async for chunk in stream]
+    streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert streamed == text[: text.find(stop)]
+    assert chunks[-1].choices[0].finish_reason == "stop"
