@@ -149,6 +149,7 @@ class Gateway:
         self.inflight_total = 0
         self._session: aiohttp.ClientSession | None = None
         self._background: set[asyncio.Task[None]] = set()
+        self._served = self._models_of(view.snapshot)
         view.on_change(self._snapshot_changed)
 
     # -- lifecycle -------------------------------------------------------------------
@@ -323,6 +324,7 @@ class Gateway:
             future.set_result(decision)
 
     def _snapshot_changed(self, snapshot: PoolSnapshot, removed: tuple[EndpointView, ...]) -> None:
+        self._served = self._models_of(snapshot)
         now = self.clock()
         expired = 0
         for view in removed:
@@ -341,9 +343,10 @@ class Gateway:
         return handler
 
     def served_models(self) -> frozenset[str]:
-        models = {e.state.model for e in self.view.snapshot.endpoints}
-        models.add(self.config.model)
-        return frozenset(models)
+        return self._served
+
+    def _models_of(self, snapshot: PoolSnapshot) -> frozenset[str]:
+        return frozenset({self.config.model, *(e.state.model for e in snapshot.endpoints)})
 
     async def _handle(self, api: EngineAPI, request: web.Request) -> web.StreamResponse:
         started = self.clock()
