@@ -138,7 +138,8 @@ class PoolFollower:
         self._read_at = time.monotonic()
 
     def _apply(self, change: Change) -> None:
-        self._membership_version = change.membership_version
+        if change.membership_version is not None:
+            self._membership_version = change.membership_version
         if change.kind is ChangeKind.UPSERT and change.endpoint is not None:
             self._endpoints[change.key] = change.endpoint
             self._leases[change.key] = change.lease_expires_ms

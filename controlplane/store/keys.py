@@ -52,10 +52,6 @@ class PoolKeys:
         return self._key("counters")
 
     @property
-    def meta(self) -> str:
-        return self._key("meta")
-
-    @property
     def state(self) -> str:
         return self._key("state")
 
@@ -68,9 +64,9 @@ class PoolKeys:
         return self._key("changes")
 
     @property
-    def endpoint_keys(self) -> tuple[str, str, str, str, str]:
-        """KEYS[1..5] of every endpoint script: meta, state, leases, counters, changes."""
-        return (self.meta, self.state, self.leases, self.counters, self.changes)
+    def endpoint_keys(self) -> tuple[str, str, str, str]:
+        """KEYS[1..4] of every endpoint script: state, leases, counters, changes."""
+        return (self.state, self.leases, self.counters, self.changes)
 
     # hot-prefix overrides
     @property

@@ -11,6 +11,7 @@ keep their view current (see `follower`).
 from __future__ import annotations
 
 import enum
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,13 +33,15 @@ from controlplane.store.keys import PoolKeys, check_name
 from controlplane.store.scripts import as_text, run_batch, script
 from controlplane.store.snapshot import (
     ChangeBatch,
-    EndpointMeta,
     FeedPosition,
     PoolSnapshot,
     endpoint_from_store,
     hot_prefix_from_store,
     parse_change,
+    parse_record,
 )
+
+log = logging.getLogger(__name__)
 
 _REGISTER = script("register.lua")
 _HEARTBEAT = script("heartbeat.lua")
@@ -243,8 +246,8 @@ class EndpointRegistry:
         return bool(done)
 
     async def _current_epoch(self, endpoint_id: str) -> int:
-        raw = await self.redis.hget(self.keys.meta, endpoint_id)
-        return EndpointMeta.parse(raw).epoch if isinstance(raw, bytes) else 0
+        raw = await self.redis.hget(self.keys.state, endpoint_id)
+        return parse_record(raw)[0].epoch if isinstance(raw, bytes) else 0
 
     async def reap(self) -> Reaped:
         """Remove endpoints whose lease lapsed and hot-prefix overrides that expired, by
@@ -293,21 +296,23 @@ class EndpointRegistry:
     async def snapshot(self) -> PoolSnapshot:
         """The whole pool, read atomically (one MULTI), with its feed position."""
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hgetall(self.keys.meta)
             pipe.hgetall(self.keys.state)
-            pipe.zrange(self.keys.leases, 0, -1, withscores=True)
             pipe.hmget(self.keys.counters, ["seq", "inc", "mv", "hv"])
             pipe.hgetall(self.keys.hot)
             pipe.time()
-            metas, blobs, leases, counters, hot, (sec, usec) = await pipe.execute()
-        endpoints = {}
-        for raw_id, raw_meta in metas.items():
-            blob = blobs.get(raw_id)
-            state = (
-                None if blob is None else endpoint_from_store(blob, EndpointMeta.parse(raw_meta))
-            )
+            records, counters, hot, (sec, usec) = await pipe.execute()
+        endpoints, leases = {}, {}
+        for raw_id, raw in records.items():
+            try:
+                meta, blob = parse_record(raw)
+            except ValueError as exc:
+                log.warning("leaving out endpoint %r: unreadable record (%s)", raw_id, exc)
+                continue
+            state = endpoint_from_store(blob, meta)
             if state is not None:
-                endpoints[raw_id.decode()] = state
+                endpoint_id = raw_id.decode()
+                endpoints[endpoint_id] = state
+                leases[endpoint_id] = meta.lease_expires_ms
         overrides = {}
         for raw_key, raw in hot.items():
             override = hot_prefix_from_store(raw_key, raw)
@@ -319,11 +324,7 @@ class EndpointRegistry:
             position=FeedPosition(inc.decode() if inc else "", int(seq or 0)),
             membership_version=int(mv or 0),
             endpoints=endpoints,
-            lease_expires_ms={
-                member.decode(): int(score)
-                for member, score in leases
-                if member.decode() in endpoints
-            },
+            lease_expires_ms=leases,
             hot_prefixes=HotPrefixTable(int(hv or 0), overrides),
             server_time_ms=int(sec) * 1000 + int(usec) // 1000,
         )

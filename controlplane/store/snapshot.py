@@ -23,16 +23,19 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class EndpointMeta:
-    """What the store keeps beside each endpoint's blob: `epoch version lifecycle`."""
+    """The fencing metadata the store keeps in front of each endpoint's blob."""
 
     epoch: int
     version: int
     lifecycle: Lifecycle
+    lease_expires_ms: int
 
-    @classmethod
-    def parse(cls, raw: bytes) -> EndpointMeta:
-        epoch, version, lifecycle = raw.split(b" ", 2)
-        return cls(int(epoch), int(version), Lifecycle(lifecycle.decode()))
+
+def parse_record(raw: bytes) -> tuple[EndpointMeta, bytes]:
+    """Split a stored `epoch version lifecycle lease_ms blob` record (lua/_feed.lua)."""
+    epoch, version, lifecycle, lease, blob = raw.split(b" ", 4)
+    meta = EndpointMeta(int(epoch), int(version), Lifecycle(lifecycle.decode()), int(lease))
+    return meta, blob
 
 
 def endpoint_from_store(blob: bytes, meta: EndpointMeta) -> EndpointState | None:
@@ -125,7 +128,7 @@ class Change:
     seq: int
     kind: ChangeKind
     key: str
-    membership_version: int
+    membership_version: int | None  # None: this change left the membership alone
     endpoint: EndpointState | None = None
     lease_expires_ms: int = 0
     hot: HotPrefixOverride | None = None
@@ -151,19 +154,17 @@ class ChangeBatch:
 def parse_change(entry_id: bytes, fields: Mapping[bytes, bytes]) -> Change:
     """Decode one stream entry written by `publish()` in lua/_feed.lua."""
     seq = int(entry_id.split(b"-", 1)[1])
-    kind = ChangeKind(fields[b"k"].decode())
-    key = fields[b"id"].decode()
-    mv = int(fields[b"mv"])
-    meta = fields[b"m"].split(b" ")
+    raw_kind, raw_key, raw_mv, meta = fields[b"h"].split(b" ", 3)
+    kind = ChangeKind(raw_kind.decode())
+    key = raw_key.decode()
+    mv = None if raw_mv == b"-" else int(raw_mv)
     if kind is ChangeKind.UPSERT:
-        epoch, version, lifecycle, lease = meta
-        endpoint = endpoint_from_store(
-            fields[b"s"], EndpointMeta(int(epoch), int(version), Lifecycle(lifecycle.decode()))
-        )
-        return Change(seq, kind, key, mv, endpoint=endpoint, lease_expires_ms=int(lease))
+        record, blob = parse_record(meta + b" " + fields[b"s"])
+        endpoint = endpoint_from_store(blob, record)
+        return Change(seq, kind, key, mv, endpoint, record.lease_expires_ms)
     if kind is ChangeKind.HOT_SET:
-        hot = hot_prefix_from_store(key, b" ".join((*meta, fields[b"s"])))
-        return Change(seq, kind, key, mv, hot=hot, hot_version=int(meta[0]))
+        hot = hot_prefix_from_store(key, meta + b" " + fields[b"s"])
+        return Change(seq, kind, key, mv, hot=hot, hot_version=int(meta.split(b" ")[0]))
     if kind is ChangeKind.HOT_REMOVED:
-        return Change(seq, kind, key, mv, hot_version=int(meta[0]))
+        return Change(seq, kind, key, mv, hot_version=int(meta.split(b" ")[0]))
     return Change(seq, kind, key, mv)

@@ -8,25 +8,25 @@
 --   epoch  the last epoch handed out (fencing tokens)
 --   hv     hot-prefix table version
 --
+-- An endpoint's record in weir:{pool}:state is 'epoch version lifecycle lease_ms blob':
+-- the fencing metadata the scripts check, then the EndpointState (msgpack) as written.
+--
 -- publish(): append one change to the pool's change stream, whose entry ids are `0-<seq>`
 -- so a reader asks for "everything after seq N" and sees a gap as a missing number.
---   counters  weir:{pool}:counters
---   changes   weir:{pool}:changes
---   maxlen    approximate number of entries kept (older ones are trimmed: readers resync)
---   kind      'u' endpoint upserted, 'g' endpoint gone, 'h' hot prefix set, 'x' hot prefix removed
---   id        endpoint id or hot prefix key
---   meta      'epoch version lifecycle lease_ms' for endpoints, 'version expires_ms' for hot prefixes
---   mv        membership version after the change
---   blob      the record (msgpack), '' for removals
+-- An entry has two fields: 'h' = '<kind> <id> <mv> <meta>' and 's' = the record blob.
+--   kind   'u' endpoint upserted, 'g' endpoint gone, 'h' hot prefix set, 'x' hot prefix removed
+--   mv     membership version after the change, or '-' when the change left it alone
+--   meta   'epoch version lifecycle lease_ms' for endpoints, 'version expires_ms' for hot prefixes
+--   blob   the record (msgpack), '' for removals
 -- returns the change's sequence number.
-local function publish(counters, changes, maxlen, kind, id, meta, mv, blob)
+local function publish(counters, changes, maxlen, kind, id, mv, meta, blob)
   local q = redis.call('HINCRBY', counters, 'seq', 1)
   if q == 1 then
     local t = redis.call('TIME')
     redis.call('HSET', counters, 'inc', t[1] .. string.format('%06d', tonumber(t[2])))
   end
   redis.call('XADD', changes, 'MAXLEN', '~', maxlen, '0-' .. q,
-    'k', kind, 'id', id, 'm', meta, 'mv', mv, 's', blob)
+    'h', kind .. ' ' .. id .. ' ' .. mv .. ' ' .. meta, 's', blob)
   return q
 end
 
@@ -40,12 +40,16 @@ local function fmt(n)
   return string.format('%d', n)
 end
 
--- Remove an endpoint's records and publish its departure; returns the membership version.
-local function remove_endpoint(meta, state, leases, counters, changes, maxlen, ep, epoch, version)
-  redis.call('HDEL', meta, ep)
+-- Split an endpoint record into epoch, version, lifecycle, lease (strings) and the blob.
+local function parse_record(record)
+  local head, e, v, lc, lease = string.match(record, '^((%d+) (%d+) (%a+) (%d+) )')
+  return e, v, lc, lease, string.sub(record, #head + 1)
+end
+
+-- Remove an endpoint's records and publish its departure.
+local function remove_endpoint(state, leases, counters, changes, maxlen, ep, epoch, version)
   redis.call('HDEL', state, ep)
   redis.call('ZREM', leases, ep)
   local mv = redis.call('HINCRBY', counters, 'mv', 1)
-  publish(counters, changes, maxlen, 'g', ep, epoch .. ' ' .. version .. ' gone 0', mv, '')
-  return mv
+  publish(counters, changes, maxlen, 'g', ep, mv, epoch .. ' ' .. version .. ' gone 0', '')
 end

@@ -1,9 +1,9 @@
 -- Heartbeat: a fenced, versioned state write that renews the lease by Redis server time.
--- KEYS[1] meta hash     weir:{pool}:meta
--- KEYS[2] state hash    weir:{pool}:state
--- KEYS[3] lease zset    weir:{pool}:leases
--- KEYS[4] counters      weir:{pool}:counters
--- KEYS[5] change stream weir:{pool}:changes
+-- The hot path of the store: six Redis calls, nothing read that the record does not hold.
+-- KEYS[1] state hash    weir:{pool}:state
+-- KEYS[2] lease zset    weir:{pool}:leases
+-- KEYS[3] counters      weir:{pool}:counters
+-- KEYS[4] change stream weir:{pool}:changes
 -- ARGV[1] endpoint id
 -- ARGV[2] epoch the sidecar holds
 -- ARGV[3] version of this heartbeat (must exceed the stored one)
@@ -17,11 +17,11 @@
 --   'fenced'   the stored epoch is newer (the caller is a zombie): no write
 --   'unknown'  no record of this epoch (never registered, reaped, Redis lost it): register
 --   'expired'  the lease had lapsed by server time: the record is removed now; register
-local m = redis.call('HGET', KEYS[1], ARGV[1])
-if not m then
+local record = redis.call('HGET', KEYS[1], ARGV[1])
+if not record then
   return {'unknown', 0, 0, '', 0}
 end
-local se, sv, lc = string.match(m, '^(%d+) (%d+) (%a+)$')
+local se, sv, lc, lease = string.match(record, '^(%d+) (%d+) (%a+) (%d+) ')
 local e, v = tonumber(ARGV[2]), tonumber(ARGV[3])
 if e < tonumber(se) then
   return {'fenced', se, sv, lc, 0}
@@ -33,25 +33,19 @@ if v <= tonumber(sv) then
   return {'stale', se, sv, lc, 0}
 end
 local now = server_ms()
-local lease = tonumber(redis.call('ZSCORE', KEYS[3], ARGV[1]) or 0)
-if lease <= now then
-  remove_endpoint(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[7], ARGV[1], se, sv)
+if tonumber(lease) <= now then
+  remove_endpoint(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[7], ARGV[1], se, sv)
   return {'expired', se, sv, 'gone', 0}
 end
+local mv = '-'
 local newlc = lc
-if ARGV[4] == 'draining' then
+if ARGV[4] == 'draining' and lc ~= 'draining' then
   newlc = 'draining'
+  mv = redis.call('HINCRBY', KEYS[3], 'mv', 1)
 end
-local mv
-if newlc ~= lc then
-  mv = redis.call('HINCRBY', KEYS[4], 'mv', 1)
-else
-  mv = redis.call('HGET', KEYS[4], 'mv') or '0'
-end
-lease = now + tonumber(ARGV[6])
-local meta = ARGV[2] .. ' ' .. ARGV[3] .. ' ' .. newlc
-redis.call('HSET', KEYS[1], ARGV[1], meta)
-redis.call('HSET', KEYS[2], ARGV[1], ARGV[5])
-redis.call('ZADD', KEYS[3], lease, ARGV[1])
-publish(KEYS[4], KEYS[5], ARGV[7], 'u', ARGV[1], meta .. ' ' .. fmt(lease), mv, ARGV[5])
-return {'ok', ARGV[2], ARGV[3], newlc, lease}
+local expires = now + tonumber(ARGV[6])
+local meta = ARGV[2] .. ' ' .. ARGV[3] .. ' ' .. newlc .. ' ' .. fmt(expires)
+redis.call('HSET', KEYS[1], ARGV[1], meta .. ' ' .. ARGV[5])
+redis.call('ZADD', KEYS[2], expires, ARGV[1])
+publish(KEYS[3], KEYS[4], ARGV[7], 'u', ARGV[1], mv, meta, ARGV[5])
+return {'ok', ARGV[2], ARGV[3], newlc, expires}

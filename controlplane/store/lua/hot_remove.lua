@@ -11,6 +11,5 @@ if redis.call('HDEL', KEYS[1], ARGV[1]) == 0 then
 end
 redis.call('ZREM', KEYS[2], ARGV[1])
 local hv = redis.call('HINCRBY', KEYS[3], 'hv', 1)
-publish(KEYS[3], KEYS[4], ARGV[2], 'x', ARGV[1], fmt(hv) .. ' 0',
-  redis.call('HGET', KEYS[3], 'mv') or '0', '')
+publish(KEYS[3], KEYS[4], ARGV[2], 'x', ARGV[1], '-', fmt(hv) .. ' 0', '')
 return hv

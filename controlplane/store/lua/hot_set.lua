@@ -13,6 +13,5 @@ local hv = redis.call('HINCRBY', KEYS[3], 'hv', 1)
 local meta = fmt(hv) .. ' ' .. fmt(expires)
 redis.call('HSET', KEYS[1], ARGV[1], meta .. ' ' .. ARGV[2])
 redis.call('ZADD', KEYS[2], expires, ARGV[1])
-publish(KEYS[3], KEYS[4], ARGV[4], 'h', ARGV[1], meta, redis.call('HGET', KEYS[3], 'mv') or '0',
-  ARGV[2])
+publish(KEYS[3], KEYS[4], ARGV[4], 'h', ARGV[1], '-', meta, ARGV[2])
 return {hv, expires}
