@@ -89,6 +89,22 @@ async def test_a_critical_owner_is_avoided_and_a_near_critical_one_loses_to_the_
         assert again == secondary
 
 
+async def test_a_failure_before_the_first_byte_retries_on_the_secondary_owner(
+    fleet: Fleet,
+) -> None:
+    primary, secondary = _owners(fleet, PREFIX)
+    await fleet.engines[primary].kill()  # its lease is still valid: the router finds out
+    async with aiohttp.ClientSession() as session:
+        served, text = await _complete(session, fleet.url, PREFIX + "retry me")
+    assert served == secondary
+    assert len(text) == 8
+    gateway = fleet.gateway.gateway
+    retries = gateway.metrics.registry.get_sample_value(
+        "weir_router_retries_total", {"pool": gateway.config.pool, "reason": "connect_error"}
+    )
+    assert retries == 1
+
+
 async def test_an_expired_lease_leaves_routing_within_its_ttl(redis_url: str) -> None:
     async with make_fleet(redis_url, engines=2, ttl_s=1.0) as fleet:
         # Keep e1 alive; e0 stops heartbeating and must drop out once its lease lapses.
