@@ -19,7 +19,7 @@ _COLUMNS = (
     ("weighted", lambda s: _f(s["goodput_weighted"])),
     ("SLO met", lambda s: _pct(s["slo_attainment"])),
     ("short TTFT p50/p99 s", lambda s: _q(s["short_ttft_s"], "p50", "p99")),
-    ("TTFT p90 s", lambda s: _f(s["ttft_s"]["p90"])),
+    ("TTFT mean/p90 s", lambda s: _q(s["ttft_s"], "mean", "p90")),
     ("TPOT p50/p99 ms", lambda s: _q(s["tpot_s"], "p50", "p99", 1000)),
     ("E2E p50/p99 s", lambda s: _q(s["e2e_s"], "p50", "p99")),
     ("queue p99 s", lambda s: _f(s["queue_s"]["p99"])),

@@ -33,16 +33,22 @@ CLIENT_ENDINGS = frozenset({FinishReason.CANCELLED, FinishReason.DEADLINE})
 
 
 def quantiles(values: Iterable[float]) -> dict[str, float]:
-    """p50, p90 and p99 (nearest rank); NaN for an empty sample."""
+    """Mean, p50, p90 and p99 (nearest rank); NaN for an empty sample."""
     ordered = sorted(values)
     if not ordered:
-        return {"p50": math.nan, "p90": math.nan, "p99": math.nan, "n": 0}
+        return {"mean": math.nan, "p50": math.nan, "p90": math.nan, "p99": math.nan, "n": 0}
     n = len(ordered)
 
     def rank(q: float) -> float:
         return ordered[max(0, math.ceil(q * n) - 1)]
 
-    return {"p50": rank(0.5), "p90": rank(0.9), "p99": rank(0.99), "n": n}
+    return {
+        "mean": sum(ordered) / n,
+        "p50": rank(0.5),
+        "p90": rank(0.9),
+        "p99": rank(0.99),
+        "n": n,
+    }
 
 
 def meets_slo(flight: Flight, slo: SLO) -> bool:

@@ -60,14 +60,20 @@ class SLO:
         return self.ttft_for(input_tokens) + self.tpot_s * generated
 
 
+INTERACTIVE_PATIENCE_S = 10.0
+"""How long an interactive client (no `max_wait_s` of its own) waits for its first token
+before a request that has not started is better refused with Retry-After."""
+
+
 def default_pool_policy() -> PoolPolicy:
     """Weir's pool policy in the simulator: the defaults, with prefix blocks as large as the
-    workloads' blocks so the router's index and ownership keys line up with them."""
+    workloads' blocks so the router's index and ownership keys line up with them, and the
+    local-queue wait set to interactive clients' patience."""
     return PoolPolicy(
         pool=POOL,
         model=MODEL,
         kv=KVPolicy(),
-        scheduling=SchedulingPolicy(),
+        scheduling=SchedulingPolicy(local_queue_max_wait_s=INTERACTIVE_PATIENCE_S),
         routing=RoutingPolicy(prefix_block_tokens=512, prefix_blocks_for_owner=1),
     )
 

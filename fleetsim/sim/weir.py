@@ -77,8 +77,8 @@ LEASE_HEARTBEATS = 3
 PREFILL_TIME_BUDGET_S = 0.5
 # Admitting a prompt this long publishes the sidecar's state at once.
 LONG_PROMPT_TOKENS = 4096
-# The router's queue keeps a request at most this long (the longest client wait).
-ROUTER_MAX_WAIT_S = 120.0
+# A continuation (already streaming) waits for a new endpoint at most this long.
+CONTINUATION_MAX_WAIT_S = 600.0
 
 
 @dataclass(slots=True)
@@ -148,7 +148,7 @@ class WeirPolicy:
         self.sidecars: list[Sidecar] = []
         self.profile: Profile | None = None
         self.index = PrefixIndex()
-        self.queue: FairQueue[Flight] = FairQueue(max_wait_s=ROUTER_MAX_WAIT_S)
+        self.queue: FairQueue[Flight] = FairQueue(max_wait_s=CONTINUATION_MAX_WAIT_S)
         self._states: dict[int, EndpointState] = {}
         self._leases: dict[int, float] = {}
         self._visible_at: dict[int, float] = {}
@@ -156,6 +156,7 @@ class WeirPolicy:
         self._snapshot: PoolSnapshot | None = None
         self._where: dict[str, int] = {}
         self._excluded: dict[str, set[str]] = {}
+        self._queued: dict[str, Flight] = {}
         self.relief_actions: dict[str, int] = {}
         self.router_refusals: dict[str, int] = {}
 
@@ -334,11 +335,25 @@ class WeirPolicy:
             return
         flight.accepted = True
         flight.enqueue(now)
+        self._queued[spec.request_id] = flight
+
+    def give_up_at(self, flight: Flight) -> float:
+        """When a request that has not started yet is refused with `overload` instead of
+        waiting on: its client's patience (`max_wait_s`), else the pool's local-queue
+        wait, counted from arrival. A continuation already streaming is never refused."""
+        spec = flight.spec
+        if flight.generated:
+            return spec.arrival_s + CONTINUATION_MAX_WAIT_S
+        wait = spec.max_wait_s or self._policy().scheduling.local_queue_max_wait_s
+        return spec.arrival_s + wait
 
     def _drain(self, now: float) -> None:
         sim = self.sim
+        for flight in [f for f in self._queued.values() if self.give_up_at(f) <= now]:
+            sim.end(flight, FinishReason.OVERLOAD, now, "router queue wait exceeded")
         for expired in self.queue.expire(now):
-            sim.end(expired.payload, FinishReason.OVERLOAD, now, "router queue wait exceeded")
+            detail = "continuation found no endpoint"
+            sim.end(expired.payload, FinishReason.ABORTED, now, detail)
         while (entry := self.queue.peek()) is not None:
             flight = entry.payload
             exclude = frozenset(self._excluded.get(flight.rid, ()))
@@ -347,6 +362,7 @@ class WeirPolicy:
             # Dispatched (it may even have ended already): out of the queue, and its
             # tenant is charged for the service, as `FairQueue.pop` would.
             self.queue.remove(entry.key)
+            self._queued.pop(entry.key, None)
             self.queue.charge(entry.tenant, entry.cost)
 
     def _reroute(self, flight: Flight, away_from: int, now: float) -> None:
@@ -366,7 +382,6 @@ class WeirPolicy:
             self.sim.end(flight, FinishReason.OVERLOAD, now, "sidecar queue full")
             return
         spec = flight.spec
-        wait = max(policy.local_queue_max_wait_s, spec.max_wait_s)
         flight.enqueue(now)
         self._where[flight.rid] = sidecar.index
         sidecar.queue[flight.rid] = (
@@ -374,7 +389,7 @@ class WeirPolicy:
                 flight.rid,
                 spec.priority,
                 now,
-                now + wait,
+                self.give_up_at(flight),
                 spec.input_tokens + flight.generated,
             ),
             flight,
@@ -389,7 +404,10 @@ class WeirPolicy:
         for queued in [q for q, _ in sidecar.queue.values() if q.expires_at <= now]:
             _, flight = sidecar.queue.pop(queued.rid)
             self._where.pop(flight.rid, None)
-            sim.end(flight, FinishReason.OVERLOAD, now, "sidecar queue wait exceeded")
+            if flight.generated:
+                sim.end(flight, FinishReason.ABORTED, now, "continuation waited too long")
+            else:
+                sim.end(flight, FinishReason.OVERLOAD, now, "sidecar queue wait exceeded")
         ordered = queue_order(tuple(q for q, _ in sidecar.queue.values()), now, aging)
         for position, queued in enumerate(ordered):
             flight = sidecar.queue[queued.rid][1]
@@ -503,6 +521,7 @@ class WeirPolicy:
     # -- endings and failures -------------------------------------------------------------
     def ended(self, flight: Flight, now: float) -> None:
         self.queue.remove(flight.rid)
+        self._queued.pop(flight.rid, None)
         self._excluded.pop(flight.rid, None)
         index = self._where.pop(flight.rid, -1)
         if index < 0:
