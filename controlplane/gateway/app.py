@@ -559,11 +559,14 @@ class Gateway:
         buffer = bytearray()
         async for chunk in upstream.content.iter_any():
             buffer += chunk
+            out = bytearray()  # the events of one upstream read go out in one write
             for event in split_events(buffer):
                 if event.event == PREEMPTED_EVENT:
+                    if out:
+                        await _write(response, bytes(out))
                     return "preempted", None
                 if event.data == DONE:
-                    await _write(response, event.raw)
+                    await _write(response, bytes(out + event.raw))
                     ex.finish = received.finish_reason or "stop"
                     await response.write_eof()
                     return "done", response
@@ -571,7 +574,9 @@ class Gateway:
                 rewritten = ex.splicer.take(event.data)
                 if received.tokens > before and not ex.first_token_at:
                     ex.first_token_at = self.clock()
-                await _write(response, event.raw if rewritten is None else sse(rewritten))
+                out += event.raw if rewritten is None else sse(rewritten)
+            if out:
+                await _write(response, bytes(out))
         return "broken", None
 
     async def _end_stream(self, ex: _Exchange, *, complete: bool) -> web.StreamResponse:
