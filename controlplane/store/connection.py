@@ -79,7 +79,6 @@ def _connection_kwargs(settings: RedisSettings) -> dict[str, Any]:
     }
     if settings.tls:
         kwargs.update(
-            ssl=True,
             ssl_ca_certs=settings.tls_ca_file,
             ssl_certfile=settings.tls_cert_file,
             ssl_keyfile=settings.tls_key_file,
@@ -91,12 +90,24 @@ def connect(settings: RedisSettings) -> Redis:
     """A client for `settings` (no I/O yet: connections open on first use)."""
     kwargs = _connection_kwargs(settings)
     if not settings.sentinels:
-        return Redis.from_url(settings.url, **kwargs)
+        url = settings.url
+        if settings.tls and url.startswith("redis://"):
+            url = "rediss://" + url.removeprefix("redis://")
+        return Redis.from_url(url, **kwargs)
+    # Sentinel pools pick their TLS connection class from `ssl`.
     sentinel_kwargs: dict[str, Any] = {
         "socket_connect_timeout": settings.connect_timeout_s,
         "socket_timeout": settings.connect_timeout_s,
         "password": settings.sentinel_password,
     }
+    if settings.tls:
+        kwargs["ssl"] = True
+        sentinel_kwargs.update(
+            ssl=True,
+            ssl_ca_certs=settings.tls_ca_file,
+            ssl_certfile=settings.tls_cert_file,
+            ssl_keyfile=settings.tls_key_file,
+        )
     sentinel = Sentinel(  # type: ignore[no-untyped-call]
         list(settings.sentinels), sentinel_kwargs=sentinel_kwargs, **kwargs
     )

@@ -1,0 +1,87 @@
+"""Connection settings against real servers: TLS with AUTH, and refused bad settings."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from controlplane.store import EndpointRegistry, RedisSettings, connect
+from tests.controlplane.records import POOL, endpoint
+from weir.local.ports import free_port
+from weir.local.redis_server import RedisServer
+
+pytestmark = pytest.mark.redis
+PASSWORD = "s3cret-pass"
+
+
+def _openssl(*args: str) -> None:
+    subprocess.run(["openssl", *args], check=True, capture_output=True)
+
+
+@pytest.fixture
+def tls_redis(tmp_path: Path) -> Iterator[tuple[int, Path]]:
+    """A redis-server that speaks only TLS and requires a password; (port, CA file)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed: cannot make certificates")
+    ca_key, ca, key, csr, cert = (
+        tmp_path / n for n in ("ca.key", "ca.pem", "s.key", "s.csr", "s.pem")
+    )
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=weir-test-ca",
+             "-keyout", str(ca_key), "-out", str(ca))  # fmt: skip
+    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1",
+             "-keyout", str(key), "-out", str(csr))  # fmt: skip
+    ext = tmp_path / "ext.cnf"
+    ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    _openssl("x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key),
+             "-CAcreateserial", "-days", "1", "-extfile", str(ext), "-out", str(cert))  # fmt: skip
+    port = free_port()
+    server = RedisServer(
+        port,
+        extra_args=("--port", "0", "--tls-port", str(port), "--tls-cert-file", str(cert),
+                    "--tls-key-file", str(key), "--tls-ca-cert-file", str(ca),
+                    "--tls-auth-clients", "no", "--requirepass", PASSWORD),
+    )  # fmt: skip
+    with server:
+        yield port, ca
+
+
+async def test_tls_and_auth(tls_redis: tuple[int, Path]) -> None:
+    port, ca = tls_redis
+    url = f"redis://127.0.0.1:{port}/0"
+    good = connect(RedisSettings(url=url, tls=True, tls_ca_file=str(ca), password=PASSWORD))
+    try:
+        stored = await EndpointRegistry(good, POOL).register(endpoint("a"), ttl_s=10)
+        assert stored.epoch == 1
+        assert set((await EndpointRegistry(good, POOL).snapshot()).endpoints) == {"a"}
+    finally:
+        await good.aclose()
+
+    wrong = connect(
+        RedisSettings(url=url, tls=True, tls_ca_file=str(ca), password="nope", retries=0)
+    )
+    try:
+        with pytest.raises(redis.AuthenticationError):
+            await wrong.ping()
+    finally:
+        await wrong.aclose()
+
+    plain = connect(RedisSettings(url=url, password=PASSWORD, retries=0, command_timeout_s=1))
+    try:
+        with pytest.raises(redis.ConnectionError):
+            await plain.ping()
+    finally:
+        await plain.aclose()
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("connect_timeout_s", 0), ("command_timeout_s", -1), ("retries", 101), ("max_connections", 0)],
+)
+def test_bad_settings_are_refused(field: str, value: float) -> None:
+    with pytest.raises(ValueError, match=field):
+        RedisSettings(**{field: value})  # type: ignore[arg-type]
