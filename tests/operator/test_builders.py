@@ -217,3 +217,11 @@ def test_drain_waits_for_in_flight_work_but_not_past_its_deadline() -> None:
     assert drain_finished(["b"], busy, started_at=0, now=60, deadline_s=60)
     assert drain_finished(["b"], idle, started_at=0, now=10, deadline_s=60)
     assert drain_finished(["b"], FleetObservation(), started_at=0, now=1, deadline_s=60)
+
+
+def test_package_exports() -> None:
+    import fleet_operator
+
+    assert sorted(fleet_operator.__all__) == fleet_operator.__all__
+    for name in fleet_operator.__all__:
+        assert getattr(fleet_operator, name) is not None, name

@@ -4,6 +4,7 @@ and the sidecars (pods, their readiness and their heartbeats) where a scenario n
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -31,6 +32,7 @@ from tests.operator.cluster import (
     stored,
     write_kubeconfig,
 )
+from weir.local.redis_server import RedisServer
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(120)]
 
@@ -135,18 +137,29 @@ async def redis_client(redis_url: str) -> AsyncIterator[redis.asyncio.Redis]:
     await r.aclose()
 
 
+@contextlib.asynccontextmanager
+async def operated_cluster(
+    emulator: kmock.KubernetesEmulator, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, url: str
+) -> AsyncIterator[Cluster]:
+    """The emulator with the operator running against it and the control plane at `url`."""
+    declare(emulator)
+    kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", str(emulator.url))
+    point_clients_at(monkeypatch, kubeconfig)
+    api = await api_client(kubeconfig)
+    settings = OperatorConfig(redis_url=url, status_interval_s=0.3, image="weir:test")
+    try:
+        async with running_operator(settings):
+            yield Cluster(emulator, api)
+    finally:
+        await api.close()
+
+
 @pytest.fixture
 async def cluster(
     kmock: kmock.KubernetesEmulator, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, redis_url: str
 ) -> AsyncIterator[Cluster]:
-    declare(kmock)
-    kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", str(kmock.url))
-    point_clients_at(monkeypatch, kubeconfig)
-    api = await api_client(kubeconfig)
-    settings = OperatorConfig(redis_url=redis_url, status_interval_s=0.3, image="weir:test")
-    async with running_operator(settings):
-        yield Cluster(kmock, api)
-    await api.close()
+    async with operated_cluster(kmock, tmp_path, monkeypatch, redis_url) as operated:
+        yield operated
 
 
 def container(deployment: dict[str, Any], name: str) -> dict[str, Any]:
@@ -354,3 +367,70 @@ async def test_invalid_pool_is_degraded_not_crashing(cluster: Cluster) -> None:
     await cluster.patch_pool("llama", {"kv": {"lowWatermark": 0.7}})
     await eventually(lambda: cluster.get(DEPLOYMENTS, "llama"), what="deployment after fix")
     await eventually(lambda: cluster.condition("Degraded").get("status") == "False")
+
+
+async def test_unreachable_control_plane_is_a_condition(
+    kmock: kmock.KubernetesEmulator,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    fresh_redis: RedisServer,
+) -> None:
+    async with operated_cluster(kmock, tmp_path, monkeypatch, fresh_redis.url) as cluster:
+        await cluster.create_pool(pool_manifest())
+
+        def reachable() -> str | None:
+            status = cluster.condition("ControlPlaneReachable").get("status")
+            return status if isinstance(status, str) else None
+
+        assert await eventually(reachable) == "True"
+        fresh_redis.stop()
+        await eventually(lambda: reachable() == "False", what="Redis reported unreachable")
+        assert cluster.condition("ControlPlaneReachable")["reason"] == "RedisUnavailable"
+        fresh_redis.start()  # same port, empty: the operator reconnects by itself
+        await eventually(lambda: reachable() == "True", what="Redis reachable again")
+
+
+async def test_autoscaling_adds_engines_under_kv_pressure(
+    cluster: Cluster, redis_client: Any
+) -> None:
+    registry = EndpointRegistry(redis_client, "llama")
+    await register(registry, "llama-a", kv_capacity_tokens=1000, kv_used_tokens=900)
+    autoscaling = {
+        "enabled": True,
+        "targetKvPressure": 0.5,
+        "scaleUpStabilizationS": 0,
+        "scaleDownStabilizationS": 600,
+    }
+    await cluster.create_pool(pool_manifest(replicas={"min": 1, "max": 3}, autoscaling=autoscaling))
+    await eventually(lambda: cluster.get(DEPLOYMENTS, "llama"))
+
+    await eventually(
+        lambda: (cluster.get(DEPLOYMENTS, "llama") or {})["spec"]["replicas"] == 3,
+        what="scale-up to replicas.max",
+    )
+    assert cluster.status()["autoscaler"]["recommendations"]
+
+
+async def test_servicemonitor_when_prometheus_operator_is_installed(cluster: Cluster) -> None:
+    cluster.emulator.resources["monitoring.coreos.com/v1/servicemonitors"] = kmock.ResourceInfo(
+        kind="ServiceMonitor", namespaced=True, verbs={"get", "create", "patch"}
+    )
+    crds = "apiextensions.k8s.io/v1/customresourcedefinitions"
+    cluster.emulator.objects[crds, None, "servicemonitors.monitoring.coreos.com"] = {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": "servicemonitors.monitoring.coreos.com"},
+        "spec": {
+            "group": "monitoring.coreos.com",
+            "scope": "Namespaced",
+            "names": {"kind": "ServiceMonitor", "plural": "servicemonitors"},
+            "versions": [{"name": "v1", "served": True, "storage": True}],
+        },
+    }
+    await cluster.create_pool(pool_manifest())
+    monitor = await eventually(
+        lambda: cluster.get("monitoring.coreos.com/v1/servicemonitors", "llama"),
+        what="the ServiceMonitor",
+    )
+    assert monitor["spec"]["endpoints"][0]["port"] == "http"
+    assert monitor["metadata"]["ownerReferences"][0]["name"] == "llama"
