@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Mapping
+from array import array
+from collections.abc import Mapping, Sequence
 from hashlib import blake2b
 
 import numpy as np
@@ -60,11 +61,11 @@ class OwnershipRing:
         members = membership.members
         self._members = members
         if not members:
-            self._points: list[int] = []
+            self._points: Sequence[int] = array("Q")
             self._primary: list[str] = []
             self._secondary: list[str] = []
-            self._owner_index: list[int] = []
-            self._bucket_start: list[int] = []
+            self._owner_index: Sequence[int] = array("I")
+            self._bucket_start: Sequence[int] = array("I")
             self._shift = 64
             return
         points = np.concatenate([_member_points(m, vnodes) for m in members])
@@ -74,17 +75,19 @@ class OwnershipRing:
         points, owners = points[order], owners[order]
         second = _next_distinct(owners)
         names = np.array([*members, ""], dtype=object)  # index -1 is "": no secondary
-        self._points = points.tolist()
-        self._owner_index = owners.tolist()
+        # Flat machine arrays, not lists of Python ints: 8 bytes a point instead of ~40.
+        self._points = array("Q", points.tobytes())
+        self._owner_index = array("I", owners.astype(np.uint32).tobytes())
         self._primary = names[owners].tolist()
         self._secondary = names[second].tolist()
         # Bucket the ring by the top bits of a key, so a lookup bisects only the few
         # points of its bucket: a bisect over the whole ring chases ~17 pointers to
         # scattered ints, which costs microseconds.
-        bits = max(4, min(24, (len(self._points) * 2).bit_length()))
+        bits = max(4, min(20, (len(self._points) * 2).bit_length()))
         self._shift = 64 - bits
         edges = np.arange(1 << bits, dtype=np.uint64) << np.uint64(self._shift)
-        self._bucket_start = np.searchsorted(points, edges, side="left").tolist()
+        starts = np.searchsorted(points, edges, side="left").astype(np.uint32)
+        self._bucket_start = array("I", starts.tobytes())
         self._bucket_start.append(len(self._points))
 
     @property
