@@ -49,6 +49,12 @@ def register(registry: kopf.OperatorRegistry, operator_config: OperatorConfig) -
     @kopf.on.startup(registry=registry)
     async def startup(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
         settings.persistence.finalizer = FINALIZER
+        # Handler progress and the last-handled spec live in annotations under Weir's own
+        # prefix: the CRD's structural schema would prune anything kopf put in the status.
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+            prefix=GROUP, key="last-handled-configuration"
+        )
         settings.posting.level = logging.INFO
         settings.watching.server_timeout = 300
         memo.api = await connect_kubernetes()

@@ -5,7 +5,9 @@ A scale-down drains first. The victims (see `scaling.pick_victims`) are marked d
 the control plane, so routers stop sending them work, and get the lowest
 `controller.kubernetes.io/pod-deletion-cost`, so the ReplicaSet removes exactly them. The
 replica count drops only once they are idle or the pool's drain deadline has passed. The
-drain in progress is kept in `status.drain`, so it survives an operator restart.
+drain in progress is kept in `status.drain`, so it survives an operator restart. A drain
+is never cancelled half-way (the control plane has no "undrain"): if the target rises
+meanwhile, the drain completes and the next pass scales up with fresh engines.
 """
 
 from __future__ import annotations
