@@ -22,6 +22,7 @@ One iteration:
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -29,10 +30,16 @@ from fleetsim.engine.backends import HashBackend, TokenBackend
 from fleetsim.engine.config import CLIP_MAX_NEW_TOKENS, EngineConfig
 from fleetsim.engine.kv_cache import KVCache
 from fleetsim.engine.request import EngineRequest, Finish, Phase, aborted
-from fleetsim.engine.tokens import EOS_ID, VOCAB_SIZE, TokenFunction, decode, prefix_hash
+from fleetsim.engine.tokens import (
+    EOS_ID,
+    TOKEN_BYTES,
+    VOCAB_SIZE,
+    TokenFunction,
+    decode,
+    prefix_hash,
+)
 
-_FNV_PRIME = 0x100000001B3
-_MASK = (1 << 64) - 1
+_crc32 = zlib.crc32
 
 
 class RequestError(ValueError):
@@ -557,7 +564,7 @@ class EngineModel:
             req.computed += 1
             out = req.output_ids
             out.append(token)
-            req.hash_state = ((req.hash_state ^ token) * _FNV_PRIME) & _MASK
+            req.hash_state = _crc32(TOKEN_BYTES[token], req.hash_state)
             emitted.append(req)
             n = len(out)
             if (
@@ -573,7 +580,7 @@ class EngineModel:
     def _append(self, req: EngineRequest, token: int, now: float, result: StepResult) -> None:
         """Add one sampled token outside the decode loop (first token after prefill)."""
         req.output_ids.append(token)
-        req.hash_state = ((req.hash_state ^ token) * _FNV_PRIME) & _MASK
+        req.hash_state = _crc32(TOKEN_BYTES[token], req.hash_state)
         result.emitted.append(req)
         if self._check_finish(req, token, now):
             result.finished.append(req)

@@ -6,13 +6,16 @@ which keeps every output valid UTF-8 and makes `text` and `output_ids` interchan
 a client may resume with either.
 
 The next token is a pure function of the *whole* token prefix, computed from a rolling hash
-that costs O(1) per token. A request resumed anywhere as a continuation (prompt plus what
+(CRC-32 over the ids as little-endian 16-bit words, so a whole prompt hashes at C speed)
+that costs O(1) per generated token. A request resumed anywhere as a continuation (prompt plus what
 was generated so far) therefore produces exactly the tokens an uninterrupted run would,
 which is what the sidecar's recompute and the router's migration rely on.
 """
 
 from __future__ import annotations
 
+import array
+import zlib
 from collections.abc import Iterable, Sequence
 
 VOCAB_BYTES = 256
@@ -20,8 +23,6 @@ EOS_ID = 256
 VOCAB_SIZE = 257
 
 _MASK = (1 << 64) - 1
-_FNV_OFFSET = 0xCBF29CE484222325
-_FNV_PRIME = 0x100000001B3
 _PRINTABLE_FIRST = 32
 _PRINTABLE_COUNT = 95  # bytes 32..126
 
@@ -29,7 +30,9 @@ _PRINTABLE_COUNT = 95  # bytes 32..126
 # realistic lengths, and tests that need exact lengths set `ignore_eos`.
 DEFAULT_EOS_PER_MILLE = 2.0
 
-HASH_SEED = _FNV_OFFSET
+HASH_SEED = 0
+# Each token id's bytes in the hashed stream, precomputed for the decode loop.
+TOKEN_BYTES = tuple(t.to_bytes(2, "little") for t in range(VOCAB_SIZE))
 
 
 def encode(text: str) -> list[int]:
@@ -43,18 +46,17 @@ def decode(ids: Iterable[int]) -> str:
 
 
 def extend_hash(state: int, token: int) -> int:
-    """The rolling prefix hash after one more token (FNV-1a over token ids)."""
-    return ((state ^ token) * _FNV_PRIME) & _MASK
+    """The rolling prefix hash after one more token."""
+    return zlib.crc32(TOKEN_BYTES[token], state)
 
 
 def prefix_hash(ids: Sequence[int], state: int = HASH_SEED) -> int:
-    for token in ids:
-        state = ((state ^ token) * _FNV_PRIME) & _MASK
-    return state
+    """The rolling hash over many tokens at once: equal to extending one by one."""
+    return zlib.crc32(array.array("H", ids), state)
 
 
 def _mix(state: int) -> int:
-    """splitmix64's finaliser: FNV's low bits are weak, the decision below needs good ones."""
+    """splitmix64's finaliser: spreads the 32-bit CRC over the bits the decision reads."""
     z = ((state ^ (state >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
     return z ^ (z >> 31)
