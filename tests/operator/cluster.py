@@ -21,6 +21,7 @@ from fleet_operator.handlers import build_registry
 from fleet_operator.spec import GROUP, PLURAL, VERSION
 
 VERBS = {"get", "list", "watch", "patch", "create", "update", "delete"}
+POOLS = f"{GROUP}/{VERSION}/{PLURAL}"
 RESOURCES = {
     f"{GROUP}/{VERSION}/{PLURAL}": ("InferencePool", True),
     "apps/v1/deployments": ("Deployment", True),
@@ -32,7 +33,6 @@ RESOURCES = {
     "v1/namespaces": ("Namespace", False),
     "apiextensions.k8s.io/v1/customresourcedefinitions": ("CustomResourceDefinition", False),
 }
-POOLS = f"{GROUP}/{VERSION}/{PLURAL}"
 
 T = TypeVar("T")
 
@@ -40,6 +40,8 @@ T = TypeVar("T")
 def declare(emulator: kmock.KubernetesEmulator) -> None:
     for key, (kind, namespaced) in RESOURCES.items():
         emulator.resources[key] = kmock.ResourceInfo(kind=kind, namespaced=namespaced, verbs=VERBS)
+    # As in the CRD: kopf then writes the status through the status subresource.
+    emulator.resources[POOLS].subresources = {"status"}
 
 
 def write_kubeconfig(path: Path, server: str) -> Path:

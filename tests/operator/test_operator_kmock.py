@@ -37,6 +37,7 @@ from weir.local.redis_server import RedisServer
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(120)]
 
 DEPLOYMENTS = "apps/v1/deployments"
+DEPLOYMENT_RESOURCE = kmock.resource(DEPLOYMENTS)
 # The client's stubs omit `_content_type`; its default for a dict would be a JSON patch.
 MERGE: dict[str, Any] = {"_content_type": MERGE_PATCH}
 
@@ -434,3 +435,58 @@ async def test_servicemonitor_when_prometheus_operator_is_installed(cluster: Clu
     )
     assert monitor["spec"]["endpoints"][0]["port"] == "http"
     assert monitor["metadata"]["ownerReferences"][0]["name"] == "llama"
+
+
+async def test_scale_down_proceeds_after_the_drain_deadline(
+    cluster: Cluster, redis_client: Any
+) -> None:
+    registry = EndpointRegistry(redis_client, "llama")
+    await cluster.create_pool(
+        pool_manifest(replicas={"min": 2, "max": 2}, sidecar={"drainDeadlineSeconds": 1})
+    )
+    await eventually(lambda: cluster.get(DEPLOYMENTS, "llama"))
+    for pod_name in ("llama-a", "llama-b"):
+        cluster.add_pod("llama", pod_name)
+        await register(registry, pod_name, running_requests=4)  # never finishes
+
+    await cluster.patch_pool("llama", {"replicas": {"min": 1, "max": 1}})
+
+    await eventually(lambda: cluster.status().get("drain"), what="a drain")
+    await eventually(
+        lambda: (cluster.get(DEPLOYMENTS, "llama") or {})["spec"]["replicas"] == 1,
+        what="scale-down once the deadline passed",
+    )
+    drained = [
+        e
+        for e, s in (await registry.snapshot()).endpoints.items()
+        if s.lifecycle is Lifecycle.DRAINING
+    ]
+    assert len(drained) == 1
+
+
+async def test_restarted_operator_adopts_children_without_patching(
+    kmock: kmock.KubernetesEmulator,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    redis_url: str,
+) -> None:
+    async with operated_cluster(kmock, tmp_path, monkeypatch, redis_url) as cluster:
+        await cluster.create_pool(pool_manifest())
+        await eventually(lambda: cluster.get("policy/v1/poddisruptionbudgets", "llama"))
+        await eventually(lambda: cluster.get(DEPLOYMENTS, "llama"))
+        await eventually(lambda: cluster.status().get("observedGeneration") is not None)
+    children = (DEPLOYMENTS, "v1/services", "v1/configmaps", "policy/v1/poddisruptionbudgets")
+    before = {r: cluster.patches(r) for r in children}
+    requests_before = len(list(kmock))
+
+    async with operated_cluster(kmock, tmp_path, monkeypatch, redis_url) as again:
+        # The resumed pool is read again (a GET of its Deployment), then left alone.
+        await eventually(
+            lambda: any(
+                r.method == "GET" and r.resource == DEPLOYMENT_RESOURCE
+                for r in list(kmock)[requests_before:]
+            ),
+            what="the resumed operator to look at the pool",
+        )
+        await eventually(lambda: again.condition("Ready"), what="status after resume")
+        assert {r: again.patches(r) for r in children} == before
