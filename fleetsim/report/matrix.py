@@ -32,6 +32,7 @@ class CellSpec:
     duration_s: float
     trace: str = ""
     speedup: float = 1.0
+    kv_scale: float = 1.0
 
 
 @dataclass(slots=True)
@@ -58,7 +59,7 @@ def workload(spec: CellSpec, config: FleetConfig) -> tuple[list[RequestSpec], fl
 
 
 def run_cell(spec: CellSpec) -> Cell:
-    config = FleetConfig(engines=spec.engines)
+    config = FleetConfig(engines=spec.engines, kv_scale=spec.kv_scale)
     specs, capacity, failures = workload(spec, config)
     policy = policies(spec.seed)[spec.policy]()
     sim = Simulation(specs, policy, config, failures=failures)
@@ -146,5 +147,7 @@ def _nan_last(value: float) -> float:
     return math.inf if math.isnan(value) else value
 
 
-def trace_cell(path: Path, policy: str, seed: int, engines: int, speedup: float) -> CellSpec:
-    return CellSpec(TRACE, policy, 1.0, seed, engines, 0.0, str(path), speedup)
+def trace_cell(
+    path: Path, policy: str, seed: int, engines: int, speedup: float, kv_scale: float = 1.0
+) -> CellSpec:
+    return CellSpec(TRACE, policy, 1.0, seed, engines, 0.0, str(path), speedup, kv_scale)

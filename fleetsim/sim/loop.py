@@ -319,8 +319,8 @@ class Simulation:
                 continue  # withdrawn while the iteration ran
             flight.output_ids.append(req.output_ids[-1])
             if flight.visit_cached < 0:
-                flight.visit_cached = req.matched_tokens
-                flight.cached_tokens += req.matched_tokens
+                flight.visit_cached = req.cached_tokens
+                flight.cached_tokens += req.cached_tokens
             if flight.first_token_at < 0:
                 flight.first_token_at = now
             flight.last_token_at = now

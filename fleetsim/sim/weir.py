@@ -74,7 +74,7 @@ from fleetsim.workloads import BLOCK_TOKENS
 LEASE_HEARTBEATS = 3
 # Weir's engine flags bound one iteration's prefill work so decodes keep flowing beside a
 # long prompt (SGLang: --enable-mixed-chunk and a smaller chunk).
-PREFILL_TIME_BUDGET_S = 0.5
+PREFILL_TIME_BUDGET_S = 0.05
 # Admitting a prompt this long publishes the sidecar's state at once.
 LONG_PROMPT_TOKENS = 4096
 # A continuation (already streaming) waits for a new endpoint at most this long.

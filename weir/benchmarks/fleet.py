@@ -33,7 +33,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("fleet-report"))
     parser.add_argument(
-        "--load", type=float, default=0.9, help="offered load, fraction of nominal capacity"
+        "--load", type=float, default=1.0, help="offered load, fraction of nominal capacity"
+    )
+    parser.add_argument(
+        "--kv-scale", type=float, default=1.0, help="scale every engine's KV pool by this"
     )
     parser.add_argument("--duration", type=float, default=30.0, help="arrival window, s")
     parser.add_argument("--sweep", default=DEFAULT_SWEEP, help="loads for the sweep ('' = none)")
@@ -63,11 +66,12 @@ def run(args: argparse.Namespace) -> int:
     known = list(policies())
     chosen = known if args.policies == "all" else args.policies.split(",")
     bad = [p for p in chosen if p not in known]
-    if bad or args.engines < 1 or args.runs < 1 or not args.load > 0 or not args.duration > 0:
+    sizes = (args.engines, args.runs, args.load, args.duration, args.kv_scale, args.speedup)
+    if bad or min(sizes) <= 0:
         raise SystemExit(
             f"bad arguments: unknown policies {bad} (known: {', '.join(known)})"
             if bad
-            else "engines, runs, load and duration must be positive"
+            else "engines, runs, load, duration, kv-scale and speedup must be positive"
         )
     if args.scenario != "all" and args.scenario not in SCENARIOS:
         raise SystemExit(f"unknown scenario {args.scenario!r}; known: {', '.join(SCENARIOS)}")
@@ -81,12 +85,20 @@ def run(args: argparse.Namespace) -> int:
             matrix += [trace_cell(args.trace, p, seed, args.engines, args.speedup) for p in chosen]
         else:
             matrix += [
-                CellSpec(n, p, args.load, seed, args.engines, args.duration)
+                CellSpec(n, p, args.load, seed, args.engines, args.duration, kv_scale=args.kv_scale)
                 for n in names
                 for p in chosen
             ]
     sweep = [
-        CellSpec(args.sweep_scenario, p, x, args.seed, args.engines, args.duration)
+        CellSpec(
+            args.sweep_scenario,
+            p,
+            x,
+            args.seed,
+            args.engines,
+            args.duration,
+            kv_scale=args.kv_scale,
+        )
         for x in loads
         for p in chosen
     ]
@@ -110,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
         "engines": args.engines,
         "load": args.load,
         "duration_s": args.duration,
+        "kv_scale": args.kv_scale,
         "seeds": seeds,
         "sweep": loads,
         "policies": chosen,
