@@ -43,7 +43,8 @@ step "cluster"
 step "install the chart (image $image) into $namespace"
 "$helm" upgrade --install "$release" "$root/charts/weir" -n "$namespace" --create-namespace \
   --set image.repository="${image%:*}" --set image.tag="${image##*:}" \
-  --set "router.pools={$pool}" --set operator.statusIntervalSeconds=2 \
+  --set "router.pools[0].name=$pool" --set "router.pools[0].model=Qwen/Qwen2.5-0.5B-Instruct" \
+  --set operator.statusIntervalSeconds=2 \
   --wait --timeout 5m
 "$kubectl" -n "$namespace" rollout status deployment/"$release"-operator --timeout=3m
 "$kubectl" get crd inferencepools.inference.weir.dev

@@ -43,6 +43,7 @@ from kubernetes_asyncio.client import (
     V1Service,
     V1ServicePort,
     V1ServiceSpec,
+    V1TCPSocketAction,
     V1Volume,
     V1VolumeMount,
     V1WeightedPodAffinityTerm,
@@ -230,18 +231,20 @@ def render_deployment(pool: Pool, replicas: int, config: OperatorConfig) -> dict
             requests=spec.sidecar.resources.get("requests"),
         ),
         volume_mounts=[V1VolumeMount(name="policy", mount_path=POLICY_DIR, read_only=True)],
-        # The sidecar answers /health once it runs and /ready once its engine serves and it
-        # holds a lease; weights can take long to load, hence the generous startup probe.
+        # /health answers 200 while the sidecar serves and 503 once it drains, which takes
+        # the pod out of the headless Service; weights can take long to load, hence the
+        # generous startup probe. Liveness only asks whether the process listens: a
+        # draining sidecar must not be restarted.
         startup_probe=V1Probe(
-            http_get=V1HTTPGetAction(path="/ready", port="http"),
+            http_get=V1HTTPGetAction(path="/health", port="http"),
             period_seconds=probe_period,
             failure_threshold=max(1, spec.engine.startup_timeout_seconds // probe_period),
         ),
         readiness_probe=V1Probe(
-            http_get=V1HTTPGetAction(path="/ready", port="http"), period_seconds=5
+            http_get=V1HTTPGetAction(path="/health", port="http"), period_seconds=5
         ),
         liveness_probe=V1Probe(
-            http_get=V1HTTPGetAction(path="/health", port="http"),
+            tcp_socket=V1TCPSocketAction(port="http"),
             period_seconds=probe_period,
             failure_threshold=3,
         ),

@@ -110,15 +110,18 @@ def test_chart_crd_is_identical_to_crds_folder() -> None:
 def test_default_install_has_every_part() -> None:
     found = kinds(rendered(Path(__file__).parent / "values-default.yaml"))
     names = {d["metadata"]["name"] for docs in found.values() for d in docs}
-    assert {"weir-operator", "weir-router", "weir-redis"} <= names
-    assert {"StatefulSet", "HorizontalPodAutoscaler", "NetworkPolicy", "ClusterRole",
-            "CustomResourceDefinition", "Pod"} <= found.keys()  # fmt: skip
+    assert {"weir-operator", "weir-redis"} <= names
+    assert {
+        "StatefulSet",
+        "NetworkPolicy",
+        "ClusterRole",
+        "CustomResourceDefinition",
+    } <= found.keys()
+    assert "Pod" not in found  # no pool listed: no router to test
     redis = found["StatefulSet"][0]["spec"]["template"]["spec"]["containers"][0]
     assert "--requirepass" in redis["args"]
     secret = next(s for s in found["Secret"] if s["metadata"]["name"] == "weir-redis")
     assert {"url", "password"} <= secret["data"].keys()
-    test_pod = found["Pod"][0]
-    assert test_pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
 
 
 def test_operator_rbac_is_least_privilege() -> None:
@@ -133,6 +136,9 @@ def test_operator_rbac_is_least_privilege() -> None:
 def test_external_redis_and_existing_secret() -> None:
     external = kinds(rendered(Path(__file__).parent / "values-external-redis.yaml"))
     assert "StatefulSet" not in external
+    (router,) = external["Deployment"][1:]
+    args = router["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--prefill-for") + 1] == "deepseek-decode"
     assert "NetworkPolicy" not in external
     (secret,) = external["Secret"]
     assert "password" not in secret["data"]
@@ -148,10 +154,21 @@ def test_production_values_reach_the_manifests() -> None:
     secrets = {s["metadata"]["namespace"] for s in found["Secret"]}
     assert secrets == {"weir", "inference", "batch"}
     assert {"ServiceMonitor", "PodMonitor"} <= found.keys()
-    router = next(d for d in found["Deployment"] if d["metadata"]["name"] == "weir-router")
-    args = router["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert [args[i + 1] for i, a in enumerate(args) if a == "--pool"] == ["llama-8b", "qwen-72b"]
-    assert "/etc/weir/pools/qwen-72b/policy.json" in args
+    routers = {d["metadata"]["name"]: d for d in found["Deployment"]}
+    args = routers["weir-router-qwen-72b"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--pool") + 1] == "qwen-72b"
+    assert args[args.index("--model") + 1] == "qwen2.5-72b"
+    assert args[args.index("--context-length") + 1] == "65536"
+    assert "--quotas" in args
+    assert args[args.index("--api-keys") + 1] == "/etc/weir/api-keys/api-keys.yaml"
+    assert {h["metadata"]["name"] for h in found["HorizontalPodAutoscaler"]} == {
+        "weir-router-llama-8b",
+        "weir-router-qwen-72b",
+    }
+    (test_pod,) = found["Pod"]
+    assert test_pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    script = test_pod["spec"]["containers"][0]["command"][-1]
+    assert "http://weir-router-llama-8b:80/health" in script
     statefulset = found["StatefulSet"][0]
     assert statefulset["spec"]["volumeClaimTemplates"][0]["spec"]["storageClassName"] == "fast-ssd"
     dashboards = [c for c in found["ConfigMap"] if "grafana_dashboard" in c["metadata"]["labels"]]
@@ -189,3 +206,15 @@ def test_external_redis_needs_a_url() -> None:
     out = run_helm("template", "weir", str(CHART), "--set", "redis.enabled=false")
     assert out.returncode != 0
     assert "redis.external.url or redis.external.existingSecret is required" in out.stderr
+
+
+@pytest.mark.parametrize("values", VALUES, ids=lambda p: p.stem)
+def test_notes_render_with_next_steps(values: Path) -> None:
+    out = run_helm("install", "weir", str(CHART), "--dry-run=client", "--namespace", "weir",
+                   "-f", str(values))  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    notes = out.stdout.split("NOTES:", 1)[1]
+    assert "helm test weir" in notes
+    assert "docs/runbook.md" in notes
+    for pool in yaml.safe_load(values.read_text()).get("router", {}).get("pools", []):
+        assert f"svc/weir-router-{pool['name']}" in notes

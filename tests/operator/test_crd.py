@@ -120,7 +120,7 @@ def test_examples_validate_and_parse(pool: dict[str, Any]) -> None:
     stored = with_defaults(SCHEMA, pool)
     for path, rule, message in rules(SPEC, "spec"):
         assert cel(rule, at(stored, path)), message
-    parsed = parse_pool(pool["metadata"]["name"], pool["metadata"]["namespace"], stored["spec"])
+    parsed = parse_pool(pool["metadata"]["name"], "default", stored["spec"])
     assert parsed.policy.model == (
         pool["spec"]["model"].get("servedName") or pool["spec"]["model"]["name"]
     )
