@@ -74,6 +74,8 @@ def crd_reference(crd: Mapping[str, Any]) -> str:
         f"`{names['shortNames'][0]}`. Generated from `crds/inferencepool.yaml` by "
         "`python -m fleet_operator.docs`; do not edit.",
         "",
+        schema.get("description", ""),
+        "",
         "Fields under `kv`, `scheduling`, `routing`, `autoscaling` and `tenants` map 1:1 onto",
         "`controlplane.contract.PoolPolicy` (camelCase here, snake_case there); the operator",
         "writes that policy as JSON into the ConfigMap `<pool>-policy`, read by sidecars and",
