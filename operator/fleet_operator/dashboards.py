@@ -130,6 +130,11 @@ class DashboardQuery:
     def metrics(self) -> frozenset[str]:
         return promql_metrics(self.expr)
 
+    @property
+    def is_promql(self) -> bool:
+        """False for Grafana's own `label_values(...)` variable queries."""
+        return not _LABEL_VALUES.match(self.expr.strip())
+
     def expanded(self, variables: Mapping[str, str] | None = None) -> str:
         values = {"pool": ".+", "tenant": ".*", "__rate_interval": "1m", **(variables or {})}
         expr = self.expr

@@ -4,8 +4,12 @@ and every dashboard is well formed."""
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
+import yaml
 
 from controlplane.telemetry.catalog import metric_names
 from fleet_operator.dashboards import DASHBOARDS, DashboardQuery, dashboard_queries, promql_metrics
@@ -66,3 +70,31 @@ def test_metric_extraction_and_expansion() -> None:
     expanded = DashboardQuery("d", "p", expr).expanded()
     assert "$" not in expanded
     assert "[1m]" in expanded
+
+
+def test_every_query_parses_as_promql(tmp_path: Path) -> None:
+    """Prometheus' own parser (promtool, from the prometheus package) accepts every panel
+    query once Grafana's variables are substituted."""
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not installed (scripts/bootstrap.sh dev installs prometheus)")
+    promql = [q for q in QUERIES if q.is_promql]
+    assert len(promql) >= 40
+    rules = {
+        "groups": [
+            {
+                "name": "dashboards",
+                "rules": [
+                    {"record": f"weir:dashboard_query:{i}", "expr": q.expanded()}
+                    for i, q in enumerate(promql)
+                ],
+            }
+        ]
+    }
+    path = tmp_path / "rules.yaml"
+    path.write_text(yaml.safe_dump(rules))
+    out = subprocess.run(
+        [promtool, "check", "rules", str(path)], capture_output=True, text=True, check=False
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"{len(promql)} rules found" in out.stdout
