@@ -34,10 +34,13 @@ class QuotaGate:
         self.tenants: set[str] = set()
 
     async def keep_lease(self) -> None:
-        """Renew the holder lease at a third of its time to live, for as long as it runs."""
+        """Renew the holder lease at a third of its time to live, for as long as it runs,
+        and return the charges of holders (other routers, sidecars) whose lease lapsed."""
         while True:
             try:
                 await self.store.renew_holder(self.holder, self.lease_ttl_s)
+                if reaped := await self.store.reap_holders():
+                    log.info("returned the quota charges of lapsed holders: %s", reaped)
             except (RedisError, OSError) as exc:
                 log.warning("quota holder %s: cannot renew its lease (%s)", self.holder, exc)
             await asyncio.sleep(self.lease_ttl_s / 3)

@@ -25,6 +25,7 @@ from controlplane.store import (
     QuotaStore,
     RedisSettings,
     connect,
+    reap_forever,
 )
 
 
@@ -73,7 +74,8 @@ async def serve_gateway(
     else:
         view = PoolView(config.pool, config.routing.snapshot_staleness_s)
         redis = connect(RedisSettings(url=redis_url, client_name="weir-router"))
-        follower = PoolFollower(EndpointRegistry(redis, config.pool))
+        registry = EndpointRegistry(redis, config.pool)
+        follower = PoolFollower(registry)
         owners = RingOwners(config.routing.virtual_nodes)
         feed = StoreFeed(follower, view, clock, owners_for=owners)
         if config.enforce_quotas:
@@ -94,6 +96,9 @@ async def serve_gateway(
     loop = asyncio.get_running_loop()
     if feed is not None:
         tasks.append(loop.create_task(feed.run()))
+        # Any number of reapers may run; each router's keeps leases honest without an
+        # operator (a local fleet), and the feed then reports the removals.
+        tasks.append(loop.create_task(reap_forever(feed.follower.registry, 1.0)))
     if quotas is not None:
         tasks.append(loop.create_task(quotas.keep_lease()))
     return RunningGateway(gateway, f"http://{config.host}:{port}", runner, tasks, redis)

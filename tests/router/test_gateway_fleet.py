@@ -124,6 +124,12 @@ async def test_an_expired_lease_leaves_routing_within_its_ttl(redis_url: str) ->
                     (await _complete(session, fleet.url, f"prompt {i} " * 10))[0] for i in range(6)
                 }
             assert served == {"e1"}
+            # The router's reaper then removes it from the pool, and counts the expiry.
+            await until(lambda: "e0" not in gateway.view.snapshot.by_id, "e0 to be reaped")
+            expiries = gateway.metrics.registry.get_sample_value(
+                "weir_router_lease_expiries_total", {"pool": gateway.config.pool}
+            )
+            assert expiries == 1
         finally:
             keep.cancel()
 
