@@ -120,6 +120,7 @@ def register(registry: kopf.OperatorRegistry, operator_config: OperatorConfig) -
     ) -> None:
         await observing.observe(
             api=memo.api,
+            config=operator_config,
             control=memo.control,
             body=body,
             name=name,

@@ -20,9 +20,10 @@ from typing import Any
 import kopf
 from kubernetes_asyncio.client import ApiClient, ApiException, AppsV1Api, CoreV1Api
 
-from fleet_operator.applying import merge_patch, read_manifest
+from fleet_operator.applying import merge_patch
+from fleet_operator.config import OperatorConfig
 from fleet_operator.fleet import ControlPlane, ControlPlaneUnreachableError, FleetObservation
-from fleet_operator.reconciling import classify, deployment_ref, now_iso
+from fleet_operator.reconciling import apply_children, classify, now_iso, read_deployment
 from fleet_operator.rendering import POOL_LABEL
 from fleet_operator.scaling import (
     PodView,
@@ -43,6 +44,7 @@ VICTIM_COST = "-1000"
 async def observe(
     *,
     api: ApiClient,
+    config: OperatorConfig,
     control: ControlPlane,
     body: kopf.Body,
     name: str,
@@ -60,10 +62,12 @@ async def observe(
         seen = Observed(generation=generation, invalid=str(exc))
         patch.status.update(build_status(seen, previous, now_iso()))
         return
-    try:
-        live = await read_manifest(api, deployment_ref(name, namespace))
-    except ApiException as exc:
-        raise classify(exc, "reading the engine Deployment") from exc
+    live = await read_deployment(api, pool)
+    if live is None and status.get("observedGeneration") is not None:
+        # Rendered once, gone now (deleted by hand, or lost): render the children again.
+        logger.warning("the engine Deployment is missing; rendering the pool's children again")
+        await apply_children(api, config, body, pool, None, logger)
+        live = await read_deployment(api, pool)
     deployment = DeploymentView.from_manifest(live) if live else None
     fleet: FleetObservation | None = None
     unreachable = ""

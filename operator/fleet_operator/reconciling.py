@@ -12,7 +12,7 @@ from kubernetes_asyncio.client import ApiClient, ApiException, ApiextensionsV1Ap
 from fleet_operator.applying import Applied, apply, read_manifest
 from fleet_operator.config import OperatorConfig
 from fleet_operator.rendering import render_children
-from fleet_operator.spec import InvalidPoolError, parse_pool
+from fleet_operator.spec import InvalidPoolError, Pool, parse_pool
 from fleet_operator.status import Observed, build_status
 
 SERVICEMONITOR_CRD = "servicemonitors.monitoring.coreos.com"
@@ -69,10 +69,32 @@ async def reconcile(
         kopf.warn(body, reason="InvalidSpec", message=str(exc))
         raise kopf.PermanentError(f"invalid pool: {exc}") from exc
 
+    live = await read_deployment(api, pool)
+    await apply_children(api, config, body, pool, live, logger)
+    patch.status["observedGeneration"] = generation
+
+
+async def read_deployment(api: ApiClient, pool: Pool) -> dict[str, Any] | None:
     try:
-        live = await read_manifest(api, deployment_ref(name, namespace))
-        # Scaling owns the replica count once the Deployment exists.
-        replicas = int(live["spec"]["replicas"]) if live else pool.spec.replicas.min
+        return await read_manifest(api, deployment_ref(pool.name, pool.namespace))
+    except ApiException as exc:
+        raise classify(exc, "reading the engine Deployment") from exc
+
+
+async def apply_children(
+    api: ApiClient,
+    config: OperatorConfig,
+    body: kopf.Body,
+    pool: Pool,
+    live_deployment: Mapping[str, Any] | None,
+    logger: kopf.Logger,
+) -> None:
+    """Render every child and apply what differs, with an event for each change."""
+    # Scaling owns the replica count once the Deployment exists.
+    replicas = (
+        int(live_deployment["spec"]["replicas"]) if live_deployment else pool.spec.replicas.min
+    )
+    try:
         children = render_children(
             pool, replicas, config, monitoring=await monitoring_available(api)
         )
@@ -85,4 +107,3 @@ async def reconcile(
                 kopf.info(body, reason=outcome.capitalize(), message=message)
     except ApiException as exc:
         raise classify(exc, "applying the pool's children") from exc
-    patch.status["observedGeneration"] = generation

@@ -490,3 +490,15 @@ async def test_restarted_operator_adopts_children_without_patching(
         )
         await eventually(lambda: again.condition("Ready"), what="status after resume")
         assert {r: again.patches(r) for r in children} == before
+
+
+async def test_a_deleted_deployment_is_rendered_again(cluster: Cluster) -> None:
+    await cluster.create_pool(pool_manifest())
+    await eventually(lambda: cluster.status().get("observedGeneration") is not None)
+    first = await eventually(lambda: cluster.get(DEPLOYMENTS, "llama"))
+
+    await client.AppsV1Api(cluster.api).delete_namespaced_deployment("llama", "default")
+    assert cluster.get(DEPLOYMENTS, "llama") is None
+
+    again = await eventually(lambda: cluster.get(DEPLOYMENTS, "llama"), what="the Deployment back")
+    assert again["spec"] == first["spec"]
