@@ -1,6 +1,8 @@
 """Weir's real policy code driving the simulated fleet.
 
-Router (`controlplane.routing`): the default scheduling profile (filters → weighted
+Router (`controlplane.routing`, `controlplane.ownership`): the prompt's primary and
+secondary owners on the consistent-hash ring (rebuilt when a lease lapses); the default
+scheduling profile (filters → weighted
 cost-model scorers → max-score picker) over a `PoolSnapshot` built from the sidecars'
 heartbeats, as stale as the heartbeat period plus the change-feed delay; the router's own
 in-flight counts since each endpoint's last visible heartbeat; the approximate
@@ -30,11 +32,13 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 
 from controlplane.contract import (
+    CacheIdentity,
     EndpointState,
     FinishReason,
     PoolPolicy,
     WatermarkState,
 )
+from controlplane.ownership import Membership, OwnershipRing, prefix_key
 from controlplane.routing import (
     FairQueue,
     PoolSnapshot,
@@ -68,7 +72,7 @@ from fleetsim.engine import EngineConfig
 from fleetsim.sim.config import MODEL, FleetConfig
 from fleetsim.sim.flight import Flight, Stage
 from fleetsim.sim.loop import Simulation
-from fleetsim.workloads import BLOCK_TOKENS
+from fleetsim.workloads import BLOCK_TOKENS, prompt_token_ids
 
 # A lease lapses after this many missed heartbeats.
 LEASE_HEARTBEATS = 3
@@ -157,6 +161,8 @@ class WeirPolicy:
         self._where: dict[str, int] = {}
         self._excluded: dict[str, set[str]] = {}
         self._queued: dict[str, Flight] = {}
+        self.ring = OwnershipRing(Membership.of(0, ()))
+        self._owner_cache: dict[str, tuple[int, tuple[str, ...]]] = {}
         self.relief_actions: dict[str, int] = {}
         self.router_refusals: dict[str, int] = {}
 
@@ -202,6 +208,7 @@ class WeirPolicy:
             Sidecar(e.index, f"engine-{e.index}", e.capacity_tokens, policy) for e in sim.engines
         ]
         self._dispatches = [deque() for _ in sim.engines]
+        self.ring = OwnershipRing(Membership.of(1, (s.endpoint_id for s in self.sidecars)))
         period = sim.config.staleness.heartbeat_period_s
         for sidecar in self.sidecars:
             self._heartbeat(sidecar, 0.0, registered=True)
@@ -300,6 +307,7 @@ class WeirPolicy:
             deadline_s=deadline,
             waited_s=now - spec.arrival_s,
             block_hashes=spec.block_ids[:full],
+            owners=self._owners(flight),
             exclude=exclude,
         )
         while True:
@@ -318,6 +326,30 @@ class WeirPolicy:
         flight.accepted = True
         self._offer(self.sidecars[index], flight, now)
         return True
+
+    def _owners(self, flight: Flight) -> tuple[str, ...]:
+        """Primary and secondary owner of the prompt's prefix key on the current ring,
+        keyed from the prompt's first tokens exactly as the gateway keys it."""
+        rid = flight.rid
+        cached = self._owner_cache.get(rid)
+        if cached is not None and cached[0] == self.ring.version:
+            return cached[1]
+        routing = self._policy().routing
+        head = prompt_token_ids(flight.spec)[: routing.prefix_blocks_for_owner * BLOCK_TOKENS]
+        key = prefix_key(
+            CacheIdentity(model=MODEL),
+            head,
+            routing.prefix_block_tokens,
+            routing.prefix_blocks_for_owner,
+        )
+        owners = tuple(o for o in self.ring.owners(key) if o)
+        self._owner_cache[rid] = (self.ring.version, owners)
+        return owners
+
+    def _membership_changed(self, now: float) -> None:
+        """A lapsed lease (a dead engine) leaves the ring: a new membership version."""
+        live = [s.endpoint_id for s in self.sidecars if self.sim.engines[s.index].alive]
+        self.ring = OwnershipRing(Membership.of(self.ring.version + 1, live))
 
     def _enqueue(self, flight: Flight, now: float) -> None:
         spec = flight.spec
@@ -523,6 +555,7 @@ class WeirPolicy:
         self.queue.remove(flight.rid)
         self._queued.pop(flight.rid, None)
         self._excluded.pop(flight.rid, None)
+        self._owner_cache.pop(flight.rid, None)
         index = self._where.pop(flight.rid, -1)
         if index < 0:
             return
@@ -535,6 +568,8 @@ class WeirPolicy:
 
     def engine_failed(self, engine: int, flights: list[Flight], now: float) -> None:
         sidecar = self.sidecars[engine]
+        lease = LEASE_HEARTBEATS * self.sim.config.staleness.heartbeat_period_s
+        self.sim.at(now + lease, lambda: self._membership_changed(self.sim.now))
         stranded = [*flights, *(f for _, f in sidecar.queue.values())]
         sidecar.queue.clear()
         sidecar.held.clear()
