@@ -36,6 +36,7 @@ def run(args: argparse.Namespace) -> int:
     import time
 
     from weir.local.fleet import FleetConfig, FleetError, LocalFleet, format_status
+    from weir.local.redis_server import RedisNotInstalledError
 
     if args.requests < 0 or not args.status_every > 0:
         print("weir up: --requests must be >= 0 and --status-every positive", file=sys.stderr)
@@ -81,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"weir up: {', '.join(failed)} exited; stopping", file=sys.stderr)
                 return 1
             time.sleep(args.status_every)
-    except FleetError as exc:
+    except (FleetError, RedisNotInstalledError) as exc:
         print(f"weir up: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
