@@ -1,16 +1,18 @@
 """The gateway: an OpenAI- and SGLang-compatible HTTP front for one pool.
 
-A request travels: API key → tenant (401) → validation (400/404) → the pool snapshot
-(503 when stale) → a routing decision, or the tenant-fair queue when every candidate is
-saturated (429 `overload` when full or timed out) → the picked endpoint. An overload or a
+A request travels: API key → tenant (401) → validation (400/404) → the tenant's quota
+(429, when enforced) → a decode handoff credit (prefill pools) → the pool snapshot (503
+when stale) → a routing decision, or the tenant-fair queue when every candidate is
+saturated (429 `overload` when full or timed out, 504 past its deadline) → the picked
+endpoint. An overload or a
 connection failure before the first byte moves the request to the next fallback (the
 secondary owner first). After bytes were streamed, a dead engine or a `weir.preempted`
 event resumes the request as a continuation elsewhere, spliced into the same client
 stream (`controlplane.gateway.relay`). A client that goes away aborts the request upstream
 at once (the connection is closed and `/abort_request` is sent for its rid).
 
-Decisions are pure and synchronous over the in-memory snapshot; the only I/O on the hot
-path is the upstream call.
+Decisions are pure and synchronous over the in-memory snapshot; besides the upstream call,
+the hot path's only I/O is the quota charge (and a prefill pool's credit).
 """
 
 from __future__ import annotations
