@@ -8,7 +8,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import kmock
 import kopf
@@ -33,8 +33,6 @@ RESOURCES = {
     "v1/namespaces": ("Namespace", False),
     "apiextensions.k8s.io/v1/customresourcedefinitions": ("CustomResourceDefinition", False),
 }
-
-T = TypeVar("T")
 
 
 def declare(emulator: kmock.KubernetesEmulator) -> None:
@@ -102,9 +100,7 @@ def point_clients_at(monkeypatch: Any, kubeconfig: Path) -> None:
     monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(kubeconfig))
 
 
-async def eventually(
-    probe: Callable[[], Awaitable[T | None] | T | None], limit_s: float = 30.0, what: str = ""
-) -> T:
+async def eventually(probe: Callable[[], Any], limit_s: float = 30.0, what: str = "") -> Any:
     """Poll `probe` until it returns something truthy; fail after `limit_s` seconds."""
     deadline = time.monotonic() + limit_s
     while True:
