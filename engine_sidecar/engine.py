@@ -52,16 +52,20 @@ class EngineLoad:
     used_tokens: int
     running_requests: int
     waiting_requests: int
-    sampled_at: float  # time.monotonic() when the answer arrived
+    sampled_at: float  # time.monotonic() when the question was sent
 
 
 @dataclass(frozen=True, slots=True)
 class StreamEvent:
-    """One SSE `data:` event: its raw line (with the trailing blank line) and its payload.
-    `payload` is None for `[DONE]`."""
+    """One SSE `data:` event: the frame as received (ending in a blank line) and its data.
+    The data is not parsed here: the reader decodes only what it needs."""
 
     raw: bytes
-    payload: dict[str, Any] | None
+    data: bytes
+
+    @property
+    def done(self) -> bool:
+        return self.data == b"[DONE]"
 
 
 class EngineStream(Protocol):
@@ -104,16 +108,9 @@ class _HTTPStream:
             if not line.startswith(b"data:"):
                 continue
             data = line[5:].strip()
+            yield StreamEvent(b"data: " + data + b"\n\n", data)
             if data == b"[DONE]":
-                yield StreamEvent(b"data: [DONE]\n\n", None)
                 return
-            try:
-                payload = _json_decode(data)
-            except msgspec.DecodeError as exc:
-                raise EngineError(f"engine sent a malformed stream event: {data[:200]!r}") from exc
-            if not isinstance(payload, dict):
-                raise EngineError(f"engine sent a non-object stream event: {data[:200]!r}")
-            yield StreamEvent(line.rstrip(b"\r\n") + b"\n\n", payload)
 
     async def body(self) -> bytes:
         return await self._response.read()
@@ -191,6 +188,9 @@ class SGLangEngine:
 
     async def load(self) -> EngineLoad:
         info = self._info or await self.server_info()
+        # The report describes the engine at some moment after the request left: stamp it
+        # with the sending time so it never looks newer than a release that raced it.
+        sent_at = time.monotonic()
         if info.loads_api == "v1_loads":
             status, body = await self._get("/v1/loads?include=all")
             ranks = body.get("loads", body) if isinstance(body, dict) else body
@@ -205,7 +205,7 @@ class SGLangEngine:
             used_tokens=sum(_int(r.get(used_key)) for r in rows),
             running_requests=sum(_int(r.get(running_key)) for r in rows),
             waiting_requests=sum(_int(r.get("num_waiting_reqs")) for r in rows),
-            sampled_at=time.monotonic(),
+            sampled_at=sent_at,
         )
 
     @asynccontextmanager

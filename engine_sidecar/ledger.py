@@ -59,8 +59,11 @@ class Flight:
     """One client request on this endpoint, across all its engine segments."""
 
     intake: Intake
-    record: RequestRecord
+    _record: RequestRecord
     arrived_mono: float
+    # The live generated-token count: the hot path bumps it, and it is folded into the
+    # immutable record only when the record is read (a record copy per token is costly).
+    generated: int = 0
     predicted_total: int = 0
     predicted_at_admission: int = 0
     kv: int = 0  # this request's share of the ledger's sums
@@ -77,8 +80,24 @@ class Flight:
     cancelled_mono: float = 0.0
 
     @property
+    def record(self) -> RequestRecord:
+        rec = self._record
+        if rec.generated_tokens != self.generated:
+            rec = self._record = rec.with_generated(self.generated)
+        return rec
+
+    @record.setter
+    def record(self, value: RequestRecord) -> None:
+        self._record = value
+        self.generated = value.generated_tokens
+
+    @property
+    def state(self) -> RequestState:
+        return self._record.state
+
+    @property
     def rid(self) -> str:
-        return self.record.rid
+        return self._record.rid
 
     @property
     def key(self) -> LengthKey:
@@ -243,14 +262,16 @@ class Ledger:
 
     def add_tokens(self, flight: Flight, generated_total: int) -> None:
         """The stream reported `generated_total` output tokens so far (hot path)."""
-        rec = flight.record
-        if generated_total <= rec.generated_tokens:
+        rec = flight._record
+        total = min(generated_total, rec.max_new_tokens)
+        if total <= flight.generated:
             return
-        rec = flight.record = rec.with_generated(min(generated_total, rec.max_new_tokens))
-        if rec.generated_tokens >= flight.predicted_total:
+        flight.generated = total
+        if total >= flight.predicted_total:
             self._predict(flight)
-        delta = rec.generated_tokens + rec.prompt_tokens - flight.kv
-        reserve = growth_reserve(self._outlook(flight), self.policy.kv.growth_horizon_steps)
+        delta = total + rec.prompt_tokens - flight.kv
+        outlook = SequenceOutlook(total, rec.max_new_tokens, flight.predicted_total)
+        reserve = growth_reserve(outlook, self.policy.kv.growth_horizon_steps)
         self.own_used += delta
         self.reserved += reserve - flight.reserve
         flight.kv += delta

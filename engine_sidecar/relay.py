@@ -27,6 +27,47 @@ import msgspec
 from controlplane.contract import EngineAPI, FinishReason
 
 _encode = msgspec.json.Encoder().encode
+_decode_any = msgspec.json.Decoder().decode
+
+
+# Typed views of an event: msgspec skips every field not declared, so the hot path never
+# builds the cumulative text and id lists a /generate event carries.
+class _Meta(msgspec.Struct):
+    completion_tokens: int = 0
+    prompt_tokens: int = 0
+    id: str = ""
+    finish_reason: dict[str, Any] | None = None
+
+
+class _GenerateEvent(msgspec.Struct):
+    meta_info: _Meta | None = None
+
+
+class _Delta(msgspec.Struct):
+    content: str | None = None
+
+
+class _Choice(msgspec.Struct):
+    delta: _Delta | None = None
+    text: str | None = None
+    finish_reason: str | None = None
+
+
+class _Usage(msgspec.Struct):
+    completion_tokens: int = 0
+
+
+class _OpenAIEvent(msgspec.Struct):
+    choices: list[_Choice] = []
+    usage: _Usage | None = None
+
+
+_generate_decode = msgspec.json.Decoder(_GenerateEvent).decode
+_openai_decode = msgspec.json.Decoder(_OpenAIEvent).decode
+
+
+class MalformedEventError(ValueError):
+    """The engine sent a stream event the sidecar cannot read."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,8 +94,8 @@ class StreamReader:
     prompt_tokens: int = 0  # the first segment's prompt, reported on resumed segments
     # Within the current segment.
     seg_tokens: int = 0
-    seg_ids: list[int] = field(default_factory=list)
-    seg_text: str = ""
+    _last_data: bytes = b""  # the latest cumulative /generate event
+    _seg_ids: list[int] = field(default_factory=list)  # incremental /generate only
     _seg_text_parts: list[str] = field(default_factory=list)
 
     @property
@@ -65,67 +106,70 @@ class StreamReader:
     def generated(self) -> int:
         return self.offset_tokens + self.seg_tokens
 
+    def _cumulative(self) -> tuple[list[int], str]:
+        """The current segment's ids and text from its latest /generate event."""
+        if not self._last_data:
+            return [], ""
+        body = _decode_any(self._last_data)
+        ids, text = body.get("output_ids"), body.get("text")
+        return (ids if isinstance(ids, list) else []), (text if isinstance(text, str) else "")
+
     def generated_ids(self) -> list[int]:
-        return self.prefix_ids + self.seg_ids
+        if self.api is not EngineAPI.GENERATE:
+            return []
+        ids = self._seg_ids if self.incremental_text else self._cumulative()[0]
+        return self.prefix_ids + ids
 
     def generated_text(self) -> str:
-        return self.prefix_text + self._text()
-
-    def _text(self) -> str:
-        if self._seg_text_parts:
-            self.seg_text += "".join(self._seg_text_parts)
-            self._seg_text_parts.clear()
-        return self.seg_text
+        if self.api is EngineAPI.GENERATE and not self.incremental_text:
+            return self.prefix_text + self._cumulative()[1]
+        return self.prefix_text + "".join(self._seg_text_parts)
 
     def next_segment(self) -> None:
         """The current segment ended (preempted): its output becomes the prefix."""
         self.prefix_text = self.generated_text()
         self.prefix_ids = self.generated_ids()
         self.offset_tokens = self.generated
-        self.seg_tokens, self.seg_ids, self.seg_text = 0, [], ""
+        self.seg_tokens, self._last_data = 0, b""
+        self._seg_ids, self._seg_text_parts = [], []
 
-    def read(self, raw: bytes, payload: dict[str, Any]) -> Step:
-        if self.api is EngineAPI.GENERATE:
-            return self._generate(raw, payload)
-        return self._openai(raw, payload)
+    def read(self, raw: bytes, data: bytes) -> Step:
+        """One event: `raw` is the SSE frame as received, `data` its JSON."""
+        try:
+            if self.api is EngineAPI.GENERATE:
+                return self._generate(raw, data)
+            return self._openai(raw, data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise MalformedEventError(f"unreadable engine event {data[:200]!r}: {exc}") from exc
 
-    def _generate(self, raw: bytes, payload: dict[str, Any]) -> Step:
-        meta = payload.get("meta_info")
-        if not isinstance(meta, dict):
+    def _generate(self, raw: bytes, data: bytes) -> Step:
+        meta = _generate_decode(data).meta_info
+        if meta is None:
             return Step(raw, self.generated, "")
-        tokens = meta.get("completion_tokens")
-        if isinstance(tokens, int) and tokens > self.seg_tokens:
-            self.seg_tokens = tokens
-        ids = payload.get("output_ids")
-        text = payload.get("text")
-        if isinstance(ids, list):
-            if self.incremental_text:
-                self.seg_ids.extend(ids)
-            else:
-                self.seg_ids = ids
-        if isinstance(text, str):
-            if self.incremental_text:
-                self._seg_text_parts.append(text)
-            else:
-                self.seg_text = text
+        if meta.completion_tokens > self.seg_tokens:
+            self.seg_tokens = meta.completion_tokens
         if not self.client_id:
-            self.client_id = str(meta.get("id") or "")
-        finish = meta.get("finish_reason")
-        kind = str(finish.get("type", "")) if isinstance(finish, dict) else ""
-        prompt = meta.get("prompt_tokens")
-        prompt_tokens = prompt if isinstance(prompt, int) and not self.resumed else 0
+            self.client_id = meta.id
+        if self.incremental_text:
+            body = _decode_any(data)
+            self._seg_ids.extend(body.get("output_ids") or ())
+            self._seg_text_parts.append(body.get("text") or "")
+        else:
+            self._last_data = data
+        finish = meta.finish_reason
+        kind = str(finish.get("type", "")) if finish else ""
         if not self.resumed or kind == "abort":
-            return Step(raw, self.generated, kind, prompt_tokens)
+            prompt = 0 if self.resumed else meta.prompt_tokens
+            return Step(raw, self.generated, kind, prompt)
         # Resumed: the client expects one cumulative stream.
-        out = dict(payload)
+        out = _decode_any(data)
         if not self.incremental_text:
-            if isinstance(text, str):
-                out["text"] = self.prefix_text + text
-            if isinstance(ids, list):
-                out["output_ids"] = self.prefix_ids + ids
-        new_meta = dict(meta)
+            out["text"] = self.prefix_text + str(out.get("text") or "")
+            if isinstance(out.get("output_ids"), list):
+                out["output_ids"] = self.prefix_ids + out["output_ids"]
+        new_meta = dict(out["meta_info"])
         new_meta["completion_tokens"] = self.generated
-        if kind == "length" and isinstance(finish, dict):
+        if kind == "length" and finish:
             new_meta["finish_reason"] = {**finish, "length": self.generated}
         if self.prompt_tokens:
             new_meta["prompt_tokens"] = self.prompt_tokens
@@ -134,39 +178,34 @@ class StreamReader:
         out["meta_info"] = new_meta
         return Step(b"data: " + _encode(out) + b"\n\n", self.generated, kind)
 
-    def _openai(self, raw: bytes, payload: dict[str, Any]) -> Step:
-        choices = payload.get("choices")
-        usage = payload.get("usage")
+    def _openai(self, raw: bytes, data: bytes) -> Step:
+        event = _openai_decode(data)
         finish = ""
         content = ""
-        if isinstance(choices, list) and choices and isinstance(choices[0], dict):
-            choice = choices[0]
+        if event.choices:
+            choice = event.choices[0]
             if self.api is EngineAPI.CHAT:
-                delta = choice.get("delta")
-                content = (delta.get("content") or "") if isinstance(delta, dict) else ""
+                content = (choice.delta.content or "") if choice.delta else ""
             else:
-                content = choice.get("text") or ""
-            finish = str(choice.get("finish_reason") or "")
-            if not isinstance(content, str):
-                content = ""
+                content = choice.text or ""
+            finish = choice.finish_reason or ""
         counted = False
-        if isinstance(usage, dict):
-            tokens = usage.get("completion_tokens")
-            if isinstance(tokens, int) and tokens >= self.seg_tokens:
-                self.seg_tokens, counted = tokens, True
+        usage = event.usage
+        if usage is not None and usage.completion_tokens >= self.seg_tokens:
+            self.seg_tokens, counted = usage.completion_tokens, True
         if content:
             self._seg_text_parts.append(content)
             if not counted:
                 self.seg_tokens += 1
-        if not choices and not self.client_usage:
+        if not event.choices and not self.client_usage:
             return Step(None, self.generated, finish)  # usage the sidecar asked for
         if not self.resumed:
             return Step(raw, self.generated, finish)
-        if not content and not finish and not isinstance(usage, dict):
+        if not content and not finish and usage is None:
             return Step(None, self.generated, "")  # the resumed segment's role chunk
-        if isinstance(usage, dict) and not choices:
-            out = dict(payload)
-            new_usage = dict(usage)
+        if usage is not None and not event.choices:
+            out = _decode_any(data)
+            new_usage = dict(out["usage"])
             new_usage["completion_tokens"] = self.generated
             if self.prompt_tokens:
                 new_usage["prompt_tokens"] = self.prompt_tokens

@@ -60,7 +60,7 @@ from engine_sidecar.intake import (
 from engine_sidecar.ledger import COMMITTED, Flight, Ledger, OverloadError
 from engine_sidecar.metrics import SidecarMetrics, length_bucket
 from engine_sidecar.policy import RequestRecord, RequestState, engine_priority, plan_relief
-from engine_sidecar.relay import StreamReader, finish_reason
+from engine_sidecar.relay import MalformedEventError, StreamReader, finish_reason
 
 log = logging.getLogger("weir.sidecar")
 _S = RequestState
@@ -350,9 +350,9 @@ class SidecarService:
         )
 
     def _note_tokens(self, flight: Flight, generated_here: int) -> None:
-        state = flight.record.state
-        if generated_here <= flight.record.generated_tokens:
+        if generated_here <= flight.generated:
             return
+        state = flight.state
         if state is _S.PREFILL_RUNNING:
             self.ledger.move(flight, _S.DECODE_READY)
             state = _S.DECODE_READY
@@ -402,9 +402,9 @@ class SidecarService:
                             )
                             await response.prepare(request)
                         async for event in stream.events():
-                            if event.payload is None:
+                            if event.done:
                                 break
-                            step = reader.read(event.raw, event.payload)
+                            step = reader.read(event.raw, event.data)
                             if step.prompt_tokens and segment == 0 and base == 0:
                                 self.ledger.set_prompt_tokens(flight, step.prompt_tokens)
                                 reader.prompt_tokens = step.prompt_tokens
@@ -416,7 +416,7 @@ class SidecarService:
                                 await response.write(step.forward)
                             if step.finish:
                                 finish = step.finish
-            except EngineError as exc:
+            except (EngineError, MalformedEventError) as exc:
                 log.warning("request %s lost its engine stream: %s", flight.rid, exc)
                 lost = True
             if not finish and not lost:
