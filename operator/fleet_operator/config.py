@@ -4,8 +4,8 @@ WEIR_IMAGE                  image for sidecars whose pool names none
 WEIR_REDIS_URL              the control plane the operator reads status from and drains
 WEIR_REDIS_SECRET           Secret holding the Redis URL that pods receive
 WEIR_REDIS_SECRET_KEY       key of that Secret (default: url)
-WEIR_STATUS_INTERVAL_S      seconds between status and scaling passes (default: 5)
-WEIR_DRAIN_POLL_S           seconds between checks of a drain in progress (default: 2)
+WEIR_STATUS_INTERVAL_S      seconds between status and scaling passes, which also advance
+                            a drain in progress (default: 5)
 """
 
 from __future__ import annotations
@@ -22,7 +22,12 @@ class OperatorConfig:
     redis_secret: str = "weir-redis"
     redis_secret_key: str = "url"
     status_interval_s: float = 5.0
-    drain_poll_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.status_interval_s <= 3600:
+            raise ValueError(
+                f"WEIR_STATUS_INTERVAL_S must lie in (0, 3600], got {self.status_interval_s}"
+            )
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> OperatorConfig:
@@ -33,5 +38,4 @@ class OperatorConfig:
             redis_secret=env.get("WEIR_REDIS_SECRET", base.redis_secret),
             redis_secret_key=env.get("WEIR_REDIS_SECRET_KEY", base.redis_secret_key),
             status_interval_s=float(env.get("WEIR_STATUS_INTERVAL_S", base.status_interval_s)),
-            drain_poll_s=float(env.get("WEIR_DRAIN_POLL_S", base.drain_poll_s)),
         )

@@ -31,7 +31,6 @@ from controlplane.contract import (
 GROUP = "inference.weir.dev"
 VERSION = "v1alpha1"
 PLURAL = "inferencepools"
-KIND = "InferencePool"
 
 # Kubernetes object names that are also valid control-plane pool names.
 _POOL_NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")

@@ -225,3 +225,11 @@ def test_package_exports() -> None:
     assert sorted(fleet_operator.__all__) == fleet_operator.__all__
     for name in fleet_operator.__all__:
         assert getattr(fleet_operator, name) is not None, name
+
+
+def test_operator_settings_from_the_environment() -> None:
+    config = OperatorConfig.from_env({"WEIR_IMAGE": "w:1", "WEIR_STATUS_INTERVAL_S": "2.5"})
+    assert (config.image, config.status_interval_s) == ("w:1", 2.5)
+    assert config.redis_secret == "weir-redis"
+    with pytest.raises(ValueError, match="WEIR_STATUS_INTERVAL_S"):
+        OperatorConfig.from_env({"WEIR_STATUS_INTERVAL_S": "0"})
