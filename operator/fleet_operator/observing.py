@@ -60,7 +60,7 @@ async def observe(
         pool = parse_pool(name, namespace, spec)
     except InvalidPoolError as exc:
         seen = Observed(generation=generation, invalid=str(exc))
-        patch.status.update(build_status(seen, previous, now_iso()))
+        patch.status.update(merge_patch(build_status(seen, previous, now_iso()), status))
         return
     live = await read_deployment(api, pool)
     if live is None and status.get("observedGeneration") is not None:
