@@ -11,6 +11,7 @@ growth and queue even when it holds the whole prefix.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from controlplane.contract import Role
@@ -37,49 +38,72 @@ class CostModel:
     ttft_slo_s: float = 2.0
     load_penalty_s: float = 0.1
 
-    def uncached_prefill_s(self, request: RouteRequest, cached_tokens: int) -> float:
-        return max(0, request.prompt_tokens - cached_tokens) / self.prefill_tokens_per_s
+    # Each term is computed for all candidates in one call: a decision is a few dozen
+    # of these, and per-candidate method calls would cost more than the arithmetic.
 
-    def queue_s(self, view: EndpointView, ctx: RoutingContext) -> float:
-        s = view.state
-        queued = s.queued_requests + ctx.inflight.get(view.endpoint_id, 0)
-        return s.waiting_prefill_tokens / self.prefill_tokens_per_s + queued * self.queued_request_s
+    def uncached_prefill_s(
+        self, request: RouteRequest, cached_tokens: Sequence[int]
+    ) -> list[float]:
+        """Prefill time of the prompt tokens each candidate does not hold."""
+        prompt, rate = request.prompt_tokens, self.prefill_tokens_per_s
+        return [max(0, prompt - cached) / rate for cached in cached_tokens]
 
-    def transfer_s(self, request: RouteRequest, view: EndpointView) -> float:
+    def queue_s(self, views: Sequence[EndpointView], ctx: RoutingContext) -> list[float]:
+        """Waiting prefill tokens plus queued requests, counting what this router sent
+        since each endpoint's last heartbeat."""
+        inflight, rate, per_request = ctx.inflight, self.prefill_tokens_per_s, self.queued_request_s
+        return [
+            v.state.waiting_prefill_tokens / rate
+            + (v.state.queued_requests + inflight.get(v.endpoint_id, 0)) * per_request
+            for v in views
+        ]
+
+    def transfer_s(self, request: RouteRequest, views: Sequence[EndpointView]) -> list[float]:
         """A prefill endpoint ships the prompt's KV to a decode endpoint afterwards."""
-        if view.state.role is not Role.PREFILL:
-            return 0.0
-        return request.prompt_tokens * self.kv_bytes_per_token / self.transfer_bytes_per_s
+        shipped = request.prompt_tokens * self.kv_bytes_per_token / self.transfer_bytes_per_s
+        return [shipped if v.state.role is Role.PREFILL else 0.0 for v in views]
 
-    def committed_after(self, request: RouteRequest, view: EndpointView) -> float:
-        """Fraction of the endpoint's KV committed if it admits this request: used, the
+    def committed_after(self, request: RouteRequest, views: Sequence[EndpointView]) -> list[float]:
+        """Fraction of each endpoint's KV committed if it admits this request: used, the
         reserved growth of what runs there, this prompt and its expected output."""
-        s = view.state
-        if s.kv_capacity_tokens <= 0:
-            return 1.0
         own = request.prompt_tokens + request.max_new_tokens * self.expected_output_fraction
-        return (view.kv_committed_tokens + own) / s.kv_capacity_tokens
+        return [
+            (v.kv_committed_tokens + own) / v.state.kv_capacity_tokens
+            if v.state.kv_capacity_tokens > 0
+            else 1.0
+            for v in views
+        ]
 
-    def future_kv_s(self, request: RouteRequest, view: EndpointView) -> float:
-        committed = self.committed_after(request, view)
-        if committed >= 1.0:
-            return self.kv_penalty_s * 1e3
-        return self.kv_penalty_s * committed * committed / (1.0 - committed)
+    def future_kv_s(self, request: RouteRequest, views: Sequence[EndpointView]) -> list[float]:
+        penalty = self.kv_penalty_s
+        return [
+            penalty * c * c / (1.0 - c) if c < 1.0 else penalty * 1e3
+            for c in self.committed_after(request, views)
+        ]
 
     def slo_risk_s(
-        self, request: RouteRequest, view: EndpointView, queue_s: float, prefill_s: float
-    ) -> float:
+        self, request: RouteRequest, views: Sequence[EndpointView], queue_s: Sequence[float]
+    ) -> list[float]:
         """Seconds by which the request is expected to miss its TTFT objective or its
-        deadline on this endpoint (0 when it is expected to make both)."""
-        s = view.state
-        first_token = queue_s + prefill_s + s.predicted_ttft_s
-        risk = max(0.0, first_token - self.ttft_slo_s)
-        if request.deadline_s > 0:
-            finish = first_token + request.max_new_tokens * s.predicted_tpot_s
-            risk += max(0.0, finish - request.deadline_s)
-        return risk
+        deadline on each endpoint (0 when it is expected to make both), given each one's
+        queue."""
+        prefill = request.prompt_tokens / self.prefill_tokens_per_s
+        slo, deadline, tokens = self.ttft_slo_s, request.deadline_s, request.max_new_tokens
+        risks = []
+        for v, queued in zip(views, queue_s, strict=True):
+            first_token = queued + prefill + v.state.predicted_ttft_s
+            risk = max(0.0, first_token - slo)
+            if deadline > 0:
+                risk += max(0.0, first_token + tokens * v.state.predicted_tpot_s - deadline)
+            risks.append(risk)
+        return risks
 
-    def load_penalty(self, view: EndpointView, ctx: RoutingContext, mean_load: float) -> float:
-        """Grows with how far the endpoint's load is above the pool's mean."""
-        load = view.reported_load + ctx.inflight.get(view.endpoint_id, 0)
-        return self.load_penalty_s * max(0.0, load - mean_load) / (mean_load + 1.0)
+    def load_penalty(
+        self, views: Sequence[EndpointView], ctx: RoutingContext, mean_load: float
+    ) -> list[float]:
+        """Grows with how far each endpoint's load is above the pool's mean."""
+        inflight, scale = ctx.inflight, self.load_penalty_s / (mean_load + 1.0)
+        return [
+            scale * max(0.0, v.reported_load + inflight.get(v.endpoint_id, 0) - mean_load)
+            for v in views
+        ]

@@ -45,23 +45,24 @@ class PrefixAffinity:
             raise ValueError("prefix-affinity: block_tokens must be > 0, owner_blocks >= 0")
 
     def score(self, cycle: Cycle, candidates: Sequence[EndpointView]) -> list[float]:
-        request, ctx, holders = cycle.request, cycle.ctx, cycle.holders
+        request, holders = cycle.request, cycle.holders
         owner_tokens = self.owner_blocks * self.block_tokens
         primary, secondary = request.primary_owner, request.secondary_owner
-        cost, half, block, max_wait = self.cost, self.half_at_s, self.block_tokens, self.max_wait_s
-        queue_s, prefill_s = cost.queue_s, cost.uncached_prefill_s
-        scores = []
+        block, max_wait = self.block_tokens, self.max_wait_s
+        cached = []
         for view in candidates:
             endpoint_id = view.endpoint_id
-            cached = holders.get(endpoint_id, 0) * block
+            tokens = holders.get(endpoint_id, 0) * block
             if endpoint_id == primary:
-                cached = max(cached, owner_tokens)
+                tokens = max(tokens, owner_tokens)
             elif endpoint_id == secondary:
-                cached = max(cached, owner_tokens // 2)
-            if cached and queue_s(view, ctx) > max_wait:
-                cached = 0
-            scores.append(half / (half + prefill_s(request, cached)))
-        return scores
+                tokens = max(tokens, owner_tokens // 2)
+            cached.append(tokens)
+        if any(cached):  # a long queue voids cache credit: affinity never waits past it
+            queue = self.cost.queue_s(candidates, cycle.ctx)
+            cached = [0 if q > max_wait else c for c, q in zip(cached, queue, strict=True)]
+        half = self.half_at_s
+        return [half / (half + c) for c in self.cost.uncached_prefill_s(request, cached)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,8 +79,7 @@ class QueueScorer:
 
     def score(self, cycle: Cycle, candidates: Sequence[EndpointView]) -> list[float]:
         ctx, cost, half = cycle.ctx, self.cost, self.half_at_s
-        queue_s = cost.queue_s
-        return [half / (half + queue_s(view, ctx)) for view in candidates]
+        return [half / (half + c) for c in cost.queue_s(candidates, ctx)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,8 +96,7 @@ class KVPressureScorer:
 
     def score(self, cycle: Cycle, candidates: Sequence[EndpointView]) -> list[float]:
         request, cost, half = cycle.request, self.cost, self.half_at_s
-        future_kv_s = cost.future_kv_s
-        return [half / (half + future_kv_s(request, view)) for view in candidates]
+        return [half / (half + c) for c in cost.future_kv_s(request, candidates)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,12 +113,8 @@ class SLORiskScorer:
 
     def score(self, cycle: Cycle, candidates: Sequence[EndpointView]) -> list[float]:
         request, ctx, cost, half = cycle.request, cycle.ctx, self.cost, self.half_at_s
-        prefill = cost.uncached_prefill_s(request, 0)
-        queue_s, risk_s = cost.queue_s, cost.slo_risk_s
-        return [
-            half / (half + risk_s(request, view, queue_s(view, ctx), prefill))
-            for view in candidates
-        ]
+        risks = cost.slo_risk_s(request, candidates, cost.queue_s(candidates, ctx))
+        return [half / (half + c) for c in risks]
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,8 +130,7 @@ class LoadScorer:
 
     def score(self, cycle: Cycle, candidates: Sequence[EndpointView]) -> list[float]:
         ctx, mean, cost, half = cycle.ctx, cycle.mean_load, self.cost, self.half_at_s
-        penalty = cost.load_penalty
-        return [half / (half + penalty(view, ctx, mean)) for view in candidates]
+        return [half / (half + c) for c in cost.load_penalty(candidates, ctx, mean)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,5 +148,4 @@ class TransferScorer:
         request, cost, half = cycle.request, self.cost, self.half_at_s
         if request.role is not Role.PREFILL:  # only a prefill ships KV afterwards
             return [1.0] * len(candidates)
-        transfer_s = cost.transfer_s
-        return [half / (half + transfer_s(request, view)) for view in candidates]
+        return [half / (half + c) for c in cost.transfer_s(request, candidates)]
