@@ -275,6 +275,11 @@ async def test_when_every_endpoint_is_critical_requests_queue_then_flow_or_time_
             ) as reply:
                 assert reply.status == 504
                 assert (await reply.json())["error"]["reason"] == "deadline"
+            # A client that leaves while queued leaves the queue at once.
+            leaving = asyncio.create_task(_complete(session, fleet.url, "never mind"))
+            await until(lambda: len(gateway.queue) == 1, "the request to queue")
+            leaving.cancel()
+            await until(lambda: len(gateway.queue) == 0, "the queue to drop it")
             # One endpoint recovers while a request waits: it is served there.
             waiting = asyncio.create_task(_complete(session, fleet.url, "served after all"))
             await until(lambda: len(gateway.queue) == 1, "the request to queue")

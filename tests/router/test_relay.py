@@ -1,0 +1,76 @@
+"""The relay's SSE handling: events survive any chunking, and a resumed stream's events
+continue the first one's text, ids and counts."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from controlplane.contract import EngineAPI
+from controlplane.gateway.relay import Received, Splicer, split_events
+
+EVENTS = [
+    b'data: {"text": "a"}\n\n',
+    b"event: weir.preempted\ndata: {}\n\n",
+    b'data: {"text": "ab\\n"}\n\n',
+    b"data: [DONE]\n\n",
+]
+
+
+@given(st.lists(st.integers(min_value=1, max_value=len(b"".join(EVENTS)) - 1), max_size=12))
+def test_events_are_the_same_however_the_stream_is_cut(cuts: list[int]) -> None:
+    stream = b"".join(EVENTS)
+    bounds = [0, *sorted(set(cuts)), len(stream)]
+    buffer = bytearray()
+    seen = []
+    for start, end in itertools.pairwise(bounds):
+        buffer += stream[start:end]
+        seen.extend(split_events(buffer))
+    assert [e.raw for e in seen] == EVENTS
+    assert [e.event for e in seen] == [b"", b"weir.preempted", b"", b""]
+    assert seen[-1].data == b"[DONE]"
+    assert not buffer
+
+
+def test_a_resumed_generate_stream_continues_cumulative_fields() -> None:
+    received = Received(EngineAPI.GENERATE)
+    splicer = Splicer(received)
+    first = {"text": "abc", "output_ids": [97, 98, 99],
+             "meta_info": {"id": "rid-1", "prompt_tokens": 5, "completion_tokens": 3}}  # fmt: skip
+    assert splicer.take(json.dumps(first).encode()) is None  # forwarded untouched
+    splicer.resumed()
+    second = {"text": "d", "output_ids": [100],
+              "meta_info": {"id": "rid-2", "prompt_tokens": 8, "completion_tokens": 1,
+                            "finish_reason": {"type": "length", "length": 4}}}  # fmt: skip
+    rewritten = json.loads(splicer.take(json.dumps(second).encode()) or b"")
+    assert rewritten["text"] == "abcd"
+    assert rewritten["output_ids"] == [97, 98, 99, 100]
+    assert rewritten["meta_info"] == {
+        "id": "rid-1", "prompt_tokens": 5, "completion_tokens": 4,
+        "finish_reason": {"type": "length", "length": 4},
+    }  # fmt: skip
+    assert (received.text, received.tokens, received.finish_reason) == ("abcd", 4, "length")
+
+
+def test_a_resumed_chat_stream_keeps_its_id_and_announces_the_role_once() -> None:
+    received = Received(EngineAPI.CHAT, prompt_tokens=12)  # the gateway's estimate
+    splicer = Splicer(received)
+    for piece in ("He", "llo"):
+        chunk = {"id": "chat-1", "choices": [{"index": 0, "delta": {"content": piece}}]}
+        assert splicer.take(json.dumps(chunk).encode()) is None
+    splicer.resumed()
+    role = {
+        "id": "chat-2",
+        "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}],
+    }
+    assert json.loads(splicer.take(json.dumps(role).encode()) or b"") == {
+        "id": "chat-1", "choices": [{"index": 0, "delta": {"content": ""}}],
+    }  # fmt: skip
+    usage = {"id": "chat-2", "choices": [],
+             "usage": {"prompt_tokens": 20, "completion_tokens": 2, "total_tokens": 22}}  # fmt: skip
+    assert json.loads(splicer.take(json.dumps(usage).encode()) or b"")["usage"] == {
+        "prompt_tokens": 12, "completion_tokens": 7, "total_tokens": 19,
+    }  # fmt: skip
