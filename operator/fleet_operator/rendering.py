@@ -9,6 +9,7 @@ No I/O and no clock: the same pool always renders the same children, which is wh
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from typing import Any
 
 from kubernetes_asyncio.client import (
@@ -178,13 +179,18 @@ def drain_command(pool: Pool) -> list[str]:
     ]
 
 
-def _engine_resources(pool: Pool) -> V1ResourceRequirements:
-    resources = pool.spec.engine.resources
-    limits = dict(resources.get("limits") or {})
-    requests = dict(resources.get("requests") or {})
-    if GPU not in limits and GPU not in requests:
-        limits[GPU] = str(pool.spec.engine.tensor_parallel)
-    return V1ResourceRequirements(limits=limits, requests=requests or None)
+def _quantities(resources: Mapping[str, Any], key: str) -> dict[str, str]:
+    # Quantities as strings, as the API server returns them: `4` and `"4"` must not look
+    # like a change on every pass.
+    return {name: str(value) for name, value in (resources.get(key) or {}).items()}
+
+
+def _resources(resources: Mapping[str, Any], gpus: int = 0) -> V1ResourceRequirements:
+    limits = _quantities(resources, "limits")
+    requests = _quantities(resources, "requests")
+    if gpus and GPU not in limits and GPU not in requests:
+        limits[GPU] = str(gpus)
+    return V1ResourceRequirements(limits=limits or None, requests=requests or None)
 
 
 def _field_env(name: str, path: str) -> V1EnvVar:
@@ -205,7 +211,7 @@ def render_deployment(pool: Pool, replicas: int, config: OperatorConfig) -> dict
         command=["python3", "-m", "sglang.launch_server"],
         args=engine_args(pool),
         env=[V1EnvVar(name=e.name, value=e.value) for e in spec.engine.env] or None,
-        resources=_engine_resources(pool),
+        resources=_resources(spec.engine.resources, gpus=spec.engine.tensor_parallel),
         volume_mounts=[V1VolumeMount(name="dshm", mount_path="/dev/shm")],
     )
     sidecar = V1Container(
@@ -226,10 +232,7 @@ def render_deployment(pool: Pool, replicas: int, config: OperatorConfig) -> dict
             _field_env("POD_NAME", "metadata.name"),
             _field_env("POD_IP", "status.podIP"),
         ],
-        resources=V1ResourceRequirements(
-            limits=spec.sidecar.resources.get("limits"),
-            requests=spec.sidecar.resources.get("requests"),
-        ),
+        resources=_resources(spec.sidecar.resources),
         volume_mounts=[V1VolumeMount(name="policy", mount_path=POLICY_DIR, read_only=True)],
         # /health answers 200 while the sidecar serves and 503 once it drains, which takes
         # the pod out of the headless Service; weights can take long to load, hence the

@@ -172,6 +172,11 @@ def _check(spec: PoolSpec) -> None:
         problems.append("only a prefill pool names a decode pool")
     if spec.kv.page_size < 1:
         problems.append("kv.pageSize must be at least 1")
+    for where, resources in (
+        ("engine.resources", spec.engine.resources),
+        ("sidecar.resources", spec.sidecar.resources),
+    ):
+        problems += _resource_problems(where, resources)
     names = [t.name for t in spec.tenants]
     if len(set(names)) != len(names):
         problems.append("tenant names must be unique")
@@ -181,3 +186,20 @@ def _check(spec: PoolSpec) -> None:
         problems.append("tenants' reservedFraction must sum to at most 1")
     if problems:
         raise InvalidPoolError("; ".join(problems))
+
+
+def _resource_problems(where: str, resources: Mapping[str, Any]) -> list[str]:
+    """`resources` is free-form in the CRD; accept only limits/requests of quantities."""
+    problems = []
+    for key, quantities in resources.items():
+        if key not in ("limits", "requests"):
+            problems.append(f"{where}.{key}: only limits and requests are allowed")
+        elif not isinstance(quantities, Mapping) or not all(
+            isinstance(k, str)
+            and isinstance(v, str | int | float)
+            and not isinstance(v, bool)
+            and str(v).strip()
+            for k, v in quantities.items()
+        ):
+            problems.append(f"{where}.{key} must map resource names to quantities")
+    return problems

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+import json
+from pathlib import Path
+from typing import Any, cast
 
 import pytest
 
@@ -36,6 +38,7 @@ from fleet_operator.scaling import (
 from fleet_operator.spec import InvalidPoolError, ReplicaSpec, parse_pool
 from fleet_operator.status import DeploymentView, Observed, build_status
 
+EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml"))
 SPEC: dict[str, Any] = {
     "model": {"name": "m", "source": "org/m", "servedName": "m-chat", "contextLength": 4096},
     "engine": {"tensorParallel": 4, "memFractionStatic": 0.8, "extraArgs": ["--foo", "1"]},
@@ -233,3 +236,48 @@ def test_operator_settings_from_the_environment() -> None:
     assert config.redis_secret == "weir-redis"
     with pytest.raises(ValueError, match="WEIR_STATUS_INTERVAL_S"):
         OperatorConfig.from_env({"WEIR_STATUS_INTERVAL_S": "0"})
+
+
+@pytest.mark.parametrize(
+    "resources",
+    [
+        {"limit": {"cpu": "1"}},
+        {"limits": "8 GPUs"},
+        {"limits": {"cpu": True}},
+        {"limits": {"cpu": ""}},
+    ],
+)
+def test_free_form_resources_are_checked(resources: dict[str, Any]) -> None:
+    with pytest.raises(InvalidPoolError, match=r"engine\.resources"):
+        parse_pool("m", "ns", {"model": {"name": "m"}, "engine": {"resources": resources}})
+
+
+async def test_children_of_every_example_round_trip_through_the_api_models() -> None:
+    """What the operator renders is exactly what the official client models describe."""
+    import yaml
+    from kubernetes_asyncio import client
+
+    models = {
+        "Deployment": client.V1Deployment,
+        "Service": client.V1Service,
+        "ConfigMap": client.V1ConfigMap,
+        "PodDisruptionBudget": client.V1PodDisruptionBudget,
+    }
+
+    class Response:
+        def __init__(self, doc: dict[str, Any]) -> None:
+            self.data = json.dumps(doc)
+
+    api = client.ApiClient()
+    try:
+        for path in EXAMPLES:
+            for doc in yaml.safe_load_all(path.read_text()):
+                pool = parse_pool(doc["metadata"]["name"], "ns", doc["spec"])
+                for child in render_children(pool, 2, OperatorConfig(), monitoring=False):
+                    model = models[child["kind"]]
+                    back = api.sanitize_for_serialization(
+                        api.deserialize(cast(Any, Response(child)), model)
+                    )
+                    assert back == child, (path.name, child["kind"])
+    finally:
+        await api.close()
