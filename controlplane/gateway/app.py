@@ -254,6 +254,9 @@ class Gateway:
         if not self.queue.waiting_at_or_above(route.priority):
             decision = self.decide(route, snapshot, now)
             if decision.endpoint_id:
+                # Served at once, still served: the virtual token counter counts all
+                # service, so a heavy tenant does not enter a saturated period as new.
+                self.queue.charge(route.tenant, _fair_cost(route))
                 return decision
             if decision.refusal not in SATURATION:
                 raise unavailable(
@@ -265,12 +268,11 @@ class Gateway:
 
     async def _wait_in_queue(self, route: RouteRequest, now: float) -> Decision:
         future: asyncio.Future[Decision] = asyncio.get_running_loop().create_future()
-        # Fair-share cost: the prompt plus the expected half of the output limit.
-        cost = route.prompt_tokens + route.max_new_tokens / 2
         try:
             self.queue.offer(
-                route.request_id, route.tenant, route.priority, cost, now, (route, future)
-            )
+                route.request_id, route.tenant, route.priority, _fair_cost(route), now,
+                (route, future),
+            )  # fmt: skip
         except QueueFullError as exc:
             raise overload(
                 "queue_full", "every endpoint is saturated and the queue is full",
@@ -640,6 +642,7 @@ class Gateway:
         now = self.clock()
         out = ex.received.tokens
         buckets = (length_bucket(ex.client.prompt_tokens), length_bucket(out))
+        self.queue.charge(tenant, out - ex.route.max_new_tokens / 2)  # estimate -> actual
         m.requests.labels(pool, tenant, ex.finish).inc()
         m.tokens.labels(pool, tenant, "input").inc(ex.client.prompt_tokens)
         m.tokens.labels(pool, tenant, "output").inc(out)
@@ -735,6 +738,12 @@ class Gateway:
                 "endpoints": endpoints,
             }
         )
+
+
+def _fair_cost(route: RouteRequest) -> float:
+    """A request's service estimate for the fair queue: its prompt plus half its output
+    limit (corrected by the tokens it really generated when it ends)."""
+    return route.prompt_tokens + route.max_new_tokens / 2
 
 
 async def _write(response: web.StreamResponse, data: bytes) -> None:
