@@ -97,6 +97,7 @@ class StreamReader:
     _last_data: bytes = b""  # the latest cumulative /generate event
     _seg_ids: list[int] = field(default_factory=list)  # incremental /generate only
     _seg_text_parts: list[str] = field(default_factory=list)
+    _undo: tuple[int, bool] = (0, False)  # (tokens before, text appended) of the last event
 
     @property
     def resumed(self) -> bool:
@@ -132,6 +133,18 @@ class StreamReader:
         self.offset_tokens = self.generated
         self.seg_tokens, self._last_data = 0, b""
         self._seg_ids, self._seg_text_parts = [], []
+
+    def forget_last(self) -> None:
+        """The last event will not reach the client (the abort that ends a preempted
+        segment): its output must not count, or a delta stream would lose it. A
+        cumulative /generate stream carries it into the next segment anyway."""
+        if self.api is EngineAPI.GENERATE:
+            return
+        tokens, appended = self._undo
+        self.seg_tokens = tokens
+        if appended:
+            self._seg_text_parts.pop()
+        self._undo = (tokens, False)
 
     def read(self, raw: bytes, data: bytes) -> Step:
         """One event: `raw` is the SSE frame as received, `data` its JSON."""
@@ -191,6 +204,7 @@ class StreamReader:
             finish = choice.finish_reason or ""
         counted = False
         usage = event.usage
+        self._undo = (self.seg_tokens, bool(content))
         if usage is not None and usage.completion_tokens >= self.seg_tokens:
             self.seg_tokens, counted = usage.completion_tokens, True
         if content:

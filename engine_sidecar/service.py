@@ -408,10 +408,12 @@ class SidecarService:
                             if step.prompt_tokens and segment == 0 and base == 0:
                                 self.ledger.set_prompt_tokens(flight, step.prompt_tokens)
                                 reader.prompt_tokens = step.prompt_tokens
-                            self._note_tokens(flight, step.generated - base)
                             if step.finish == "abort" and flight.preempt_mode:
+                                reader.forget_last()
+                                self._note_tokens(flight, reader.generated - base)
                                 finish = "abort"
                                 break
+                            self._note_tokens(flight, step.generated - base)
                             if step.forward is not None:
                                 await response.write(step.forward)
                             if step.finish:
@@ -421,7 +423,15 @@ class SidecarService:
                 lost = True
             if not finish and not lost:
                 lost = True  # the stream ended without a finish: the engine went away
-            assert response is not None
+            if response is None:
+                # Nothing reached the client yet: let the router try elsewhere.
+                self._end(flight, _S.ABORTED, FinishReason.ERROR, "engine_unavailable")
+                return web.Response(
+                    status=503,
+                    body=error_body("engine_unavailable", "the engine did not answer"),
+                    content_type="application/json",
+                    headers={"Retry-After": "1"},
+                )
             mode = flight.preempt_mode
             if finish and not (finish == "abort" and mode):
                 await response.write(DONE)
