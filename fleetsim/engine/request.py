@@ -13,7 +13,7 @@ import enum
 from dataclasses import dataclass, field
 
 from fleetsim.engine.kv_cache import CacheNode
-from fleetsim.engine.tokens import EOS_ID, decode
+from fleetsim.engine.tokens import decode
 
 
 class Phase(enum.Enum):
@@ -51,10 +51,6 @@ class Finish:
         return self.kind
 
 
-def stopped_by_eos() -> Finish:
-    return Finish("stop", matched=EOS_ID)
-
-
 def aborted(message: str = "Aborted", status_code: int | None = None) -> Finish:
     return Finish("abort", message=message, status_code=status_code)
 
@@ -76,7 +72,6 @@ class EngineRequest:
     phase: Phase = Phase.WAITING
     computed: int = 0
     cached_tokens: int = 0
-    matched_tokens: int = 0
     nodes: list[CacheNode] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)
     hash_state: int = 0

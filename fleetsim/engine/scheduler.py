@@ -112,7 +112,7 @@ class EngineModel:
             config.chunked_prefill_size if config.chunked_prefill_size > 0 else math.inf
         )
         self.time_budget = config.prefill_time_budget_s
-        # cumulative counters (metrics are derived from these)
+        # cumulative counters, for readers of the model (simulator reports, tests)
         self.steps = 0
         self.decode_steps = 0
         self.prompt_tokens_total = 0
@@ -417,13 +417,13 @@ class EngineModel:
             evictable_hit = sum(1 for n in nodes if n.refs == 0) * ps
             available = kv.available_pages * ps - evictable_hit
             if uncached + clipped > available - reserved and (running or uncached > available):
-                # Nothing running: admit the head if its history fits at all, or it would
-                # block the queue forever.
+                # With nothing running the head is admitted if its history fits at all (it
+                # always does: validation and decode keep histories within the pool), or
+                # it would block the queue forever.
                 break
             kv.lock(nodes)
             req.nodes = nodes
             req.computed = matched
-            req.matched_tokens = matched
             req.cached_tokens += matched
             self.cached_tokens_total += matched if not req.output_ids else 0
             req.phase = Phase.PREFILL

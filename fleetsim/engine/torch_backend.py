@@ -124,8 +124,10 @@ class TorchBackend:
         self.page_size = config.page_size
         pages = config.total_tokens // config.page_size
         shape = (layers, pages, config.page_size, heads, dim // heads)
-        self.k = torch.zeros(shape)
-        self.v = torch.zeros(shape)
+        # Uninitialised: attention only ever reads positions a prefill or decode wrote, so
+        # a large pool costs address space, not memory.
+        self.k = torch.empty(shape)
+        self.v = torch.empty(shape)
 
     def _slots(self, req: EngineRequest, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         table = torch.tensor(req.page_table(), dtype=torch.long)
