@@ -47,6 +47,9 @@ class EngineConfig:
     min_new_token_ratio_factor: float = 0.14
     new_token_ratio_decay_steps: int = 600
     decode_log_interval: int = 40
+    # SGLang's --incremental-streaming-output: /generate stream chunks carry only new
+    # text and ids instead of everything so far.
+    incremental_streaming_output: bool = False
     enable_metrics: bool = True
     timing: TimingModel = field(default_factory=TimingModel)
     speed_factor: float = 1.0

@@ -18,7 +18,6 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from fleetsim.engine import EngineConfig, EngineModel, EngineRequest, RequestError
-from fleetsim.engine.tokens import decode
 from fleetsim.server.driver import EngineDriver, Stream
 from fleetsim.server.metrics import EngineMetrics
 from fleetsim.server.protocol import (
@@ -193,16 +192,24 @@ class EngineServer:
             meta["e2e_latency"] = max(0.0, req.finished_at - req.arrival)
         return meta
 
+    def _native_body(self, req: EngineRequest) -> dict[str, object]:
+        return {
+            "text": req.output_text(),
+            "output_ids": list(req.output_ids),
+            "meta_info": self._meta(req),
+        }
+
     def _native_chunk(self, stream: Stream, last: bool) -> list[object]:
+        """Cumulative text and ids, or only the new ones with SGLang's
+        --incremental-streaming-output."""
         req = stream.req
-        stream.sent = len(req.output_ids)
-        return [
-            {
-                "text": req.output_text(),
-                "output_ids": list(req.output_ids),
-                "meta_info": self._meta(req),
-            }
-        ]
+        if not self.config.incremental_streaming_output:
+            stream.sent = len(req.output_ids)
+            return [self._native_body(req)]
+        ids, text = stream.delta(last)
+        if not (ids or text or last):
+            return []
+        return [{"text": text, "output_ids": ids, "meta_info": self._meta(req)}]
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         accepted = await self._accept(request, parse_generate, _native_error)
@@ -212,7 +219,7 @@ class EngineServer:
         if spec.stream:
             return await self._stream(request, stream, self._native_chunk)
         await self._complete(stream)
-        return _json(self._native_chunk(stream, True)[0])
+        return _json(self._native_body(stream.req))
 
     # -- OpenAI ------------------------------------------------------------------------
     @staticmethod
@@ -236,13 +243,12 @@ class EngineServer:
     ) -> Callable[[Stream, bool], list[object]]:
         created = int(time.time())
         model = spec.model or self.config.model
-        sent_text = 0
         role_sent = False
         chat = kind == "chat"
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         def chunks(stream: Stream, last: bool) -> list[object]:
-            nonlocal sent_text, role_sent
+            nonlocal role_sent
             req = stream.req
             out: list[object] = []
             base = {"id": req.rid, "object": obj, "created": created, "model": model}
@@ -257,16 +263,7 @@ class EngineServer:
                         ],
                     }
                 )
-            if last:  # the final text is cut before a matched stop string
-                delta = req.output_text()[sent_text:]
-                stream.sent = len(req.output_ids)
-            else:
-                # Generated tokens are ASCII bytes (ids and characters match 1:1); hold
-                # back what could still turn out to be the start of a stop string.
-                upto = max(stream.sent, len(req.output_ids) - max(0, req.stop_window - 1))
-                delta = decode(req.output_ids[stream.sent : upto])
-                stream.sent = upto
-            sent_text += len(delta)
+            _, delta = stream.delta(last)
             reason, matched = self._finish_reason(req)
             if delta or last:
                 choice: dict[str, object] = {"index": 0, "logprobs": None, "finish_reason": reason}
@@ -388,6 +385,7 @@ class EngineServer:
             "enable_mixed_chunk": cfg.enable_mixed_chunk,
             "enable_metrics": cfg.enable_metrics,
             "decode_log_interval": cfg.decode_log_interval,
+            "incremental_streaming_output": cfg.incremental_streaming_output,
             "tp_size": 1,
             "dp_size": 1,
         }

@@ -13,7 +13,7 @@ import contextlib
 import logging
 from collections.abc import Iterable
 
-from fleetsim.engine import EngineModel, EngineRequest, StepResult
+from fleetsim.engine import EngineModel, EngineRequest, StepResult, decode
 from fleetsim.server.metrics import EngineMetrics
 
 log = logging.getLogger(__name__)
@@ -22,13 +22,31 @@ log = logging.getLogger(__name__)
 class Stream:
     """A handler's view of one request: woken whenever it got tokens or finished."""
 
-    __slots__ = ("event", "last_emit", "req", "sent")
+    __slots__ = ("event", "last_emit", "req", "sent", "sent_text")
 
     def __init__(self, req: EngineRequest) -> None:
         self.req = req
         self.event = asyncio.Event()
         self.sent = 0  # output tokens already written to the client
+        self.sent_text = 0  # characters of output text already written
         self.last_emit = -1.0
+
+    def delta(self, last: bool) -> tuple[list[int], str]:
+        """The ids and text not yet written, marked as written. Generated tokens are ASCII
+        bytes (ids and characters match 1:1), so text is decoded from the new ids only;
+        until the end, what could still become a stop string is held back, and the final
+        text stops before a matched one."""
+        req = self.req
+        if last:
+            upto = len(req.output_ids)
+            text = req.output_text()[self.sent_text :]
+        else:
+            upto = max(self.sent, len(req.output_ids) - max(0, req.stop_window - 1))
+            text = decode(req.output_ids[self.sent : upto])
+        ids = req.output_ids[self.sent : upto]
+        self.sent = upto
+        self.sent_text += len(text)
+        return ids, text
 
     async def wait(self) -> None:
         await self.event.wait()

@@ -258,3 +258,18 @@ async def test_scheduler_gauges_refresh_on_sglang_cadence() -> None:
     )
     assert used == 4  # the prompt's KV, as of the prefill iteration
     assert loads["loads"][0]["num_used_tokens"] > 50
+
+
+async def test_incremental_streaming_output_sends_only_new_text() -> None:
+    config = small_config(incremental_streaming_output=True)
+    async with serve_engine(config) as eng, aiohttp.ClientSession() as http:
+        _, whole = await post(http, f"{eng.url}/generate", gen("inc", 60))
+        events = []
+        async with http.post(f"{eng.url}/generate", json=gen("inc", 60, stream=True)) as resp:
+            async for line in resp.content:
+                if line.startswith(b"data: {"):
+                    events.append(json.loads(line[6:]))
+    assert len(events) > 1
+    assert "".join(e["text"] for e in events) == whole["text"]
+    assert [t for e in events for t in e["output_ids"]] == whole["output_ids"]
+    assert events[-1]["meta_info"]["completion_tokens"] == 60

@@ -38,6 +38,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="serve /metrics (off by default, as in SGLang)",
     )
     add("--decode-log-interval", type=int, default=40)
+    add("--incremental-streaming-output", action="store_true",
+        help="/generate stream chunks carry only new text and ids")  # fmt: skip
     add("--prefill-yield", action="store_true",
         help="long prefills yield to shorter ones at chunk boundaries, with aging")  # fmt: skip
     add("--prefill-time-budget-s", type=float, default=None)
@@ -69,6 +71,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_mixed_chunk=args.enable_mixed_chunk,
         enable_metrics=args.enable_metrics,
         decode_log_interval=args.decode_log_interval,
+        incremental_streaming_output=args.incremental_streaming_output,
         prefill_yield=args.prefill_yield,
         prefill_time_budget_s=args.prefill_time_budget_s,
         priority_aging_s=args.priority_aging_s,
