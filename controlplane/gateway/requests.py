@@ -54,8 +54,16 @@ class ClientRequest:
 
 @dataclass(frozen=True, slots=True)
 class Limits:
+    """The pool's context length, and how many UTF-8 prompt bytes make a token in the
+    router's estimates: 1 for the reference engine (its tokens are bytes), about 4 for
+    real tokenizers (`weir router --bytes-per-token`)."""
+
     context_length: int = 32768
     bytes_per_token: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.context_length < 2 or not 0.5 <= self.bytes_per_token <= 16:
+            raise ValueError("context_length must be >= 2 and bytes_per_token in [0.5, 16]")
 
 
 def decode_body(raw: bytes) -> dict[str, Any]:

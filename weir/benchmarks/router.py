@@ -181,7 +181,7 @@ def _fleet() -> Iterator[tuple[str, str]]:
         ),
         subprocess.Popen(
             [*weir, "router", "--port", str(router_port), "--model", "bench",
-             "--endpoint", engine_url],
+             "--endpoint", engine_url, "--bytes-per-token", "1"],
             stdout=subprocess.DEVNULL,
         ),
     ]  # fmt: skip

@@ -22,8 +22,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add("--api-keys", metavar="FILE", help="YAML/JSON mapping API key -> tenant")
     add("--profile", metavar="FILE", help="routing profile (YAML/JSON; see controlplane.routing)")
     add("--context-length", type=int, default=32768)
-    add("--bytes-per-token", type=float, default=1.0,
-        help="prompt bytes per token for estimates (1 for the reference engine, ~4 for real models)")  # fmt: skip
+    add("--bytes-per-token", type=float, default=4.0,
+        help="UTF-8 prompt bytes per token for the router's estimates (context check, "
+             "prefix blocks, resume counts): ~4 for real tokenizers, 1 for the reference "
+             "engine, whose tokens are bytes")  # fmt: skip
     add("--staleness-s", type=float, default=10.0,
         help="route on the last snapshot this long while Redis is unreachable, then refuse")  # fmt: skip
     add("--queue-max-wait-s", type=float, default=30.0)
@@ -47,6 +49,8 @@ def run(args: argparse.Namespace) -> int:
     from controlplane.routing import ProfileError, profile_from_config
 
     try:
+        if not (0.5 <= args.bytes_per_token <= 16):
+            raise ValueError("--bytes-per-token must be between 0.5 and 16")
         keys = TenantKeys.load(args.api_keys) if args.api_keys else TenantKeys()
         profile = yaml.safe_load(Path(args.profile).read_text()) if args.profile else None
         if profile is not None:
