@@ -1,5 +1,6 @@
 """The sidecar's link to the control plane: registration, fenced heartbeats that publish
-its `EndpointState`, drain and deregistration.
+its `EndpointState`, the command channel (executed at most once, acknowledged), the KV
+quota holder lease, drain and deregistration.
 
 A heartbeat goes out every `heartbeat_s`, and at once when the ledger reports a change
 that matters (watermark state, or KV moved by 1 % of capacity), so routers see pressure
@@ -11,6 +12,7 @@ accounting, and the link keeps retrying.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -20,7 +22,10 @@ from redis.exceptions import RedisError
 
 from controlplane.contract import EndpointState, Lifecycle, SchemaError
 from controlplane.store import EndpointLease, EndpointRegistry, FencedError
+from controlplane.store.commands import CommandChannel
+from controlplane.store.quotas import QuotaStore
 from engine_sidecar.ledger import COMMITTED
+from engine_sidecar.quota import KVQuota
 from engine_sidecar.service import SidecarService
 
 log = logging.getLogger("weir.sidecar.control")
@@ -44,7 +49,13 @@ class ControlLink:
         self.pool, self.endpoint_id, self.address = pool, endpoint_id, address
         self.heartbeat_s = heartbeat_s
         self.started_at = time.time()
-        self._task: asyncio.Task[None] | None = None
+        self.quota = KVQuota(
+            QuotaStore(redis, pool), service.ledger, f"sidecar.{endpoint_id}", lease_ttl_s
+        )
+        service.quota = self.quota
+        self.commands = CommandChannel(redis, pool)
+        self._executed: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._tasks: list[asyncio.Task[None]] = []
         self._last_preemptions = 0
         self._last_beat = time.monotonic()
 
@@ -86,6 +97,8 @@ class ControlLink:
         ledger.changed_at = None
         try:
             await self.lease.beat(self.state())
+            await self.quota.renew()
+            await self.quota.retry_releases()
         except FencedError as exc:
             metrics.count("weir_sidecar_heartbeats_total", "fenced")
             log.error("%s; this sidecar stops publishing", exc)
@@ -108,8 +121,34 @@ class ControlLink:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(changed.wait(), timeout=self.heartbeat_s)
 
+    async def _run_commands(self) -> None:
+        """Execute this endpoint's commands at most once each, acknowledging them."""
+        while self.lease.fenced is None:
+            try:
+                deliveries = await self.commands.receive(
+                    self.endpoint_id, self.endpoint_id, block_s=self.heartbeat_s
+                )
+                for delivery in deliveries:
+                    command = delivery.command
+                    if command.command_id not in self._executed:
+                        self._executed[command.command_id] = None
+                        if len(self._executed) > 10_000:
+                            self._executed.popitem(last=False)
+                        done = command.endpoint_id == self.endpoint_id and (
+                            await self.service.execute(command)
+                        )
+                        log.info("command %s (%s): %s", command.command_id, command.kind,
+                                 "done" if done else "did not apply")  # fmt: skip
+                    await self.commands.ack(self.endpoint_id, delivery.entry_id)
+            except (RedisError, OSError) as exc:
+                log.warning("command channel: %s", exc)
+                await asyncio.sleep(self.heartbeat_s)
+
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="weir-sidecar-heartbeat")
+        self._tasks = [
+            asyncio.create_task(self._run(), name="weir-sidecar-heartbeat"),
+            asyncio.create_task(self._run_commands(), name="weir-sidecar-commands"),
+        ]
 
     async def drain(self) -> None:
         """Out of routing for good: mark draining in the store and publish it."""
@@ -121,10 +160,11 @@ class ControlLink:
         await self.beat()
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        with contextlib.suppress(RedisError, OSError):
+            await self.quota.retry_releases()
         with contextlib.suppress(RedisError, OSError):
             await self.lease.release()
         await self.redis.aclose()

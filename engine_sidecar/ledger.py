@@ -195,11 +195,13 @@ class Ledger:
             return False
         return True
 
-    def _predict(self, flight: Flight) -> None:
+    def predict(self, flight: Flight) -> int:
+        """The request's predicted total output (the growth quantile), kept on the flight."""
         rec = flight.record
         flight.predicted_total = self.predictor.predict_total(
             flight.key, self.policy.kv.growth_quantile, rec.generated_tokens, rec.max_new_tokens
         )
+        return flight.predicted_total
 
     def _outlook(self, flight: Flight) -> SequenceOutlook:
         rec = flight.record
@@ -268,7 +270,7 @@ class Ledger:
             return
         flight.generated = total
         if total >= flight.predicted_total:
-            self._predict(flight)
+            self.predict(flight)
         delta = total + rec.prompt_tokens - flight.kv
         outlook = SequenceOutlook(total, rec.max_new_tokens, flight.predicted_total)
         reserve = growth_reserve(outlook, self.policy.kv.growth_horizon_steps)
@@ -302,7 +304,7 @@ class Ledger:
     def _decide(self, flight: Flight) -> tuple[AdmissionVerdict, str]:
         rec = flight.record
         if rec.generated_tokens == 0 or flight.predicted_total == 0:
-            self._predict(flight)
+            self.predict(flight)
         usage = self.usage()
         pool = PoolOutlook(
             usage.capacity_tokens,

@@ -146,10 +146,10 @@ async def serve_sidecar(config: SidecarConfig) -> AsyncIterator[RunningSidecar]:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if runner is not None:
+            await runner.cleanup()  # ends in-flight requests: aborts, quota releases
+        if service is not None:
+            await service.settled()
         if link is not None:
             await link.close()
-        if runner is not None:
-            await runner.cleanup()
-        if service is not None:
-            await service.close()
         await engine.close()

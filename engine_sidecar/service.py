@@ -60,6 +60,7 @@ from engine_sidecar.intake import (
 from engine_sidecar.ledger import COMMITTED, Flight, Ledger, OverloadError
 from engine_sidecar.metrics import SidecarMetrics, length_bucket
 from engine_sidecar.policy import RequestRecord, RequestState, engine_priority, plan_relief
+from engine_sidecar.quota import KVQuota
 from engine_sidecar.relay import MalformedEventError, StreamReader, finish_reason
 
 log = logging.getLogger("weir.sidecar")
@@ -68,10 +69,6 @@ _TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
 _SSE_HEADERS = {"content-type": "text/event-stream", "cache-control": "no-cache"}
 DONE = b"data: [DONE]\n\n"
 PREEMPTED_EVENT = b"event: weir.preempted\n"
-
-# Hooks the control-plane link installs: KV quota for a tenant (charge may refuse).
-QuotaCharge = Callable[[str, str, int], Awaitable[bool]]
-QuotaRelease = Callable[[str], Awaitable[None]]
 
 
 def error_body(kind: str, message: str, **extra: str) -> bytes:
@@ -121,8 +118,7 @@ class SidecarService:
             context_length=min(policy.context_length, info.context_length or policy.context_length),
         )
         self.draining = False
-        self.quota_charge: QuotaCharge | None = None
-        self.quota_release: QuotaRelease | None = None
+        self.quota: KVQuota | None = None  # installed with the control-plane link
         self.on_drain: Callable[[], Awaitable[None]] | None = None  # the control-plane link
         self._origins: dict[str, _Origin] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -285,18 +281,18 @@ class SidecarService:
         self.ledger.add(flight)
         self._origins[record.rid] = origin
         try:
+            if self.quota is not None:
+                retry_after = await self.quota.charge(flight)
+                if retry_after is not None:
+                    self._end(flight, _S.REJECTED, FinishReason.OVERLOAD, "tenant_kv_quota")
+                    return overload_response(
+                        "tenant_kv_quota", retry_after, f"tenant {tenant} is out of KV quota"
+                    )
             try:
                 await self.ledger.admit(flight)
             except OverloadError as exc:
                 self._end(flight, _S.REJECTED, FinishReason.OVERLOAD, exc.reason)
                 return overload_response(exc.reason, exc.retry_after_s, str(exc))
-            if self.quota_charge is not None and not await self.quota_charge(
-                tenant, record.rid, flight.kv + flight.reserve
-            ):
-                self._end(flight, _S.ABORTED, FinishReason.ERROR, "tenant_kv_quota")
-                return overload_response(
-                    "tenant_kv_quota", 5, f"tenant {tenant} has no KV quota left"
-                )
             if streamed:
                 return await self._stream(request, flight, reader or StreamReader(intake.api))
             return await self._unary(flight)
@@ -495,7 +491,6 @@ class SidecarService:
         self.ledger.move(flight, _S.DECODE_PREEMPTED)
         flight.preempt_mode = ""
         self.metrics.count("weir_sidecar_preemptions_total", mode)
-        self._release_quota(flight)
 
     async def _end_stream(
         self, response: web.StreamResponse, flight: Flight, kind: str, message: str
@@ -561,8 +556,13 @@ class SidecarService:
         self._release_quota(flight)
 
     def _release_quota(self, flight: Flight) -> None:
-        if self.quota_release is not None:
-            self._spawn(self.quota_release(flight.rid))
+        if self.quota is not None:
+            self._spawn(self.quota.release(flight))
+
+    async def settled(self) -> None:
+        """Wait for the background work requests left behind (quota releases, aborts)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
     def _spawn(self, coro: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(coro)
@@ -685,11 +685,6 @@ class SidecarService:
             "migrated": migrated,
             "aborted": aborted,
         }
-
-    async def close(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
 def _unary_outcome(api: EngineAPI, payload: bytes) -> tuple[str, int, int]:

@@ -11,9 +11,11 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 import pytest
 
-from controlplane.contract import Lifecycle
-from controlplane.store import EndpointRegistry, connect
+from controlplane.contract import Command, CommandKind, Lifecycle, TenantQuota
+from controlplane.store import EndpointRegistry, PoolKeys, connect
+from controlplane.store.commands import CommandChannel
 from controlplane.store.connection import RedisSettings
+from controlplane.store.quotas import QuotaStore
 from engine_sidecar.server import SidecarConfig, serve_sidecar
 from fleetsim.server import RunningEngine
 from tests.sidecar.conftest import MODEL, REFERENCE_ENGINE_WARNINGS, pool_policy
@@ -126,3 +128,97 @@ async def test_runs_on_without_redis(engine: RunningEngine) -> None:
             return 'result="error"' in sidecar.service.metrics.exposition().decode()
 
         await _until(beat_failed, timeout_s=60.0)
+
+
+async def test_kv_quota_is_charged_refused_and_released(
+    engine: RunningEngine, redis_url: str
+) -> None:
+    redis = connect(RedisSettings(url=redis_url))
+    quotas = QuotaStore(redis, "p")
+    await quotas.set_quota(TenantQuota(name="acme", kv_token_seconds_per_min=10_000_000))
+    await quotas.set_quota(TenantQuota(name="tiny", kv_token_seconds_per_min=1))
+    config = SidecarConfig(
+        engine_url=engine.url, redis_url=redis_url, pool="p", endpoint_id="pod-q",
+        policy=pool_policy(), heartbeat_s=0.2,
+    )  # fmt: skip
+    held = PoolKeys("p").held_by("sidecar.pod-q")
+    body = {
+        "text": "charge me",
+        "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True},
+        "stream": True,
+    }
+    try:
+        async with serve_sidecar(config) as sidecar, aiohttp.ClientSession() as http:
+            async with http.post(
+                sidecar.url + "/generate", json=body, headers={"x-weir-tenant": "tiny"}
+            ) as refused:
+                assert refused.status == 429
+                assert (await refused.json())["error"]["reason"] == "tenant_kv_quota"
+                assert int(refused.headers["Retry-After"]) >= 1
+            resp = await http.post(
+                sidecar.url + "/generate", json=body, headers={"x-weir-tenant": "acme"}
+            )
+            rid = resp.headers["x-weir-request-id"]
+            await read_sse(resp, stop_after=5)
+            assert await redis.smembers(held) == {rid.encode()}
+            left = (await quotas.usage("acme")).kv_token_seconds_left
+            assert left < 10_000_000
+            resp.close()  # the client goes away
+            assert await sidecar.service.ledger.wait_idle(10.0)
+            await sidecar.service.settled()
+            assert await redis.smembers(held) == set()
+            assert await redis.hlen(PoolKeys("p").charges) == 0
+            # The early end was refunded: most of the estimate came back.
+            assert (await quotas.usage("acme")).kv_token_seconds_left > left
+            assert sidecar.service.ledger.own_used == 0
+            assert engine.engine.loads().num_running_reqs == 0
+    finally:
+        await redis.aclose()
+
+
+async def test_commands_are_executed_once_and_acknowledged(
+    engine: RunningEngine, redis_url: str
+) -> None:
+    redis = connect(RedisSettings(url=redis_url))
+    channel = CommandChannel(redis, "p")
+    config = SidecarConfig(
+        engine_url=engine.url, redis_url=redis_url, pool="p", endpoint_id="pod-c",
+        policy=pool_policy(), heartbeat_s=0.2,
+    )  # fmt: skip
+    body = {
+        "text": "preempt me",
+        "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True},
+        "stream": True,
+    }
+    try:
+        async with serve_sidecar(config) as sidecar, aiohttp.ClientSession() as http:
+            async with http.post(sidecar.url + "/generate", json=body) as resp:
+                rid = resp.headers["x-weir-request-id"]
+                await read_sse(resp, stop_after=5)
+                command = Command(
+                    command_id="c-1", pool="p", endpoint_id="pod-c",
+                    kind=CommandKind.PREEMPT_REQUEST, request_id=rid,
+                )  # fmt: skip
+                assert await channel.send(command)
+                assert not await channel.send(command)  # one id, one delivery
+                rest = await read_sse(resp)
+            assert rest.done
+            assert rest.events[-1]["meta_info"]["completion_tokens"] == 3000
+            assert sidecar.service.ledger.preemptions == 1
+
+            async def acked() -> bool:
+                return await channel.pending("pod-c") == 0
+
+            await _until(acked)
+            pause = Command(
+                command_id="c-2", pool="p", endpoint_id="pod-c",
+                kind=CommandKind.PAUSE_ADMISSION,
+            )  # fmt: skip
+            await channel.send(pause)
+
+            async def paused() -> bool:
+                return not sidecar.service.ledger.admission_open
+
+            await _until(paused)
+    finally:
+        await redis.aclose()
