@@ -19,10 +19,6 @@ LABEL org.opencontainers.image.title="weir" \
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
     pip install --no-cache-dir /wheels/*.whl
-# pyproject.toml does not package fleet_operator yet (it lives under operator/, outside
-# the package finder's include list); ship it beside the installed packages until it does.
-COPY operator/fleet_operator /opt/weir/fleet_operator
-ENV PYTHONPATH=/opt/weir
 # The chart runs every container as this user, with a read-only root filesystem.
 RUN useradd --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin weir
 USER 10001:10001
