@@ -104,21 +104,31 @@ class PoolFollower:
     async def watch(self, block_s: float = 1.0) -> AsyncGenerator[PoolSnapshot, None]:
         """Yield the snapshot now and after every change, waiting on the feed in between.
 
-        Redis errors are logged and retried after `block_s`; the view stays usable.
+        Redis errors are logged and retried after `block_s`. If Redis is unreachable at
+        the start, the last view (if there is one) is yielded anyway: routing goes on
+        from it, and its `server_time_ms` keeps advancing so staleness stays measurable.
         """
         block_ms = max(1, int(block_s * 1000))
         first = True
         while True:
             try:
-                refreshed = await self.refresh()
-                if first or refreshed.changed:
-                    first = False
-                    yield self.snapshot
-                    continue
-                await self.registry.wait_for_change(self._position, block_ms)
+                changed = (await self.refresh()).changed
+                reachable = True
             except (RedisError, OSError) as exc:
                 log.warning("pool %s: cannot refresh (%s); keeping the last view",
                             self.registry.pool, exc)  # fmt: skip
+                changed, reachable = False, False
+            if self._synced and (first or changed):
+                first = False
+                yield self.snapshot
+                continue
+            if not reachable:
+                await asyncio.sleep(block_s)
+                continue
+            try:
+                await self.registry.wait_for_change(self._position, block_ms)
+            except (RedisError, OSError) as exc:
+                log.warning("pool %s: cannot wait for changes (%s)", self.registry.pool, exc)
                 await asyncio.sleep(block_s)
 
     async def _resync(self) -> None:

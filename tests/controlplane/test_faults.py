@@ -187,3 +187,26 @@ async def test_sentinel_failover_clients_reconnect_and_heartbeats_rebuild_state(
         finally:
             replica.close()
             await client.aclose()
+
+
+async def test_unreachable_redis_keeps_the_last_view(fresh_redis: RedisServer) -> None:
+    client = connect(RedisSettings(url=fresh_redis.url, retries=1, backoff_cap_s=0.05,
+                                   connect_timeout_s=0.5))  # fmt: skip
+    registry = EndpointRegistry(client, POOL)
+    follower = PoolFollower(registry)
+    try:
+        await registry.register(endpoint("a"), ttl_s=30)
+        await follower.refresh()
+        before = follower.snapshot
+        await asyncio.to_thread(fresh_redis.stop)
+        with pytest.raises(redis.ConnectionError):
+            await follower.refresh()
+        views = follower.watch(block_s=0.05)
+        assert set((await anext(views)).endpoints) == {"a"}  # the last view, still served
+        await views.aclose()
+        after = follower.snapshot
+        assert after.endpoints == before.endpoints
+        assert after.position == before.position
+        assert after.server_time_ms >= before.server_time_ms  # staleness stays measurable
+    finally:
+        await client.aclose()
