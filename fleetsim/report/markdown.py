@@ -14,6 +14,7 @@ _COLUMNS = (
     ("accepted", lambda s: str(s["accepted"])),
     ("rejected", lambda s: str(s["rejected"])),
     ("lost", lambda s: str(s["lost"])),
+    ("open at end", lambda s: str(s["open_at_end"])),
     ("goodput req/s", lambda s: _f(s["goodput_rps"])),
     ("goodput tok/s", lambda s: _f(s["goodput_tokens_per_s"])),
     ("weighted", lambda s: _f(s["goodput_weighted"])),

@@ -33,6 +33,7 @@ class CellSpec:
     trace: str = ""
     speedup: float = 1.0
     kv_scale: float = 1.0
+    drain_s: float = 300.0
 
 
 @dataclass(slots=True)
@@ -59,7 +60,7 @@ def workload(spec: CellSpec, config: FleetConfig) -> tuple[list[RequestSpec], fl
 
 
 def run_cell(spec: CellSpec) -> Cell:
-    config = FleetConfig(engines=spec.engines, kv_scale=spec.kv_scale)
+    config = FleetConfig(engines=spec.engines, kv_scale=spec.kv_scale, drain_s=spec.drain_s)
     specs, capacity, failures = workload(spec, config)
     policy = policies(spec.seed)[spec.policy]()
     sim = Simulation(specs, policy, config, failures=failures)
@@ -148,6 +149,12 @@ def _nan_last(value: float) -> float:
 
 
 def trace_cell(
-    path: Path, policy: str, seed: int, engines: int, speedup: float, kv_scale: float = 1.0
+    path: Path,
+    policy: str,
+    seed: int,
+    engines: int,
+    speedup: float,
+    kv_scale: float = 1.0,
+    drain_s: float = 300.0,
 ) -> CellSpec:
-    return CellSpec(TRACE, policy, 1.0, seed, engines, 0.0, str(path), speedup, kv_scale)
+    return CellSpec(TRACE, policy, 1.0, seed, engines, 0.0, str(path), speedup, kv_scale, drain_s)

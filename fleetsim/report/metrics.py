@@ -4,8 +4,9 @@ Definitions (the report and docs/fleet-simulation.md use exactly these):
 
 - offered: every request the workload sent. rejected: refused before admission
   (`overload`, or an engine's outright refusal). accepted: everything else that a router
-  took. lost: accepted requests that ended with neither a natural finish (`stop` /
-  `length`) nor a client's own action (`cancelled`, `deadline`), or never finished.
+  took. lost: requests that ended with neither a natural finish (`stop` / `length`), nor
+  a client's own action (`cancelled`, `deadline`), nor a refusal: an error or an abort.
+  open: still running when the run stopped (the simulator drains for a bounded time).
 - goodput: completed requests meeting all three SLOs (TTFT, TPOT, E2E; see `SLO`) per
   second of offered traffic — counted per request, per output token, and weighted by
   priority (weight = priority + 1).
@@ -69,11 +70,12 @@ def is_rejected(flight: Flight) -> bool:
 
 
 def is_lost(flight: Flight) -> bool:
-    """Accepted, then neither finished naturally, nor ended by its client, nor refused
-    with `overload` (which a client sees and may retry): an error, an abort, or no end."""
-    if flight.completed or flight.reason in CLIENT_ENDINGS or is_rejected(flight):
+    """Ended, but neither naturally, nor by its client, nor refused with `overload`
+    (which a client sees and may retry): an error or an abort. A request still running
+    when the run stops is open, not lost."""
+    if not flight.done or flight.completed or flight.reason in CLIENT_ENDINGS:
         return False
-    return flight.accepted or not flight.done
+    return not is_rejected(flight)
 
 
 def summarize(result: SimResult, slo: SLO, prefill_s_per_token: float) -> dict[str, Any]:
@@ -105,6 +107,7 @@ def summarize(result: SimResult, slo: SLO, prefill_s_per_token: float) -> dict[s
         "cancelled": sum(f.reason is FinishReason.CANCELLED for f in flights),
         "deadline": sum(f.reason is FinishReason.DEADLINE for f in flights),
         "lost": len(lost),
+        "open_at_end": sum(not f.done for f in flights),
         "goodput_rps": len(good) / span,
         "goodput_tokens_per_s": sum(f.generated for f in good) / span,
         "goodput_weighted": sum(f.spec.priority + 1 for f in good) / span,

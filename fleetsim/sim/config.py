@@ -82,7 +82,8 @@ def default_pool_policy() -> PoolPolicy:
 class FleetConfig:
     """`kv_tokens` overrides each engine's KV pool (0: what the timing model fits on the
     hardware); `kv_scale` multiplies it (the simulator may scale KV together with request
-    lengths to fit a CPU budget)."""
+    lengths to fit a CPU budget). The run stops `drain_s` after the last arrival; requests
+    still running then are reported as open, neither completed nor lost."""
 
     engines: int = 16
     timing: TimingModel = field(default_factory=lambda: TimingModel(LLAMA_70B_FP8, H200))
@@ -95,6 +96,7 @@ class FleetConfig:
     slo: SLO = field(default_factory=SLO)
     policy: PoolPolicy = field(default_factory=default_pool_policy)
     sample_period_s: float = 0.5
+    drain_s: float = 300.0
 
     def __post_init__(self) -> None:
         if self.engines < 1:

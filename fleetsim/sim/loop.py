@@ -28,9 +28,6 @@ from fleetsim.sim.flight import Flight, Stage
 from fleetsim.workloads import RequestSpec, prompt_token_ids
 from fleetsim.workloads.scenarios import EngineFailure
 
-# How long after the last arrival the fleet may take to drain before the run stops.
-DRAIN_S = 300.0
-
 
 class FleetPolicy(Protocol):
     """Routing and admission for a whole fleet: a baseline, or Weir's driver."""
@@ -132,7 +129,7 @@ class Simulation:
         self._seq = itertools.count()
         self._open = len(self.flights)
         self.last_arrival = max((s.arrival_s for s in specs), default=0.0)
-        self.horizon = self.last_arrival + DRAIN_S
+        self.horizon = self.last_arrival + self.config.drain_s
         self.kv_samples: list[KVSample] = []
         for flight in self.flights:
             self.at(flight.spec.arrival_s, functools.partial(self._arrive, flight))

@@ -23,6 +23,9 @@ NAME = "fleet"
 HELP = "Simulate the validation matrix: Weir against the baselines on the same traffic."
 
 DEFAULT_SWEEP = "0.5,0.75,1.0,1.25,1.5"
+# A quarter of a 70B-FP8 H200's KV (~38K tokens): long answers fill it within the arrival
+# window, so KV governance is exercised at a CPU cost that fits the 15-minute budget.
+DEFAULT_KV_SCALE = 0.25
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -36,9 +39,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--load", type=float, default=1.0, help="offered load, fraction of nominal capacity"
     )
     parser.add_argument(
-        "--kv-scale", type=float, default=1.0, help="scale every engine's KV pool by this"
+        "--kv-scale",
+        type=float,
+        default=DEFAULT_KV_SCALE,
+        help="scale every engine's KV pool by this (request lengths stay as they are)",
     )
-    parser.add_argument("--duration", type=float, default=30.0, help="arrival window, s")
+    parser.add_argument(
+        "--drain", type=float, default=120.0, help="simulated seconds after the last arrival"
+    )
+    parser.add_argument("--duration", type=float, default=45.0, help="arrival window, s")
     parser.add_argument("--sweep", default=DEFAULT_SWEEP, help="loads for the sweep ('' = none)")
     parser.add_argument("--sweep-scenario", default="few_long_many_short")
     parser.add_argument("--policies", default="all", help="comma-separated, or 'all'")
@@ -66,12 +75,20 @@ def run(args: argparse.Namespace) -> int:
     known = list(policies())
     chosen = known if args.policies == "all" else args.policies.split(",")
     bad = [p for p in chosen if p not in known]
-    sizes = (args.engines, args.runs, args.load, args.duration, args.kv_scale, args.speedup)
+    sizes = (
+        args.engines,
+        args.runs,
+        args.load,
+        args.duration,
+        args.kv_scale,
+        args.speedup,
+        args.drain,
+    )
     if bad or min(sizes) <= 0:
         raise SystemExit(
             f"bad arguments: unknown policies {bad} (known: {', '.join(known)})"
             if bad
-            else "engines, runs, load, duration, kv-scale and speedup must be positive"
+            else "engines, runs, load, duration, kv-scale, speedup and drain must be positive"
         )
     if args.scenario != "all" and args.scenario not in SCENARIOS:
         raise SystemExit(f"unknown scenario {args.scenario!r}; known: {', '.join(SCENARIOS)}")
@@ -79,29 +96,30 @@ def run(args: argparse.Namespace) -> int:
     seeds = [args.seed + r for r in range(args.runs)]
     loads = [float(x) for x in args.sweep.split(",") if x.strip()] if args.sweep else []
 
-    matrix: list[CellSpec] = []
-    for seed in seeds:
-        if args.trace:
-            matrix += [trace_cell(args.trace, p, seed, args.engines, args.speedup) for p in chosen]
-        else:
-            matrix += [
-                CellSpec(n, p, args.load, seed, args.engines, args.duration, kv_scale=args.kv_scale)
-                for n in names
-                for p in chosen
-            ]
-    sweep = [
-        CellSpec(
-            args.sweep_scenario,
-            p,
-            x,
-            args.seed,
+    def cell(scenario: str, policy: str, load: float, seed: int) -> CellSpec:
+        return CellSpec(
+            scenario,
+            policy,
+            load,
+            seed,
             args.engines,
             args.duration,
             kv_scale=args.kv_scale,
+            drain_s=args.drain,
         )
-        for x in loads
-        for p in chosen
-    ]
+
+    matrix: list[CellSpec] = []
+    for seed in seeds:
+        if args.trace:
+            matrix += [
+                trace_cell(
+                    args.trace, p, seed, args.engines, args.speedup, args.kv_scale, args.drain
+                )
+                for p in chosen
+            ]
+        else:
+            matrix += [cell(n, p, args.load, seed) for n in names for p in chosen]
+    sweep = [cell(args.sweep_scenario, p, x, args.seed) for x in loads for p in chosen]
     if args.trace:
         sweep = []
     started = time.perf_counter()
@@ -123,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
         "load": args.load,
         "duration_s": args.duration,
         "kv_scale": args.kv_scale,
+        "drain_s": args.drain,
         "seeds": seeds,
         "sweep": loads,
         "policies": chosen,
