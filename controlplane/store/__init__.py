@@ -1,8 +1,25 @@
 """The control plane's shared truth in Redis.
 
-Layout: every key of a pool is `weir:{pool}:...` (one hash tag, one Cluster slot). Every
-write is a Lua script (in `lua/`, called by SHA, reloaded on NOSCRIPT) that checks the
-writer's epoch and version and measures leases by Redis server time.
+Every write is a Lua script (in `lua/`, a header naming KEYS/ARGV/return; called by SHA,
+reloaded on NOSCRIPT) that checks the writer's epoch and version and measures leases and
+expiries by Redis server time, never a client clock.
+
+Key layout: every key of a pool is `weir:{pool}:<name>`: one hash tag, so one Redis Cluster
+slot and single-slot scripts.
+
+    counters      hash    seq, inc (feed incarnation), mv (membership version), epoch, hv
+    state         hash    endpoint -> 'epoch version lifecycle lease_ms <EndpointState>'
+    leases        zset    endpoint -> lease expiry (server ms), for the reaper
+    changes       stream  the change feed, entry ids 0-<seq> (see lua/_feed.lua)
+    hot, hotexp   hash, zset   hot-prefix overrides and their expiries
+    quotas, quotarecords, usage, classes, charges, holders, held:<holder>   tenant quotas
+    credits, creditexp, creditbudget                                        handoff credits
+    cmd:<endpoint>, cmdid:<command id>                                      command channel
+
+Public pieces: `connect(RedisSettings)`; `EndpointRegistry` (register, heartbeat, drain,
+deregister, reap, snapshot, changes, hot prefixes); `PoolFollower` (a reader's view kept
+current from the feed); `EndpointLease` (a sidecar's side of its lease) and
+`reap_forever`; `QuotaStore`; `CreditStore`; `CommandChannel`.
 
 Errors: `FencedError` (a zombie's write: a newer epoch holds the endpoint id) and
 `controlplane.contract.SchemaError` (a malformed record or an unknown schema version:
