@@ -9,8 +9,9 @@ rid, pause/continue); `SGLangEngine` implements it over SGLang's HTTP server, fo
   the version when `version` is missing from server info;
 - pause: 0.5.23 takes `{"mode": ...}`, 0.5.5 takes no body.
 
-Streams are server-sent events; each `data:` line is handed over raw (so the proxy can
-forward bytes it does not need to change) together with its parsed JSON object.
+Streams are server-sent events, handed over in batches — every event that arrived in one
+network read — each as its raw frame (so the proxy forwards bytes it need not change, and
+writes a batch to the client at once) and its unparsed JSON data.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ class StreamEvent:
 class EngineStream(Protocol):
     status: int
 
-    def events(self) -> AsyncIterator[StreamEvent]: ...
+    def batches(self) -> AsyncIterator[list[StreamEvent]]: ...
 
     async def body(self) -> bytes: ...
 
@@ -99,18 +100,20 @@ class _HTTPStream:
         self._response = response
         self.status = response.status
 
-    async def events(self) -> AsyncIterator[StreamEvent]:
-        content = self._response.content
-        while True:
-            line = await content.readline()
-            if not line:
-                return
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            yield StreamEvent(b"data: " + data + b"\n\n", data)
-            if data == b"[DONE]":
-                return
+    async def batches(self) -> AsyncIterator[list[StreamEvent]]:
+        pending = b""
+        async for chunk in self._response.content.iter_any():
+            pending = pending + chunk if pending else chunk
+            batch = []
+            while (end := pending.find(b"\n\n")) >= 0:
+                frame, pending = pending[:end], pending[end + 2 :]
+                for line in frame.split(b"\n"):
+                    if line.startswith(b"data:"):
+                        data = line[5:].strip()
+                        raw = frame + b"\n\n" if line is frame else b"data: " + data + b"\n\n"
+                        batch.append(StreamEvent(raw, data))
+            if batch:
+                yield batch
 
     async def body(self) -> bytes:
         return await self._response.read()

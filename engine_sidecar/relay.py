@@ -63,6 +63,21 @@ class _OpenAIEvent(msgspec.Struct):
 
 
 _generate_decode = msgspec.json.Decoder(_GenerateEvent).decode
+_meta_decode = msgspec.json.Decoder(_Meta).decode
+_META_KEY = b'"meta_info":'
+
+
+def _generate_meta(data: bytes) -> _Meta | None:
+    """The meta_info of a /generate event. SGLang writes it last, after the cumulative text
+    and ids, so it is decoded from its key on (a string's quotes are escaped, so the key
+    cannot occur inside text); anything else falls back to a full typed decode."""
+    at = data.rfind(_META_KEY)
+    if at >= 0 and data.endswith(b"}"):
+        try:
+            return _meta_decode(data[at + len(_META_KEY) : -1])
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            pass
+    return _generate_decode(data).meta_info
 _openai_decode = msgspec.json.Decoder(_OpenAIEvent).decode
 
 
@@ -156,7 +171,7 @@ class StreamReader:
             raise MalformedEventError(f"unreadable engine event {data[:200]!r}: {exc}") from exc
 
     def _generate(self, raw: bytes, data: bytes) -> Step:
-        meta = _generate_decode(data).meta_info
+        meta = _generate_meta(data)
         if meta is None:
             return Step(raw, self.generated, "")
         if meta.completion_tokens > self.seg_tokens:

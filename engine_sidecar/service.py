@@ -46,7 +46,7 @@ from controlplane.contract import (
     decode_json,
     encode_json,
 )
-from engine_sidecar.engine import EngineAdapter, EngineError, EngineInfo
+from engine_sidecar.engine import EngineAdapter, EngineError, EngineInfo, EngineStream
 from engine_sidecar.intake import (
     ENGINE_PATH,
     Intake,
@@ -397,23 +397,7 @@ class SidecarService:
                                 headers={**_SSE_HEADERS, "x-weir-request-id": flight.rid}
                             )
                             await response.prepare(request)
-                        async for event in stream.events():
-                            if event.done:
-                                break
-                            step = reader.read(event.raw, event.data)
-                            if step.prompt_tokens and segment == 0 and base == 0:
-                                self.ledger.set_prompt_tokens(flight, step.prompt_tokens)
-                                reader.prompt_tokens = step.prompt_tokens
-                            if step.finish == "abort" and flight.preempt_mode:
-                                reader.forget_last()
-                                self._note_tokens(flight, reader.generated - base)
-                                finish = "abort"
-                                break
-                            self._note_tokens(flight, step.generated - base)
-                            if step.forward is not None:
-                                await response.write(step.forward)
-                            if step.finish:
-                                finish = step.finish
+                        finish = await self._relay(stream, response, flight, reader, base)
             except (EngineError, MalformedEventError) as exc:
                 log.warning("request %s lost its engine stream: %s", flight.rid, exc)
                 lost = True
@@ -468,6 +452,45 @@ class SidecarService:
                 amount=flight.record.prompt_tokens + flight.record.generated_tokens,
             )
             segment += 1
+
+    async def _relay(
+        self,
+        stream: EngineStream,
+        response: web.StreamResponse,
+        flight: Flight,
+        reader: StreamReader,
+        base: int,
+    ) -> str:
+        """Forward one engine segment to the client, a network read's worth of events in
+        one write. Returns the engine's finish: '' when the stream ended without one,
+        'abort' (not forwarded) when it ended because this request is being preempted."""
+        finish = ""
+        async for batch in stream.batches():
+            out: list[bytes] = []
+            ended = False
+            for event in batch:
+                if event.done:
+                    ended = True
+                    break
+                step = reader.read(event.raw, event.data)
+                if step.prompt_tokens and not reader.prompt_tokens and base == 0:
+                    self.ledger.set_prompt_tokens(flight, step.prompt_tokens)
+                    reader.prompt_tokens = step.prompt_tokens
+                if step.finish == "abort" and flight.preempt_mode:
+                    reader.forget_last()
+                    self._note_tokens(flight, reader.generated - base)
+                    finish, ended = "abort", True
+                    break
+                self._note_tokens(flight, step.generated - base)
+                if step.forward is not None:
+                    out.append(step.forward)
+                if step.finish:
+                    finish = step.finish
+            if out:
+                await response.write(out[0] if len(out) == 1 else b"".join(out))
+            if ended:
+                break
+        return finish
 
     def _resumable(self, flight: Flight) -> bool:
         return (
