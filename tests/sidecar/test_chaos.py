@@ -15,13 +15,15 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from controlplane.contract import encode_json
+from controlplane.contract import TenantQuota, encode_json
+from controlplane.store import PoolKeys, RedisSettings, connect
+from controlplane.store.quotas import QuotaStore
 from engine_sidecar.server import RunningSidecar, SidecarConfig, serve_sidecar
 from fleetsim.server import RunningEngine, serve_engine, start_engine
 from tests.sidecar.conftest import MODEL, REFERENCE_ENGINE_WARNINGS, engine_config, pool_policy
 from tests.sidecar.streams import Received, read_sse
 
-pytestmark = [REFERENCE_ENGINE_WARNINGS, pytest.mark.slow]
+pytestmark = [REFERENCE_ENGINE_WARNINGS, pytest.mark.slow, pytest.mark.redis]
 
 SEED = 20261130
 REQUESTS = 36
@@ -132,19 +134,26 @@ def _finished_total(sidecar: RunningSidecar) -> float:
     return 0.0
 
 
-async def test_seeded_chaos_leaks_nothing_and_ends_every_request_once() -> None:
+async def test_seeded_chaos_leaks_nothing_and_ends_every_request_once(redis_url: str) -> None:
     rng = random.Random(SEED)
+    redis = connect(RedisSettings(url=redis_url))
+    await QuotaStore(redis, "p").set_quota(
+        TenantQuota(name="default", kv_token_seconds_per_min=10**12)
+    )
     engine_a = await start_engine(CONFIG)
     restarted: RunningEngine | None = None
+
+    def config(engine: RunningEngine, endpoint: str) -> SidecarConfig:
+        return SidecarConfig(
+            engine_url=engine.url, redis_url=redis_url, pool="p", endpoint_id=endpoint,
+            policy=pool_policy(), heartbeat_s=0.2,
+        )  # fmt: skip
+
     try:
         async with (
             serve_engine(CONFIG) as engine_b,
-            serve_sidecar(
-                SidecarConfig(engine_url=engine_a.url, pool="p", policy=pool_policy())
-            ) as sa,
-            serve_sidecar(
-                SidecarConfig(engine_url=engine_b.url, pool="p", policy=pool_policy())
-            ) as sb,
+            serve_sidecar(config(engine_a, "a")) as sa,
+            serve_sidecar(config(engine_b, "b")) as sb,
             aiohttp.ClientSession() as http,
         ):
             restart = asyncio.create_task(_restart(engine_a, 0.8))
@@ -154,6 +163,7 @@ async def test_seeded_chaos_leaks_nothing_and_ends_every_request_once() -> None:
             restarted = await restart
             for sidecar in (sa, sb):
                 assert await sidecar.service.ledger.wait_idle(10.0)
+                await sidecar.service.settled()
                 ledger = sidecar.service.ledger
                 assert (ledger.own_used, ledger.reserved, ledger.queued) == (0, 0, 0)
                 assert ledger.waiting_prefill == 0
@@ -165,6 +175,11 @@ async def test_seeded_chaos_leaks_nothing_and_ends_every_request_once() -> None:
                     0,
                 )
                 engine.engine.check()
+            # No KV quota charge is left in Redis.
+            assert await redis.hlen(PoolKeys("p").charges) == 0
+            assert sa.service.quota is not None
+            assert sb.service.quota is not None
+            assert sa.service.quota.held == sb.service.quota.held == 0
             # Every request the sidecars saw ended exactly once.
             assert _finished_total(sa) + _finished_total(sb) == sum(o.posts for o in outcomes)
             kinds = {o.kind for o in outcomes}
@@ -182,6 +197,7 @@ async def test_seeded_chaos_leaks_nothing_and_ends_every_request_once() -> None:
                         expected = await read_sse(r)
                     assert o.text == expected.text(), (o.api, o.action)
     finally:
+        await redis.aclose()
         await engine_a.close()
         if restarted is not None:
             await restarted.close()
