@@ -25,7 +25,7 @@ def test_bench_controlplane_prints_every_figure(
     for name in (
         "heartbeats/s, 80 endpoints",
         "Redis µs per heartbeat, 80 endpoints",
-        "Redis µs per empty EVALSHA (baseline), 80 calls",
+        "Redis µs per empty EVALSHA (baseline), 80 endpoints",
         "full snapshot read (baseline)",
         "view refresh after 1 change",
         "owner churn x N, one of 40 leaves",
