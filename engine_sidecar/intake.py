@@ -56,7 +56,6 @@ class Intake:
     prompt_ids: tuple[int, ...]
     max_new_tokens: int
     priority: int
-    deadline_s: float  # relative deadline from the client, 0 = none
     recomputable: bool  # the prompt can be extended with what was generated
 
 
@@ -205,7 +204,6 @@ def parse(api: EngineAPI, body: dict[str, Any], limits: Limits) -> Intake:
         )
     priority = _count("priority", body.get("priority", 0), -MAX_PRIORITY, MAX_PRIORITY)
     body.pop("priority", None)
-    deadline = _number("timeout", body.pop("weir_deadline_s", 0.0), 0.0, 86_400.0)
     return Intake(
         api=api,
         body=body,
@@ -216,7 +214,6 @@ def parse(api: EngineAPI, body: dict[str, Any], limits: Limits) -> Intake:
         prompt_ids=prompt_ids,
         max_new_tokens=max_new_tokens,
         priority=priority,
-        deadline_s=deadline,
         recomputable=recomputable,
     )
 
@@ -241,7 +238,6 @@ def from_continuation(cont: Continuation, limits: Limits) -> Intake:
         prompt_ids=cont.prompt_ids + cont.generated_ids,
         max_new_tokens=cont.remaining_tokens,
         priority=cont.priority,
-        deadline_s=0.0,
         recomputable=base.recomputable,
     )
 

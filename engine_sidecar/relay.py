@@ -78,6 +78,8 @@ def _generate_meta(data: bytes) -> _Meta | None:
         except (msgspec.DecodeError, msgspec.ValidationError):
             pass
     return _generate_decode(data).meta_info
+
+
 _openai_decode = msgspec.json.Decoder(_OpenAIEvent).decode
 
 

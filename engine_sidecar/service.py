@@ -12,6 +12,9 @@ Routes:
 - `POST /weir/v1/preempt` `{"rid", "mode"}` and `POST /weir/v1/drain` `{"deadline_s"}` —
   the same actions the control-plane commands trigger.
 
+Request headers a router sets: `x-weir-tenant` (default "default"), `x-weir-migratable: 1`
+(the router can splice a `weir.preempted` continuation), `x-weir-deadline-s` (relative).
+
 A streamed request may be preempted at any time: the sidecar aborts its rid in the engine;
 when the engine's stream ends with the abort, the request either resumes in place (its
 prompt plus what the client has received, as a fresh engine request, once admission
@@ -256,6 +259,10 @@ class SidecarService:
         tenant = request.headers.get("x-weir-tenant", "default")
         if not _TENANT.match(tenant):
             return _bad(RequestError("x-weir-tenant must be a short name ([A-Za-z0-9_.:-])"))
+        try:
+            deadline_s = _deadline(request.headers.get("x-weir-deadline-s"))
+        except RequestError as exc:
+            return _bad(exc)
         if self.draining:
             self.metrics.count("weir_sidecar_admission_rejections_total", "draining")
             return overload_response("draining", 5, "this endpoint is draining")
@@ -269,7 +276,7 @@ class SidecarService:
             max_new_tokens=intake.max_new_tokens,
             arrived_at=now,
             state_since=now,
-            deadline_at=now + intake.deadline_s if intake.deadline_s else 0.0,
+            deadline_at=now + deadline_s if deadline_s else 0.0,
             priority=intake.priority,
             preemptions=preemptions,
             recomputable=streamed and intake.recomputable and self._may_recompute,
@@ -413,6 +420,11 @@ class SidecarService:
                     headers={"Retry-After": "1"},
                 )
             mode = flight.preempt_mode
+            if finish == "deadline":
+                await self._end_stream(
+                    response, flight, "deadline", "the request's deadline passed"
+                )
+                return response
             if finish and not (finish == "abort" and mode):
                 await response.write(DONE)
                 reason = finish_reason(finish)
@@ -465,7 +477,10 @@ class SidecarService:
         one write. Returns the engine's finish: '' when the stream ended without one,
         'abort' (not forwarded) when it ended because this request is being preempted."""
         finish = ""
+        deadline = flight.record.deadline_at
         async for batch in stream.batches():
+            if deadline and self.ledger.clock() >= deadline:
+                return "deadline"
             out: list[bytes] = []
             ended = False
             for event in batch:
@@ -519,7 +534,9 @@ class SidecarService:
         self, response: web.StreamResponse, flight: Flight, kind: str, message: str
     ) -> None:
         """End a stream the client has already started receiving, with an error event."""
-        reason = FinishReason.ABORTED if kind == "aborted" else FinishReason.ERROR
+        reason = {"aborted": FinishReason.ABORTED, "deadline": FinishReason.DEADLINE}.get(
+            kind, FinishReason.ERROR
+        )
         if flight.record.state in COMMITTED:
             await self._abort_engine(flight)
         if not flight.record.state.is_final:
@@ -708,6 +725,21 @@ class SidecarService:
             "migrated": migrated,
             "aborted": aborted,
         }
+
+
+def _deadline(header: str | None) -> float:
+    """The relative deadline a router passes in `x-weir-deadline-s` (0: none)."""
+    if header is None:
+        return 0.0
+    try:
+        value = float(header)
+    except ValueError:
+        raise RequestError(
+            f"x-weir-deadline-s must be a number of seconds, got {header!r}"
+        ) from None
+    if not 0.0 < value <= 86_400.0:
+        raise RequestError(f"x-weir-deadline-s must be in (0, 86400], got {header!r}")
+    return value
 
 
 def _unary_outcome(api: EngineAPI, payload: bytes) -> tuple[str, int, int]:

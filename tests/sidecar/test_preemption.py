@@ -196,3 +196,28 @@ async def test_preempt_refuses_what_cannot_be_preempted(
             rest = await read_sse(resp)
     assert rest.done
     assert sidecar.service.ledger.preemptions == 0
+
+
+async def test_deadline_ends_a_running_stream_and_frees_kv(
+    two: tuple[RunningEngine, RunningSidecar, RunningEngine, RunningSidecar],
+) -> None:
+    engine, sidecar, _, _ = two
+    path, body = bodies()["generate"]
+    body = body | {"sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}
+    async with aiohttp.ClientSession() as http:
+        for bad in ("soon", "-1", "nan", "1e9"):
+            async with http.post(
+                sidecar.url + path, json=body, headers={"x-weir-deadline-s": bad}
+            ) as resp:
+                assert resp.status == 400
+        async with http.post(
+            sidecar.url + path, json=body | {"stream": True}, headers={"x-weir-deadline-s": "0.3"}
+        ) as resp:
+            got = await read_sse(resp)
+    assert got.done
+    assert got.events[-1]["error"]["type"] == "deadline"
+    assert 0 < len(got.events) < 3000
+    assert await sidecar.service.ledger.wait_idle(5.0)
+    assert sidecar.service.ledger.own_used == 0
+    assert engine.engine.loads().num_running_reqs == 0
+    assert 'reason="deadline"' in sidecar.service.metrics.exposition().decode()
