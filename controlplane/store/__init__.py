@@ -7,8 +7,9 @@ expiries by Redis server time, never a client clock.
 Key layout: every key of a pool is `weir:{pool}:<name>`: one hash tag, so one Redis Cluster
 slot and single-slot scripts.
 
-    counters      hash    seq, inc (feed incarnation), mv (membership version), epoch, hv
-    state         hash    endpoint -> 'epoch version lifecycle lease_ms <EndpointState>'
+    counters      hash    inc (feed incarnation), mv (membership version), epoch, hv
+    state         hash    <endpoint> -> 'epoch version lifecycle lease_ms',
+                          <endpoint># -> EndpointState (msgpack)
     leases        zset    endpoint -> lease expiry (server ms), for the reaper
     changes       stream  the change feed, entry ids 0-<seq> (see lua/_feed.lua)
     hot, hotexp   hash, zset   hot-prefix overrides and their expiries

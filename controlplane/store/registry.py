@@ -38,7 +38,7 @@ from controlplane.store.snapshot import (
     endpoint_from_store,
     hot_prefix_from_store,
     parse_change,
-    parse_record,
+    parse_meta,
 )
 
 log = logging.getLogger(__name__)
@@ -166,7 +166,7 @@ class EndpointRegistry:
         out before in this pool) and version 1. A previous holder of the id is fenced.
         """
         blob = self._blob(state)
-        epoch, _lease, _mv, _seq = await _REGISTER(
+        epoch, _lease, _mv, _entry = await _REGISTER(
             self.redis,
             self.keys.endpoint_keys,
             (
@@ -247,7 +247,7 @@ class EndpointRegistry:
 
     async def _current_epoch(self, endpoint_id: str) -> int:
         raw = await self.redis.hget(self.keys.state, endpoint_id)
-        return parse_record(raw)[0].epoch if isinstance(raw, bytes) else 0
+        return parse_meta(raw).epoch if isinstance(raw, bytes) else 0
 
     async def reap(self) -> Reaped:
         """Remove endpoints whose lease lapsed and hot-prefix overrides that expired, by
@@ -297,18 +297,22 @@ class EndpointRegistry:
         """The whole pool, read atomically (one MULTI), with its feed position."""
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hgetall(self.keys.state)
-            pipe.hmget(self.keys.counters, ["seq", "inc", "mv", "hv"])
+            pipe.xrevrange(self.keys.changes, count=1)
+            pipe.hmget(self.keys.counters, ["inc", "mv", "hv"])
             pipe.hgetall(self.keys.hot)
             pipe.time()
-            records, counters, hot, (sec, usec) = await pipe.execute()
+            fields, last, counters, hot, (sec, usec) = await pipe.execute()
         endpoints, leases = {}, {}
-        for raw_id, raw in records.items():
+        for raw_id, raw in fields.items():
+            if raw_id.endswith(b"#"):
+                continue
+            blob = fields.get(raw_id + b"#")
             try:
-                meta, blob = parse_record(raw)
+                meta = parse_meta(raw)
             except ValueError as exc:
                 log.warning("leaving out endpoint %r: unreadable record (%s)", raw_id, exc)
                 continue
-            state = endpoint_from_store(blob, meta)
+            state = None if blob is None else endpoint_from_store(blob, meta)
             if state is not None:
                 endpoint_id = raw_id.decode()
                 endpoints[endpoint_id] = state
@@ -318,10 +322,10 @@ class EndpointRegistry:
             override = hot_prefix_from_store(raw_key, raw)
             if override is not None:
                 overrides[override.key] = override
-        seq, inc, mv, hv = counters
+        inc, mv, hv = counters
         return PoolSnapshot(
             pool=self.pool,
-            position=FeedPosition(inc.decode() if inc else "", int(seq or 0)),
+            position=FeedPosition(inc.decode() if inc else "", _last_seq(last)),
             membership_version=int(mv or 0),
             endpoints=endpoints,
             lease_expires_ms=leases,
@@ -335,12 +339,13 @@ class EndpointRegistry:
         if limit < 1:
             raise ValueError("limit must be at least 1")
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hmget(self.keys.counters, ["seq", "inc"])
+            pipe.hget(self.keys.counters, "inc")
+            pipe.xrevrange(self.keys.changes, count=1)
             pipe.xrange(self.keys.changes, f"0-{after.seq + 1}", "+", count=limit)
             pipe.time()
-            (raw_seq, raw_inc), entries, (sec, usec) = await pipe.execute()
+            raw_inc, last, entries, (sec, usec) = await pipe.execute()
         now = int(sec) * 1000 + int(usec) // 1000
-        seq = int(raw_seq or 0)
+        seq = _last_seq(last)
         incarnation = raw_inc.decode() if raw_inc else ""
         current = FeedPosition(incarnation, seq)
         # A reader that saw an empty pool (no feed yet) continues into any incarnation.
@@ -365,6 +370,11 @@ class EndpointRegistry:
             {self.keys.changes: f"0-{after.seq}"}, count=1, block=max(1, block_ms)
         )
         return bool(reply)
+
+
+def _last_seq(last: list[Any]) -> int:
+    """The feed's position from XREVRANGE ... COUNT 1 (0 for an empty feed)."""
+    return int(last[0][0].split(b"-", 1)[1]) if last else 0
 
 
 def _prefix_key(key: int) -> str:

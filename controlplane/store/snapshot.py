@@ -31,11 +31,10 @@ class EndpointMeta:
     lease_expires_ms: int
 
 
-def parse_record(raw: bytes) -> tuple[EndpointMeta, bytes]:
-    """Split a stored `epoch version lifecycle lease_ms blob` record (lua/_feed.lua)."""
-    epoch, version, lifecycle, lease, blob = raw.split(b" ", 4)
-    meta = EndpointMeta(int(epoch), int(version), Lifecycle(lifecycle.decode()), int(lease))
-    return meta, blob
+def parse_meta(raw: bytes) -> EndpointMeta:
+    """Parse a stored `epoch version lifecycle lease_ms` (see lua/_feed.lua)."""
+    epoch, version, lifecycle, lease = raw.split(b" ")
+    return EndpointMeta(int(epoch), int(version), Lifecycle(lifecycle.decode()), int(lease))
 
 
 def endpoint_from_store(blob: bytes, meta: EndpointMeta) -> EndpointState | None:
@@ -159,8 +158,8 @@ def parse_change(entry_id: bytes, fields: Mapping[bytes, bytes]) -> Change:
     key = raw_key.decode()
     mv = None if raw_mv == b"-" else int(raw_mv)
     if kind is ChangeKind.UPSERT:
-        record, blob = parse_record(meta + b" " + fields[b"s"])
-        endpoint = endpoint_from_store(blob, record)
+        record = parse_meta(meta)
+        endpoint = endpoint_from_store(fields[b"s"], record)
         return Change(seq, kind, key, mv, endpoint, record.lease_expires_ms)
     if kind is ChangeKind.HOT_SET:
         hot = hot_prefix_from_store(key, meta + b" " + fields[b"s"])

@@ -24,9 +24,10 @@ pytestmark = pytest.mark.redis
 
 async def _stored(registry: EndpointRegistry, endpoint_id: str) -> tuple[int, int, bytes]:
     """(epoch, version, blob) exactly as Redis holds them."""
-    record = await registry.redis.hget(registry.keys.state, endpoint_id)
-    assert isinstance(record, bytes)
-    epoch, version, _lifecycle, _lease, blob = record.split(b" ", 4)
+    meta, blob = await registry.redis.hmget(registry.keys.state, [endpoint_id, endpoint_id + "#"])
+    assert isinstance(meta, bytes)
+    assert isinstance(blob, bytes)
+    epoch, version, _lifecycle, _lease = meta.split(b" ")
     return int(epoch), int(version), blob
 
 
@@ -206,11 +207,8 @@ async def test_unreadable_record_in_redis_is_left_out_of_views(
     follower = PoolFollower(registry)
     await follower.refresh()
     # Someone writes garbage straight into Redis; readers must not crash or guess.
-    record = await registry.redis.hget(registry.keys.state, "a")
-    assert isinstance(record, bytes)
-    head = record.split(b" ", 4)[:4]
-    await registry.redis.hset(registry.keys.state, "a", b" ".join([*head, b"\xc1not msgpack"]))
-    await registry.redis.hset(registry.keys.state, "c", b"no header at all")
+    await registry.redis.hset(registry.keys.state, "a#", b"\xc1not msgpack")
+    await registry.redis.hset(registry.keys.state, "c", b"no metadata at all")
     snap = await registry.snapshot()
     assert set(snap.endpoints) == {"b"}
     await registry.heartbeat(msgspec.structs.replace(b, version=2), ttl_s=10)

@@ -1,33 +1,33 @@
 -- Prelude prepended to every script of the store (see scripts.py).
 --
 -- The pool's counters live in one hash, weir:{pool}:counters:
---   seq    number of the last change published to the feed
---   inc    the feed's incarnation: set when seq starts at 1 (a new or wiped Redis), so a
---          reader holding a position from another incarnation knows to resynchronise
+--   inc    the feed's incarnation: set by the feed's first entry (a new or wiped Redis), so
+--          a reader holding a position from another incarnation knows to resynchronise
 --   mv     membership version: bumped whenever the set of routable endpoints may change
 --   epoch  the last epoch handed out (fencing tokens)
 --   hv     hot-prefix table version
 --
--- An endpoint's record in weir:{pool}:state is 'epoch version lifecycle lease_ms blob':
--- the fencing metadata the scripts check, then the EndpointState (msgpack) as written.
+-- An endpoint has two fields in weir:{pool}:state: '<id>' = 'epoch version lifecycle
+-- lease_ms' (the fencing metadata the scripts check) and '<id>#' = its EndpointState as
+-- written (msgpack). '#' cannot occur in an id, and the scripts never touch the blob.
 --
--- publish(): append one change to the pool's change stream, whose entry ids are `0-<seq>`
--- so a reader asks for "everything after seq N" and sees a gap as a missing number.
+-- publish(): append one change to the pool's change stream. Entry ids are `0-<seq>`, the
+-- stream numbering its own entries (XADD 0-*), so a reader asks for "everything after
+-- seq N" and sees a gap as a missing number.
 -- An entry has two fields: 'h' = '<kind> <id> <mv> <meta>' and 's' = the record blob.
 --   kind   'u' endpoint upserted, 'g' endpoint gone, 'h' hot prefix set, 'x' hot prefix removed
 --   mv     membership version after the change, or '-' when the change left it alone
 --   meta   'epoch version lifecycle lease_ms' for endpoints, 'version expires_ms' for hot prefixes
 --   blob   the record (msgpack), '' for removals
--- returns the change's sequence number.
+-- returns the entry id.
 local function publish(counters, changes, maxlen, kind, id, mv, meta, blob)
-  local q = redis.call('HINCRBY', counters, 'seq', 1)
-  if q == 1 then
+  local entry = redis.call('XADD', changes, 'MAXLEN', '~', maxlen, '0-*',
+    'h', kind .. ' ' .. id .. ' ' .. mv .. ' ' .. meta, 's', blob)
+  if entry == '0-1' then
     local t = redis.call('TIME')
     redis.call('HSET', counters, 'inc', t[1] .. string.format('%06d', tonumber(t[2])))
   end
-  redis.call('XADD', changes, 'MAXLEN', '~', maxlen, '0-' .. q,
-    'h', kind .. ' ' .. id .. ' ' .. mv .. ' ' .. meta, 's', blob)
-  return q
+  return entry
 end
 
 -- Redis server time in milliseconds: the only clock leases and expiries are measured by.
@@ -40,15 +40,9 @@ local function fmt(n)
   return string.format('%d', n)
 end
 
--- Split an endpoint record into epoch, version, lifecycle, lease (strings) and the blob.
-local function parse_record(record)
-  local head, e, v, lc, lease = string.match(record, '^((%d+) (%d+) (%a+) (%d+) )')
-  return e, v, lc, lease, string.sub(record, #head + 1)
-end
-
 -- Remove an endpoint's records and publish its departure.
 local function remove_endpoint(state, leases, counters, changes, maxlen, ep, epoch, version)
-  redis.call('HDEL', state, ep)
+  redis.call('HDEL', state, ep, ep .. '#')
   redis.call('ZREM', leases, ep)
   local mv = redis.call('HINCRBY', counters, 'mv', 1)
   publish(counters, changes, maxlen, 'g', ep, mv, epoch .. ' ' .. version .. ' gone 0', '')

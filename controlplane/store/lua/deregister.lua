@@ -7,11 +7,11 @@
 -- ARGV[2] epoch the caller holds
 -- ARGV[3] change stream maxlen
 -- returns 1 if removed, 0 if absent, -1 if the epoch is not the current one (nothing removed).
-local record = redis.call('HGET', KEYS[1], ARGV[1])
-if not record then
+local m = redis.call('HGET', KEYS[1], ARGV[1])
+if not m then
   return 0
 end
-local se, sv = string.match(record, '^(%d+) (%d+) ')
+local se, sv = string.match(m, '^(%d+) (%d+) ')
 if se ~= ARGV[2] then
   return -1
 end

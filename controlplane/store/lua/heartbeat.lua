@@ -1,5 +1,5 @@
 -- Heartbeat: a fenced, versioned state write that renews the lease by Redis server time.
--- The hot path of the store: six Redis calls, nothing read that the record does not hold.
+-- The hot path of the store: five Redis calls; the blob is stored and published as is.
 -- KEYS[1] state hash    weir:{pool}:state
 -- KEYS[2] lease zset    weir:{pool}:leases
 -- KEYS[3] counters      weir:{pool}:counters
@@ -17,11 +17,11 @@
 --   'fenced'   the stored epoch is newer (the caller is a zombie): no write
 --   'unknown'  no record of this epoch (never registered, reaped, Redis lost it): register
 --   'expired'  the lease had lapsed by server time: the record is removed now; register
-local record = redis.call('HGET', KEYS[1], ARGV[1])
-if not record then
+local m = redis.call('HGET', KEYS[1], ARGV[1])
+if not m then
   return {'unknown', 0, 0, '', 0}
 end
-local se, sv, lc, lease = string.match(record, '^(%d+) (%d+) (%a+) (%d+) ')
+local se, sv, lc, lease = string.match(m, '^(%d+) (%d+) (%a+) (%d+)$')
 local e, v = tonumber(ARGV[2]), tonumber(ARGV[3])
 if e < tonumber(se) then
   return {'fenced', se, sv, lc, 0}
@@ -45,7 +45,7 @@ if ARGV[4] == 'draining' and lc ~= 'draining' then
 end
 local expires = now + tonumber(ARGV[6])
 local meta = ARGV[2] .. ' ' .. ARGV[3] .. ' ' .. newlc .. ' ' .. fmt(expires)
-redis.call('HSET', KEYS[1], ARGV[1], meta .. ' ' .. ARGV[5])
+redis.call('HSET', KEYS[1], ARGV[1], meta, ARGV[1] .. '#', ARGV[5])
 redis.call('ZADD', KEYS[2], expires, ARGV[1])
 publish(KEYS[3], KEYS[4], ARGV[7], 'u', ARGV[1], mv, meta, ARGV[5])
 return {'ok', ARGV[2], ARGV[3], newlc, expires}

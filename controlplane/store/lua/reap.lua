@@ -12,8 +12,8 @@ local now = server_ms()
 local out = {now}
 local expired = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'LIMIT', 0, ARGV[1])
 for _, ep in ipairs(expired) do
-  local record = redis.call('HGET', KEYS[1], ep) or '0 0 ready 0 '
-  local se, sv = string.match(record, '^(%d+) (%d+) ')
+  local m = redis.call('HGET', KEYS[1], ep) or '0 0 ready 0'
+  local se, sv = string.match(m, '^(%d+) (%d+) ')
   remove_endpoint(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[2], ep, se, sv)
   out[#out + 1] = ep
 end

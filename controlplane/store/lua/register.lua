@@ -1,6 +1,6 @@
 -- Register an endpoint: hand out a new epoch (fencing token), start its lease at version 1.
 -- A registration for an id that is already present replaces it: the old holder is fenced.
--- KEYS[1] state hash    weir:{pool}:state     endpoint -> 'epoch version lifecycle lease blob'
+-- KEYS[1] state hash    weir:{pool}:state     endpoint -> meta, endpoint# -> blob
 -- KEYS[2] lease zset    weir:{pool}:leases    endpoint -> lease expiry, server ms
 -- KEYS[3] counters      weir:{pool}:counters
 -- KEYS[4] change stream weir:{pool}:changes
@@ -11,7 +11,7 @@
 -- ARGV[4] state blob
 -- ARGV[5] lease ttl, ms
 -- ARGV[6] change stream maxlen
--- returns {epoch, lease_expires_ms, membership_version, seq}
+-- returns {epoch, lease_expires_ms, membership_version, feed entry id}
 local epoch = redis.call('HINCRBY', KEYS[3], 'epoch', 1)
 local floor = tonumber(ARGV[2])
 if epoch <= floor then
@@ -21,7 +21,7 @@ end
 local lease = server_ms() + tonumber(ARGV[5])
 local mv = redis.call('HINCRBY', KEYS[3], 'mv', 1)
 local meta = fmt(epoch) .. ' 1 ' .. ARGV[3] .. ' ' .. fmt(lease)
-redis.call('HSET', KEYS[1], ARGV[1], meta .. ' ' .. ARGV[4])
+redis.call('HSET', KEYS[1], ARGV[1], meta, ARGV[1] .. '#', ARGV[4])
 redis.call('ZADD', KEYS[2], lease, ARGV[1])
 local q = publish(KEYS[3], KEYS[4], ARGV[6], 'u', ARGV[1], mv, meta, ARGV[4])
 return {epoch, lease, mv, q}
