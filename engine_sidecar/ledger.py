@@ -151,7 +151,8 @@ class Ledger:
 
     @property
     def queued(self) -> int:
-        return len(self._queue)
+        """Requests waiting in the local queue (not those admitted and about to leave it)."""
+        return sum(1 for _, future in self._queue.values() if not future.done())
 
     def oldest_wait_s(self) -> float:
         now = self.clock()
@@ -323,11 +324,11 @@ class Ledger:
         the local queue; raises OverloadError. On return its KV is committed."""
         sched = self.policy.scheduling
         verdict, reason = self._decide(flight)
-        if verdict is AdmissionVerdict.WAIT and self._queue:
-            reason = "queued_ahead"  # others are waiting: no overtaking
-        elif verdict is AdmissionVerdict.ADMIT:
-            self._commit(flight)
-            return
+        if verdict is AdmissionVerdict.ADMIT:
+            if not self.queued:
+                self._commit(flight)
+                return
+            reason = "queued_ahead"  # it fits, but others wait: no overtaking, join the queue
         if verdict is AdmissionVerdict.REFUSE:
             raise OverloadError(reason, 60, f"request can never fit this endpoint's KV ({reason})")
         if len(self._queue) >= sched.local_queue_size:
@@ -350,6 +351,7 @@ class Ledger:
             future,
         )
         self.changed.set()
+        self._pump()  # it may be first in queue order
         try:
             await asyncio.wait_for(asyncio.shield(future), timeout=max(0.0, expires - now))
         except TimeoutError:

@@ -1,0 +1,119 @@
+"""The live KV ledger: sums by deltas, watermark, local queue order and refusals."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from controlplane.contract import (
+    EngineAPI,
+    FinishReason,
+    KVPolicy,
+    PoolPolicy,
+    SchedulingPolicy,
+    WatermarkState,
+)
+from engine_sidecar.intake import Limits, parse
+from engine_sidecar.ledger import Flight, Ledger, OverloadError
+from engine_sidecar.policy import RequestRecord, RequestState
+
+S = RequestState
+W = WatermarkState
+POLICY = PoolPolicy(
+    pool="p",
+    model="m",
+    kv=KVPolicy(growth_horizon_steps=16),
+    scheduling=SchedulingPolicy(local_queue_size=2, local_queue_max_wait_s=0.3),
+)
+
+
+def flight(rid: str, prompt: int, max_new: int = 64, priority: int = 0) -> Flight:
+    intake = parse(
+        EngineAPI.GENERATE,
+        {"input_ids": [1] * prompt, "sampling_params": {"max_new_tokens": max_new}},
+        Limits("m", 100_000),
+    )
+    record = RequestRecord(
+        rid=rid, tenant="t", model="m", prompt_tokens=prompt, max_new_tokens=max_new,
+        arrived_at=0.0, priority=priority,
+    )  # fmt: skip
+    return Flight(intake, record, 0.0)
+
+
+async def admitted(ledger: Ledger, f: Flight) -> Flight:
+    ledger.add(f)
+    await ledger.admit(f)
+    return f
+
+
+async def test_sums_follow_tokens_and_transitions() -> None:
+    ledger = Ledger(POLICY, 1000)
+    f = await admitted(ledger, flight("a", 100))
+    assert (ledger.own_used, ledger.reserved, ledger.waiting_prefill) == (100, 16, 100)
+    ledger.move(f, S.PREFILL_RUNNING)
+    ledger.move(f, S.DECODE_READY)
+    ledger.move(f, S.DECODING)
+    ledger.add_tokens(f, 10)
+    assert (ledger.own_used, ledger.waiting_prefill, f.record.generated_tokens) == (110, 0, 10)
+    ledger.add_tokens(f, 60)
+    assert ledger.reserved == 4  # only 4 of max_new=64 left to grow
+    ledger.move(f, S.DECODE_PREEMPTED)
+    assert (ledger.own_used, ledger.reserved) == (0, 0)
+    await ledger.admit(f)  # resumes: prompt and generated come back
+    assert ledger.own_used == 160
+    ledger.move(f, S.CANCELLED, FinishReason.CANCELLED)
+    assert (ledger.own_used, ledger.reserved, ledger.flights) == (0, 0, {})
+
+
+async def test_watermark_follows_committed_kv() -> None:
+    ledger = Ledger(POLICY, 1000)
+    f = await admitted(ledger, flight("a", 500, max_new=500))
+    for state in (S.PREFILL_RUNNING, S.DECODE_READY, S.DECODING):
+        ledger.move(f, state)
+    seen = []
+    for generated in (100, 200, 340, 460):
+        ledger.changed.clear()
+        ledger.add_tokens(f, generated)
+        seen.append((ledger.watermark, ledger.changed.is_set()))
+    # 616, 716, 856, 976 committed of 1000 (16 reserved for growth)
+    assert seen == [(W.NORMAL, True), (W.PRESSURE, True), (W.CRITICAL, True), (W.EXHAUSTED, True)]
+    assert ledger.pressure.is_set()
+    ledger.move(f, S.DECODE_PREEMPTED)
+    assert ledger.watermark.rank == W.NORMAL.rank
+
+
+async def test_queue_keeps_order_refuses_when_full_and_times_out() -> None:
+    ledger = Ledger(POLICY, 1000)
+    big = await admitted(ledger, flight("big", 700))
+    waiting_large = flight("large", 300)
+    ledger.add(waiting_large)
+    large = asyncio.create_task(ledger.admit(waiting_large))
+    await asyncio.sleep(0)
+    small = flight("small", 10)  # fits now, but must not overtake the queue
+    ledger.add(small)
+    small_task = asyncio.create_task(ledger.admit(small))
+    await asyncio.sleep(0)
+    assert ledger.queued == 2
+    assert small.record.state.value == "waiting_admission"
+    third = flight("third", 10)
+    ledger.add(third)
+    with pytest.raises(OverloadError) as full:
+        await ledger.admit(third)
+    assert full.value.reason == "queue_full"
+    assert full.value.retry_after_s >= 1
+    ledger.move(big, S.CANCELLED, FinishReason.CANCELLED)
+    await asyncio.wait_for(asyncio.gather(large, small_task), 5)
+    assert waiting_large.record.state is S.PREFILL_READY
+    assert small.record.state is S.PREFILL_READY
+    late = flight("late", 800)
+    ledger.add(late)
+    with pytest.raises(OverloadError) as timeout:
+        await ledger.admit(late)
+    assert timeout.value.reason == "queue_timeout"
+    assert ledger.queued == 0
+    huge = flight("huge", 5000)
+    ledger.add(huge)
+    with pytest.raises(OverloadError) as never:
+        await ledger.admit(huge)
+    assert never.value.reason == "too_large"
