@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 
 import msgspec
 import pytest
 from redis.asyncio import Redis
 
-from controlplane.contract import SCHEMA_VERSION, Lifecycle, SchemaError, WatermarkState, encode
+from controlplane.contract import (
+    SCHEMA_VERSION,
+    EndpointState,
+    Lifecycle,
+    SchemaError,
+    WatermarkState,
+    encode,
+)
 from controlplane.store import (
     ChangeKind,
     EndpointRegistry,
@@ -324,3 +332,45 @@ async def test_hot_prefix_overrides_are_versioned_and_expire(
     assert after.version > second.version
     with pytest.raises(ValueError, match="unsigned"):
         await registry.set_hot_prefix(-1, ["a"], ttl_s=1)
+
+
+async def test_follower_matches_the_store_through_random_operations(
+    client: Redis,
+) -> None:
+    """Seeded random writes (with trims of a short feed) and refreshes: after every
+    refresh the follower's view equals a full snapshot, deltas or resync alike."""
+    rng = random.Random(20261130)
+    registry = EndpointRegistry(client, POOL, feed_maxlen=100)
+    follower = PoolFollower(registry)
+    held: dict[str, EndpointState] = {}
+    resyncs = 0
+    for step in range(450):
+        op = rng.random()
+        eid = f"e{rng.randrange(12)}"
+        if op < 0.2 or (eid not in held and op < 0.7):
+            held[eid] = await registry.register(endpoint(eid), ttl_s=30)
+        elif op < 0.7:
+            state = msgspec.structs.replace(
+                held[eid], version=held[eid].version + 1, kv_used_tokens=step
+            )
+            if (await registry.heartbeat(state, ttl_s=30)).status is HeartbeatStatus.OK:
+                held[eid] = state
+        elif op < 0.78:
+            await registry.drain(eid)
+        elif op < 0.86 and eid in held:
+            await registry.deregister(eid, held.pop(eid).epoch)
+        elif op < 0.93:
+            await registry.set_hot_prefix(rng.randrange(5), [eid], ttl_s=30)
+        else:
+            await registry.remove_hot_prefix(rng.randrange(5))
+        # A long quiet stretch lets the short feed be trimmed past the follower.
+        if rng.random() < (0.0 if 100 <= step < 350 else 0.2):
+            resyncs += (await follower.refresh()).resynced
+            view, full = follower.snapshot, await registry.snapshot()
+            assert view.position == full.position
+            assert dict(view.endpoints) == dict(full.endpoints)
+            assert dict(view.lease_expires_ms) == dict(full.lease_expires_ms)
+            assert view.membership() == full.membership()
+            assert dict(view.hot_prefixes.overrides) == dict(full.hot_prefixes.overrides)
+            assert view.hot_prefixes.version == full.hot_prefixes.version
+    assert resyncs >= 2  # the first sync and at least one gap after a trim
