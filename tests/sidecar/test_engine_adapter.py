@@ -1,0 +1,55 @@
+"""The SGLang adapter against both protocol versions of the reference engine."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from engine_sidecar.engine import EngineError, SGLangEngine
+from fleetsim.server import serve_engine
+from tests.sidecar.conftest import MODEL, REFERENCE_ENGINE_WARNINGS, engine_config
+
+pytestmark = REFERENCE_ENGINE_WARNINGS
+
+
+@pytest.mark.parametrize(("version", "loads_api"), [("0.5.5", "get_load"), ("0.5.23", "v1_loads")])
+async def test_detects_the_version_and_uses_its_endpoints(version: str, loads_api: str) -> None:
+    async with serve_engine(engine_config(speed_factor=4.0), api_version=version) as running:
+        engine = SGLangEngine(running.url)
+        try:
+            info = await engine.server_info()
+            assert (info.version, info.loads_api, info.model) == (version, loads_api, MODEL)
+            assert info.kv_capacity_tokens == 8192
+            body = {
+                "text": "load me",
+                "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True},
+                "stream": True,
+                "rid": "weir-adapter-test-rid-0001",
+            }
+            async with engine.open("/generate", body) as stream:
+                assert stream.status == 200
+                batches = stream.batches()
+                first = await anext(batches)
+                load = await engine.load()
+                assert load.running_requests == 1
+                assert load.used_tokens > 0
+                await engine.abort("weir-adapter-test-rid-0001")
+                events = [e for batch in [first, *[b async for b in batches]] for e in batch]
+            last = msgspec.json.decode([e for e in events if not e.done][-1].data)
+            assert last["meta_info"]["finish_reason"]["type"] == "abort"
+            await engine.pause()
+            await engine.resume()
+            assert (await engine.load()).running_requests == 0
+        finally:
+            await engine.close()
+
+
+async def test_an_engine_that_is_not_there_is_an_engine_error() -> None:
+    engine = SGLangEngine("http://127.0.0.1:9")
+    try:
+        with pytest.raises(EngineError):
+            await engine.server_info()
+        with pytest.raises(EngineError):
+            await engine.abort("weir-nobody")
+    finally:
+        await engine.close()
