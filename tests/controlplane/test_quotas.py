@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import random
 
 import pytest
 from redis.asyncio import Redis
 
 from controlplane.contract import SCHEMA_VERSION, SchemaError, TenantQuota
 from controlplane.store import Amounts, QuotaStore
+from controlplane.store.scripts import as_text
 from tests.controlplane.records import POOL
 
 pytestmark = pytest.mark.redis
@@ -156,3 +158,49 @@ async def test_bad_quota_input_is_refused(quotas: QuotaStore) -> None:
     assert await quotas.get_quota("a") == TenantQuota(
         name="a", priority_class="x", reserved_fraction=0.7
     )
+
+
+async def test_no_ghost_reservations_after_random_charges_releases_and_crashes(
+    client: Redis,
+) -> None:
+    """Seeded random charges and releases from three holders, one of which crashes: after
+    the survivors release and the crashed holder is reaped, nothing is held anywhere."""
+    rng = random.Random(7)
+    store = QuotaStore(client, POOL)
+    await store.set_capacity(20)
+    await store.set_quota(TenantQuota(name="gold-co", priority_class="gold",
+                                      reserved_fraction=0.25, max_concurrency=8))  # fmt: skip
+    await store.set_quota(TenantQuota(name="bulk-co", max_concurrency=15))
+    holders = {"router-1": 30.0, "router-2": 30.0, "doomed": 0.3}
+    for holder, ttl in holders.items():
+        await store.renew_holder(holder, ttl)
+    held: dict[tuple[str, str], str] = {}
+    for i in range(300):
+        holder = rng.choice(list(holders))
+        if held and rng.random() < 0.4:
+            key = rng.choice(sorted(held))
+            assert await store.release(*key)
+            del held[key]
+            continue
+        tenant = rng.choice(["gold-co", "bulk-co"])
+        result = await store.charge(tenant, holder, f"r{i}", Amounts(concurrency=1))
+        if result.granted:
+            held[(holder, f"r{i}")] = tenant
+        else:
+            assert result.reason in ("concurrency", "class_capacity", "holder_expired")
+        in_use = (await store.usage("gold-co")).concurrency + (
+            await store.usage("bulk-co")
+        ).concurrency
+        assert in_use == len(held) <= 20
+    for key in [k for k in held if k[0] != "doomed"]:
+        assert await store.release(*key)
+    async with asyncio.timeout(30):
+        while True:
+            if "doomed" in await store.reap_holders():
+                break
+            await asyncio.sleep(0.05)
+    assert (await store.usage("gold-co")).concurrency == 0
+    assert (await store.usage("bulk-co")).concurrency == 0
+    classes = await client.hgetall(store.keys.classes)
+    assert all(int(v) == 0 for k, v in classes.items() if as_text(k).startswith("u:"))
+    assert await client.hlen(store.keys.charges) == 0
