@@ -22,7 +22,7 @@ import msgspec
 import yaml
 from aiohttp import web
 
-from controlplane.contract import PoolPolicy, WatermarkState, decode_json
+from controlplane.contract import PoolPolicy, SchemaError, WatermarkState, decode_json
 from controlplane.store.connection import RedisSettings, connect
 from engine_sidecar.control import ControlLink
 from engine_sidecar.engine import EngineAdapter, EngineError, EngineInfo, SGLangEngine
@@ -51,7 +51,10 @@ def load_policy(path: str | Path) -> PoolPolicy:
     """A PoolPolicy from a JSON or YAML file (the operator's ConfigMap), strictly checked."""
     text = Path(path).read_text()
     if str(path).endswith((".yaml", ".yml")):
-        text = msgspec.json.encode(yaml.safe_load(text)).decode()
+        try:
+            text = msgspec.json.encode(yaml.safe_load(text)).decode()
+        except (yaml.YAMLError, TypeError) as exc:
+            raise SchemaError(f"malformed PoolPolicy YAML: {exc}") from exc
     return decode_json(text, PoolPolicy)
 
 

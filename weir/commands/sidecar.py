@@ -77,7 +77,13 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
-    policy = load_policy(args.policy_file) if args.policy_file else None
+    from controlplane.contract import SchemaError
+
+    try:
+        policy = load_policy(args.policy_file) if args.policy_file else None
+    except (OSError, SchemaError, ValueError) as exc:
+        sys.stderr.write(f"weir sidecar: bad --policy-file {args.policy_file}: {exc}\n")
+        return 2
     if policy is not None and policy.pool != args.pool and args.pool != "default":
         sys.stderr.write(f"weir sidecar: --pool {args.pool} but the policy is for {policy.pool}\n")
         return 2
