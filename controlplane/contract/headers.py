@@ -1,0 +1,23 @@
+"""HTTP headers between clients, routers and sidecars: named once, here.
+
+A client may send the first three (the router also accepts body fields, see
+`controlplane.gateway.requests`); a router sets all of them on the request it forwards to a
+sidecar, and a sidecar trusts them only from its router.
+"""
+
+from typing import Final
+
+PRIORITY: Final = "x-weir-priority"
+"""Integer in [-1000, 1000]; higher runs first."""
+DEADLINE_MS: Final = "x-weir-deadline-ms"
+"""Time budget in milliseconds, counted from when the receiver got the request."""
+TENANT: Final = "x-weir-tenant"
+"""The tenant the router resolved from the API key ("default" when keys are off)."""
+REQUEST_ID: Final = "x-weir-request-id"
+"""The router's id of the client request, stable across retries and resumes."""
+MIGRATABLE: Final = "x-weir-migratable"
+"""`1` when the router can splice a `weir.preempted` continuation into the client's stream."""
+HANDOFF_CREDIT: Final = "x-weir-handoff-credit"
+"""The decode credit a prefill pool's request holds."""
+ENDPOINT: Final = "x-weir-endpoint"
+"""Set on the router's reply: the endpoint that served the request."""
