@@ -44,10 +44,14 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
     return mixed
 
 
-def _member_points(member: str, vnodes: int) -> np.ndarray:
-    seed = int.from_bytes(blake2b(member.encode(), digest_size=8).digest(), "little")
+def _ring_points(members: tuple[str, ...], vnodes: int) -> np.ndarray:
+    """Each member's `vnodes` points, member by member (a row per member)."""
+    seeds = np.array(
+        [int.from_bytes(blake2b(m.encode(), digest_size=8).digest(), "little") for m in members],
+        dtype=np.uint64,
+    )
     steps = np.arange(vnodes, dtype=np.uint64) * _GOLDEN
-    return _splitmix64(steps + np.uint64(seed))
+    return _splitmix64(seeds[:, None] + steps[None, :]).ravel()
 
 
 class OwnershipRing:
@@ -68,11 +72,15 @@ class OwnershipRing:
             self._bucket_start: Sequence[int] = array("I")
             self._shift = 64
             return
-        points = np.concatenate([_member_points(m, vnodes) for m in members])
+        points = _ring_points(members, vnodes)
         owners = np.repeat(np.arange(len(members)), vnodes)
-        # Sort by point, ties (astronomically rare) broken by member order: deterministic.
-        order = np.lexsort((owners, points))
+        order = np.argsort(points)
         points, owners = points[order], owners[order]
+        if np.any(points[1:] == points[:-1]):
+            # Tied points (astronomically rare): break ties by member order, so every
+            # reader's ring is the same whatever its sort algorithm did.
+            order = np.lexsort((owners, points))
+            points, owners = points[order], owners[order]
         second = _next_distinct(owners)
         names = np.array([*members, ""], dtype=object)  # index -1 is "": no secondary
         # Flat machine arrays, not lists of Python ints: 8 bytes a point instead of ~40.
@@ -85,10 +93,9 @@ class OwnershipRing:
         # scattered ints, which costs microseconds.
         bits = max(4, min(20, (len(self._points) * 2).bit_length()))
         self._shift = 64 - bits
-        edges = np.arange(1 << bits, dtype=np.uint64) << np.uint64(self._shift)
-        starts = np.searchsorted(points, edges, side="left").astype(np.uint32)
+        counts = np.bincount(points >> np.uint64(self._shift), minlength=1 << bits)
+        starts = np.concatenate(([0], np.cumsum(counts))).astype(np.uint32)
         self._bucket_start = array("I", starts.tobytes())
-        self._bucket_start.append(len(self._points))
 
     @property
     def version(self) -> int:
