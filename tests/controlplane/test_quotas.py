@@ -92,7 +92,7 @@ async def test_subsets_of_dimensions_from_router_and_sidecar(quotas: QuotaStore)
     assert (more_kv.granted, more_kv.reason) == (False, "kv_token_seconds")
     usage = await quotas.usage("acme")
     assert usage.concurrency == 1
-    assert usage.kv_token_seconds_left <= 1_000 + 1
+    assert usage.kv_token_seconds_left < 2_000  # the refused charge still would not fit
 
 
 async def test_crashed_holder_charges_come_back(quotas: QuotaStore) -> None:
