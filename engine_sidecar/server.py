@@ -91,8 +91,10 @@ async def _poll_engine(service: SidecarService, every_s: float) -> None:
         try:
             load = await service.engine.load()
             service.ledger.observe_engine(load.used_tokens, load.sampled_at)
+            service.engine_ok = True
         except EngineError as exc:
             log.debug("engine load: %s", exc)
+            service.engine_ok = False
         await asyncio.sleep(every_s)
 
 

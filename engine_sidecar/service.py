@@ -121,6 +121,7 @@ class SidecarService:
             context_length=min(policy.context_length, info.context_length or policy.context_length),
         )
         self.draining = False
+        self.engine_ok = True  # the engine answered its last load poll
         self.quota: KVQuota | None = None  # installed with the control-plane link
         self.on_drain: Callable[[], Awaitable[None]] | None = None  # the control-plane link
         self._origins: dict[str, _Origin] = {}
@@ -182,6 +183,8 @@ class SidecarService:
     async def handle_health(self, request: web.Request) -> web.Response:
         if self.draining:
             return web.json_response({"status": "draining"}, status=503)
+        if not self.engine_ok:
+            return web.json_response({"status": "engine_unreachable"}, status=503)
         return web.json_response({"status": "ok"})
 
     async def handle_metrics(self, request: web.Request) -> web.Response:

@@ -73,3 +73,11 @@ async def test_refuses_a_bad_policy_file(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert b"bad --policy-file" in err
     assert b"watermark" in err
+
+
+def test_the_package_exports_what_it_documents() -> None:
+    import engine_sidecar
+
+    for name in engine_sidecar.__all__:
+        assert getattr(engine_sidecar, name) is not None
+    assert sorted(engine_sidecar.__all__) == sorted(engine_sidecar._EXPORTS)
