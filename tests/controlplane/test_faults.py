@@ -14,6 +14,7 @@ from controlplane.contract import EndpointState
 from controlplane.store import (
     EndpointLease,
     EndpointRegistry,
+    FencedError,
     PoolFollower,
     RedisSettings,
     connect,
@@ -210,3 +211,18 @@ async def test_unreachable_redis_keeps_the_last_view(fresh_redis: RedisServer) -
         assert after.server_time_ms >= before.server_time_ms  # staleness stays measurable
     finally:
         await client.aclose()
+
+
+async def test_a_fenced_lease_stops_writing_for_good(registry: EndpointRegistry) -> None:
+    old, successor = EndpointLease(registry, ttl_s=30), EndpointLease(registry, ttl_s=30)
+    await old.beat(endpoint("e0", kv_used_tokens=1))
+    await successor.beat(endpoint("e0", kv_used_tokens=2))  # the same id, registered again
+    await successor.beat(endpoint("e0", kv_used_tokens=3))
+    for _ in range(2):
+        with pytest.raises(FencedError):
+            await old.beat(endpoint("e0", kv_used_tokens=666))
+    assert not await old.release()
+    stored = (await registry.snapshot()).endpoints["e0"]
+    assert (stored.epoch, stored.version, stored.kv_used_tokens) == (successor.epoch, 2, 3)
+    assert await successor.release()
+    assert (await registry.snapshot()).endpoints == {}
