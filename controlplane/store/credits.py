@@ -8,14 +8,13 @@ bytes return to the class's budget, so a lost prefill never strands decode capac
 
 from __future__ import annotations
 
-import math
 import uuid
 from dataclasses import dataclass
 
 from redis.asyncio import Redis
 
 from controlplane.contract import HandoffCredit
-from controlplane.store.keys import PoolKeys, check_name
+from controlplane.store.keys import PoolKeys, check_name, ttl_ms
 from controlplane.store.scripts import as_text, script
 
 _ISSUE = script("credit_issue.lua", "_credit.lua")
@@ -70,13 +69,12 @@ class CreditStore:
         `credit_id` returns the same credit (a retried call promises nothing twice)."""
         check_name("decode class", decode_class)
         _positive_int("kv_bytes", kv_bytes)
-        if not (isinstance(ttl_s, int | float) and math.isfinite(ttl_s) and 0 < ttl_s <= 3600):
-            raise ValueError(f"credit ttl must be in (0, 3600] seconds, got {ttl_s!r}")
+        lifetime_ms = ttl_ms("credit", ttl_s, max_s=3600)
         credit_id = check_name("credit id", credit_id or uuid.uuid4().hex)
         reply = await _ISSUE(
             self.redis,
             self._keys,
-            (credit_id, decode_class, kv_bytes, max(1, round(ttl_s * 1000)), self.sweep_limit),
+            (credit_id, decode_class, kv_bytes, lifetime_ms, self.sweep_limit),
         )
         if int(reply[0]) == 1:
             return HandoffCredit(

@@ -2,12 +2,13 @@
 
 `weir:{pool}:...` puts all of a pool's keys in one Redis Cluster slot, so every Lua script
 touches a single slot and runs unchanged on a standalone server, behind Sentinel or on a
-cluster. Names are validated here because a name with a brace, a glob character or a space
+cluster. Names (and TTLs, which every script takes) are validated here because a name with a brace, a glob character or a space
 would break the hash tag, pattern scans or the scripts' space-separated metadata.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -27,6 +28,13 @@ def check_name(kind: str, name: str) -> str:
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise ValueError(f"invalid {kind} {name!r}: 1-253 characters of letters, digits and ._:/@-")
     return name
+
+
+def ttl_ms(what: str, ttl_s: float, max_s: float = 86_400) -> int:
+    """`ttl_s` in whole milliseconds (at least 1), if it is a finite number in (0, max_s]."""
+    if not (isinstance(ttl_s, int | float) and math.isfinite(ttl_s) and 0 < ttl_s <= max_s):
+        raise ValueError(f"{what} ttl must be in (0, {max_s:g}] seconds, got {ttl_s!r}")
+    return max(1, round(ttl_s * 1000))
 
 
 @dataclass(frozen=True, slots=True)

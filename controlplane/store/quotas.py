@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from redis.asyncio import Redis
 
 from controlplane.contract import SCHEMA_VERSION, SchemaError, TenantQuota, decode, encode
-from controlplane.store.keys import PoolKeys, check_name
+from controlplane.store.keys import PoolKeys, check_name, ttl_ms
 from controlplane.store.scripts import as_text, script
 
 _CHARGE = script("quota_charge.lua", "_quota.lua")
@@ -66,12 +66,6 @@ class TenantUsage:
     input_tokens_left: float
     output_tokens_left: float
     kv_token_seconds_left: float
-
-
-def _ttl_ms(ttl_s: float) -> int:
-    if not (isinstance(ttl_s, int | float) and math.isfinite(ttl_s) and 0 < ttl_s <= 86_400):
-        raise ValueError(f"holder lease ttl must be in (0, 86400] seconds, got {ttl_s!r}")
-    return max(1, round(ttl_s * 1000))
 
 
 def _check_quota(quota: TenantQuota) -> None:
@@ -144,7 +138,9 @@ class QuotaStore:
     async def renew_holder(self, holder: str, ttl_s: float) -> int:
         """Start or renew `holder`'s lease; returns its expiry (server ms)."""
         lease = await _RENEW(
-            self.redis, (self.keys.holders,), (check_name("holder", holder), _ttl_ms(ttl_s))
+            self.redis,
+            (self.keys.holders,),
+            (check_name("holder", holder), ttl_ms("holder lease", ttl_s)),
         )
         return int(lease)
 

@@ -29,7 +29,7 @@ from controlplane.contract import (
     encode,
 )
 from controlplane.ownership import HotPrefix, HotPrefixOverride, HotPrefixTable
-from controlplane.store.keys import PoolKeys, check_name
+from controlplane.store.keys import PoolKeys, check_name, ttl_ms
 from controlplane.store.scripts import as_text, run_batch, script
 from controlplane.store.snapshot import (
     ChangeBatch,
@@ -113,12 +113,6 @@ class Reaped:
     hot_prefixes: tuple[int, ...]
 
 
-def _ttl_ms(ttl_s: float) -> int:
-    if not (isinstance(ttl_s, int | float) and math.isfinite(ttl_s) and 0 < ttl_s <= 86_400):
-        raise ValueError(f"lease ttl must be in (0, 86400] seconds, got {ttl_s!r}")
-    return max(1, round(ttl_s * 1000))
-
-
 class EndpointRegistry:
     """One pool's endpoints in Redis. Cheap to create; share the `Redis` client."""
 
@@ -174,7 +168,7 @@ class EndpointRegistry:
                 max(0, int(epoch_floor)),
                 state.lifecycle.value,
                 blob,
-                _ttl_ms(ttl_s),
+                ttl_ms("lease", ttl_s),
                 self.feed_maxlen,
             ),
         )
@@ -199,7 +193,7 @@ class EndpointRegistry:
         EXPIRED mean the caller must register again.
         """
         reply = await _HEARTBEAT(
-            self.redis, self.keys.endpoint_keys, self._heartbeat_args(state, _ttl_ms(ttl_s))
+            self.redis, self.keys.endpoint_keys, self._heartbeat_args(state, ttl_ms("lease", ttl_s))
         )
         result = _heartbeat_result(reply)
         if result.status is HeartbeatStatus.FENCED:
@@ -211,8 +205,8 @@ class EndpointRegistry:
     ) -> list[HeartbeatResult]:
         """Heartbeats for many endpoints in one pipelined round trip (a simulator, a local
         fleet, the benchmark). FENCED is returned as a status here, not raised."""
-        ttl_ms = _ttl_ms(ttl_s)
-        calls = [(self.keys.endpoint_keys, self._heartbeat_args(s, ttl_ms)) for s in states]
+        lease_ms = ttl_ms("lease", ttl_s)
+        calls = [(self.keys.endpoint_keys, self._heartbeat_args(s, lease_ms)) for s in states]
         replies = await run_batch(self.redis, _HEARTBEAT, calls)
         results = []
         for reply in replies:
@@ -274,7 +268,7 @@ class EndpointRegistry:
         version, expires = await _HOT_SET(
             self.redis,
             (self.keys.hot, self.keys.hot_expiry, self.keys.counters, self.keys.changes),
-            (_prefix_key(key), encode(HotPrefix(extra_owners=owners)), _ttl_ms(ttl_s),
+            (_prefix_key(key), encode(HotPrefix(extra_owners=owners)), ttl_ms("hot-prefix", ttl_s),
              self.feed_maxlen),
         )  # fmt: skip
         return HotPrefixOverride(key, owners, int(version), int(expires))
