@@ -58,8 +58,7 @@ class EndpointLease:
         if self.fenced is not None:
             raise self.fenced
         if self.epoch == 0:
-            stored = await self.register(state)
-            return HeartbeatResult(HeartbeatStatus.OK, stored.epoch, stored.version, "", 0)
+            return self._registered(await self.register(state))
         attempt = msgspec.structs.replace(state, epoch=self.epoch, version=self.version + 1)
         try:
             result = await self.registry.heartbeat(attempt, self.ttl_s)
@@ -75,9 +74,15 @@ class EndpointLease:
         elif result.must_register:
             log.info("endpoint %s: store answered %s; registering again",
                      state.endpoint_id, result.status)  # fmt: skip
-            stored = await self.register(state)
-            return HeartbeatResult(HeartbeatStatus.OK, stored.epoch, stored.version, "", 0)
+            return self._registered(await self.register(state))
         return result
+
+    @staticmethod
+    def _registered(stored: EndpointState) -> HeartbeatResult:
+        # A registration reports no lease expiry: the snapshot has it.
+        return HeartbeatResult(
+            HeartbeatStatus.OK, stored.epoch, stored.version, stored.lifecycle.value, 0
+        )
 
     async def run(self, current_state: Callable[[], EndpointState], period_s: float) -> None:
         """Beat every `period_s` until cancelled or fenced. Redis errors are logged and
