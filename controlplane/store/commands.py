@@ -90,20 +90,15 @@ class CommandChannel:
         stream = self.keys.commands(endpoint_id)
         check_name("consumer", consumer)
         await self._ensure_group(stream)
-        reply = await self.redis.xautoclaim(
-            stream, GROUP, consumer, self.redeliver_after_ms, "0-0", count=count
-        )
-        entries, redelivered = reply[1], True
-        if not entries:
-            read: Any = await self.redis.xreadgroup(
-                GROUP,
-                consumer,
-                {stream: ">"},
-                count=count,
-                block=None if block_s <= 0 else max(1, round(block_s * 1000)),
-            )
-            entries = read[0][1] if read else []
-            redelivered = False
+        try:
+            entries, redelivered = await self._read(stream, consumer, count, block_s)
+        except ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            # Redis lost the stream (a restart without persistence): start it again.
+            self._groups.discard(stream)
+            await self._ensure_group(stream)
+            entries, redelivered = await self._read(stream, consumer, count, block_s)
         deliveries = []
         for entry_id, fields in entries:
             eid = as_text(entry_id)
@@ -115,6 +110,24 @@ class CommandChannel:
                 continue
             deliveries.append(Delivery(eid, command, redelivered))
         return deliveries
+
+    async def _read(
+        self, stream: str, consumer: str, count: int, block_s: float
+    ) -> tuple[list[Any], bool]:
+        """(entries, redelivered): overdue unacknowledged entries, else new ones."""
+        claimed: Any = await self.redis.xautoclaim(
+            stream, GROUP, consumer, self.redeliver_after_ms, "0-0", count=count
+        )
+        if claimed[1]:
+            return list(claimed[1]), True
+        read: Any = await self.redis.xreadgroup(
+            GROUP,
+            consumer,
+            {stream: ">"},
+            count=count,
+            block=None if block_s <= 0 else max(1, round(block_s * 1000)),
+        )
+        return (list(read[0][1]) if read else []), False
 
     async def ack(self, endpoint_id: str, entry_id: str) -> bool:
         """Acknowledge an executed command; False if it was not pending."""

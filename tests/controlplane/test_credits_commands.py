@@ -145,3 +145,12 @@ async def test_bad_commands_are_refused_and_unreadable_entries_dropped(client: R
     got = await channel.receive("ep-1", "s")
     assert [d.command.command_id for d in got] == ["c1"]
     assert await channel.pending("ep-1") == 1  # the garbage was acknowledged and dropped
+
+
+async def test_command_channel_survives_redis_losing_the_stream(client: Redis) -> None:
+    channel = CommandChannel(client, POOL)
+    assert await channel.receive("ep-1", "s") == []
+    await client.flushall()  # what a restart without persistence leaves
+    await channel.send(_command("c1"))
+    got = await channel.receive("ep-1", "s")
+    assert [d.command.command_id for d in got] == ["c1"]
