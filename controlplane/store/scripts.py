@@ -1,9 +1,10 @@
 """Lua scripts: one purpose per `.lua` file, loaded as package data, called by SHA.
 
 Every script is prefixed with `lua/_feed.lua` (the change-feed publisher and the server
-clock) and any further preludes it names (`_quota.lua`), so shared pieces are written once. The SHA is computed locally; a call goes out
-as EVALSHA and only a NOSCRIPT reply (a restarted server, a promoted replica) makes the
-client load the source and retry, so the script text crosses the wire once per server.
+clock) and any further preludes it names (`_quota.lua`, `_credit.lua`), so shared pieces
+are written once. The SHA is computed locally; a call goes out as EVALSHA and only a
+NOSCRIPT reply (a restarted server, a promoted replica) makes the client load the source
+and retry, so the script text crosses the wire once per server.
 """
 
 from __future__ import annotations
