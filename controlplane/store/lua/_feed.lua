@@ -9,7 +9,7 @@
 --
 -- An endpoint has two fields in weir:{pool}:state: '<id>' = 'epoch version lifecycle
 -- lease_ms' (the fencing metadata the scripts check) and '<id>#' = its EndpointState as
--- written (msgpack). '#' cannot occur in an id, and the scripts never touch the blob.
+-- written (msgpack). '#' cannot occur in an id; scripts store and publish the blob as given.
 --
 -- publish(): append one change to the pool's change stream. Entry ids are `0-<seq>`, the
 -- stream numbering its own entries (XADD 0-*), so a reader asks for "everything after
