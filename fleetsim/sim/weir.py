@@ -155,7 +155,6 @@ class WeirPolicy:
         self.queue: FairQueue[Flight] = FairQueue(max_wait_s=CONTINUATION_MAX_WAIT_S)
         self._states: dict[int, EndpointState] = {}
         self._leases: dict[int, float] = {}
-        self._visible_at: dict[int, float] = {}
         self._dispatches: list[deque[float]] = []
         self._snapshot: PoolSnapshot | None = None
         self._where: dict[str, int] = {}
@@ -163,8 +162,6 @@ class WeirPolicy:
         self._queued: dict[str, Flight] = {}
         self.ring = OwnershipRing(Membership.of(0, ()))
         self._owner_cache: dict[str, tuple[int, tuple[str, ...]]] = {}
-        self.relief_actions: dict[str, int] = {}
-        self.router_refusals: dict[str, int] = {}
 
     @property
     def sim(self) -> Simulation:
@@ -172,7 +169,8 @@ class WeirPolicy:
         return self._sim
 
     def tune(self, config: EngineConfig, fleet: FleetConfig) -> EngineConfig:
-        """Weir's engine flags: priority scheduling with aging, prefill yielding."""
+        """Weir's engine flags: priority scheduling with aging, prefill yielding, mixed
+        prefill/decode iterations with a bounded prefill time per iteration."""
         policy = self.pool_policy or fleet.policy
         return config.replace(
             enable_priority_scheduling=True,
@@ -263,7 +261,6 @@ class WeirPolicy:
     def _publish(self, index: int, state: EndpointState, lease: float, taken_at: float) -> None:
         self._states[index] = state
         self._leases[index] = lease
-        self._visible_at[index] = taken_at
         dispatched = self._dispatches[index]
         while dispatched and dispatched[0] <= taken_at:
             dispatched.popleft()
@@ -313,8 +310,6 @@ class WeirPolicy:
         while True:
             decision = self.profile.decide(request, self._context(now))
             if not decision.endpoint_id:
-                refusal = decision.refusal
-                self.router_refusals[refusal] = self.router_refusals.get(refusal, 0) + 1
                 return False
             index = int(decision.endpoint_id.rsplit("-", 1)[1])
             if self.sim.engines[index].alive:
@@ -456,7 +451,10 @@ class WeirPolicy:
             if decision.verdict is AdmissionVerdict.REFUSE:
                 del sidecar.queue[queued.rid]
                 self._where.pop(flight.rid, None)
-                sim.end(flight, FinishReason.OVERLOAD, now, f"sidecar: {decision.reason}")
+                # A request that can never fit is refused; a continuation that no longer
+                # fits (it grew) has nowhere to go and ends as aborted.
+                ending = FinishReason.ABORTED if flight.generated else FinishReason.OVERLOAD
+                sim.end(flight, ending, now, f"sidecar: {decision.reason}")
                 continue
             if decision.verdict is AdmissionVerdict.WAIT:
                 if decision.reason != "kv_reserve":
@@ -531,7 +529,6 @@ class WeirPolicy:
         sidecar.admission_paused = plan.admission_paused
         for victim in plan.victims:
             flight = sidecar.held[victim.rid].flight
-            self.relief_actions[victim.mode] = self.relief_actions.get(victim.mode, 0) + 1
             self._release(sidecar, flight)
             self.sim.withdraw(flight, now)
             flight.recomputed_tokens += flight.spec.input_tokens + flight.generated
