@@ -14,7 +14,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from controlplane.contract import Role
 from controlplane.routing.snapshot import EndpointView, RouteRequest, RoutingContext
 
 
@@ -38,47 +37,48 @@ class CostModel:
     ttft_slo_s: float = 2.0
     load_penalty_s: float = 0.1
 
-    # Each term is computed for all candidates in one call: a decision is a few dozen
-    # of these, and per-candidate method calls would cost more than the arithmetic.
+    # Each term is computed for all candidates in one call, from the views' flat derived
+    # fields: a decision is a few dozen of these, and per-candidate method calls or
+    # nested attribute reads would cost more than the arithmetic.
 
     def uncached_prefill_s(
         self, request: RouteRequest, cached_tokens: Sequence[int]
     ) -> list[float]:
         """Prefill time of the prompt tokens each candidate does not hold."""
         prompt, rate = request.prompt_tokens, self.prefill_tokens_per_s
-        return [max(0, prompt - cached) / rate for cached in cached_tokens]
+        return [(prompt - cached) / rate if cached < prompt else 0.0 for cached in cached_tokens]
 
     def queue_s(self, views: Sequence[EndpointView], ctx: RoutingContext) -> list[float]:
         """Waiting prefill tokens plus queued requests, counting what this router sent
         since each endpoint's last heartbeat."""
         inflight, rate, per_request = ctx.inflight, self.prefill_tokens_per_s, self.queued_request_s
+        if not inflight:
+            return [
+                v.waiting_prefill_tokens / rate + v.queued_requests * per_request for v in views
+            ]
         return [
-            v.state.waiting_prefill_tokens / rate
-            + (v.state.queued_requests + inflight.get(v.endpoint_id, 0)) * per_request
+            v.waiting_prefill_tokens / rate
+            + (v.queued_requests + inflight.get(v.endpoint_id, 0)) * per_request
             for v in views
         ]
 
     def transfer_s(self, request: RouteRequest, views: Sequence[EndpointView]) -> list[float]:
         """A prefill endpoint ships the prompt's KV to a decode endpoint afterwards."""
         shipped = request.prompt_tokens * self.kv_bytes_per_token / self.transfer_bytes_per_s
-        return [shipped if v.state.role is Role.PREFILL else 0.0 for v in views]
-
-    def committed_after(self, request: RouteRequest, views: Sequence[EndpointView]) -> list[float]:
-        """Fraction of each endpoint's KV committed if it admits this request: used, the
-        reserved growth of what runs there, this prompt and its expected output."""
-        own = request.prompt_tokens + request.max_new_tokens * self.expected_output_fraction
-        return [
-            (v.kv_committed_tokens + own) / v.state.kv_capacity_tokens
-            if v.state.kv_capacity_tokens > 0
-            else 1.0
-            for v in views
-        ]
+        return [shipped if v.is_prefill else 0.0 for v in views]
 
     def future_kv_s(self, request: RouteRequest, views: Sequence[EndpointView]) -> list[float]:
-        penalty = self.kv_penalty_s
+        """Grows without bound with the fraction `c` of each endpoint's KV committed if it
+        admits this request: used, the reserved growth of what runs there, this prompt
+        and its expected output (`penalty * c^2 / (1 - c)`)."""
+        own = request.prompt_tokens + request.max_new_tokens * self.expected_output_fraction
+        penalty, full = self.kv_penalty_s, self.kv_penalty_s * 1e3
         return [
-            penalty * c * c / (1.0 - c) if c < 1.0 else penalty * 1e3
-            for c in self.committed_after(request, views)
+            penalty * c * c / (1.0 - c)
+            if v.kv_capacity_tokens > 0
+            and (c := (v.kv_committed_tokens + own) / v.kv_capacity_tokens) < 1.0
+            else full
+            for v in views
         ]
 
     def slo_risk_s(
@@ -87,15 +87,19 @@ class CostModel:
         """Seconds by which the request is expected to miss its TTFT objective or its
         deadline on each endpoint (0 when it is expected to make both), given each one's
         queue."""
-        prefill = request.prompt_tokens / self.prefill_tokens_per_s
-        slo, deadline, tokens = self.ttft_slo_s, request.deadline_s, request.max_new_tokens
+        base = request.prompt_tokens / self.prefill_tokens_per_s - self.ttft_slo_s
+        deadline, tokens = request.deadline_s, request.max_new_tokens
+        if deadline <= 0:
+            return [
+                late if (late := queued + base + v.predicted_ttft_s) > 0.0 else 0.0
+                for v, queued in zip(views, queue_s, strict=True)
+            ]
+        slo = self.ttft_slo_s
         risks = []
         for v, queued in zip(views, queue_s, strict=True):
-            first_token = queued + prefill + v.state.predicted_ttft_s
-            risk = max(0.0, first_token - slo)
-            if deadline > 0:
-                risk += max(0.0, first_token + tokens * v.state.predicted_tpot_s - deadline)
-            risks.append(risk)
+            late = queued + base + v.predicted_ttft_s  # first token, past the objective
+            missed = late + slo + tokens * v.predicted_tpot_s - deadline
+            risks.append((late if late > 0.0 else 0.0) + (missed if missed > 0.0 else 0.0))
         return risks
 
     def load_penalty(
@@ -103,7 +107,14 @@ class CostModel:
     ) -> list[float]:
         """Grows with how far each endpoint's load is above the pool's mean."""
         inflight, scale = ctx.inflight, self.load_penalty_s / (mean_load + 1.0)
+        if not inflight:
+            return [
+                scale * (v.reported_load - mean_load) if v.reported_load > mean_load else 0.0
+                for v in views
+            ]
         return [
-            scale * max(0.0, v.reported_load + inflight.get(v.endpoint_id, 0) - mean_load)
+            scale * (load - mean_load)
+            if (load := v.reported_load + inflight.get(v.endpoint_id, 0)) > mean_load
+            else 0.0
             for v in views
         ]

@@ -45,14 +45,9 @@ class RoleModelAdapterMatch:
     def filter(self, cycle: Cycle, candidates: Sequence[EndpointView]) -> list[EndpointView]:
         request = cycle.request
         model, adapter, role = request.model, request.adapter, request.role
-        kept = []
-        for e in candidates:
-            s = e.state
-            if s.model != model or s.role is not role:
-                continue
-            if adapter and adapter not in s.adapters:
-                continue
-            kept.append(e)
+        kept = [e for e in candidates if e.state.model == model and e.state.role is role]
+        if adapter:
+            return [e for e in kept if adapter in e.state.adapters]
         return kept
 
 
@@ -84,4 +79,6 @@ class BoundedLoad:
         ready = len(cycle.ctx.snapshot.preferred) or 1
         bound = math.ceil(self.factor * (cycle.mean_load * ready + 1.0) / ready)
         inflight = cycle.ctx.inflight
+        if not inflight:
+            return [e for e in candidates if e.reported_load < bound]
         return [e for e in candidates if e.reported_load + inflight.get(e.endpoint_id, 0) < bound]

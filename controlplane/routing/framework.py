@@ -15,23 +15,42 @@ snapshot's least pressured endpoints (power of k choices over a presorted list).
 from __future__ import annotations
 
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from operator import mul
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Protocol
 
 from controlplane.routing.snapshot import EndpointView, RouteRequest, RoutingContext
 
+if TYPE_CHECKING:
+    from controlplane.routing.cost import CostModel
 
-@dataclass(frozen=True, slots=True)
+
+@dataclass(slots=True)
 class Cycle:
     """One routing decision's inputs, with what every plugin would otherwise recompute:
-    the prefix holders (endpoint -> leading blocks it probably caches) and the pool's
-    mean load."""
+    the prefix holders (endpoint -> leading blocks it probably caches), the pool's mean
+    load, and the candidates' queue term, which several scorers read. Plugins only read
+    it (not frozen because a frozen dataclass costs a microsecond more to build, and one
+    is built per decision)."""
 
     request: RouteRequest
     ctx: RoutingContext
     holders: Mapping[str, int]
     mean_load: float
+    _queues: dict[int, tuple[Sequence[EndpointView], list[float]]] = field(
+        default_factory=dict, repr=False, compare=False
+    )
+
+    def queue_s(self, cost: CostModel, candidates: Sequence[EndpointView]) -> list[float]:
+        """`cost.queue_s` of these candidates, computed once per decision and cost model."""
+        known = self._queues.get(id(cost))
+        if known is not None and known[0] is candidates:
+            return known[1]
+        queues = cost.queue_s(candidates, self.ctx)
+        self._queues[id(cost)] = (candidates, queues)
+        return queues
 
 
 class Filter(Protocol):
@@ -48,6 +67,10 @@ class Scorer(Protocol):
     name: str
 
     def score(self, cycle: Cycle, candidates: Sequence[EndpointView]) -> list[float]: ...
+
+
+FilterFn = Callable[[Cycle, Sequence[EndpointView]], list[EndpointView]]
+ScoreFn = Callable[[Cycle, Sequence[EndpointView]], list[float]]
 
 
 class Picker(Protocol):
@@ -79,18 +102,40 @@ class DecisionReason:
     NO_CANDIDATE = "no_candidate"
 
 
+_NO_HOLDERS: Mapping[str, int] = MappingProxyType({})
+_NO_REJECTIONS: Mapping[str, int] = MappingProxyType({})
+
+
 @dataclass(frozen=True, slots=True)
 class Decision:
     """The picked endpoint (empty when none is eligible) and the fallbacks in retry
     order: the secondary owner first, then the others by score. `rejected` counts how
-    many candidates each filter removed, which names the refusal when none is left."""
+    many candidates each filter removed, which names the refusal when none is left.
+
+    The fallbacks are ranked when first read: the simulator and most live requests never
+    retry, so a decision does not pay for the ranking up front."""
 
     endpoint_id: str
     reason: str
     owner_hit: bool
-    fallbacks: tuple[str, ...] = ()
     score: float = 0.0
-    rejected: Mapping[str, int] = field(default_factory=dict)
+    rejected: Mapping[str, int] = field(default_factory=lambda: _NO_REJECTIONS)
+    others: tuple[str, ...] = field(default=(), repr=False)
+    other_scores: tuple[float, ...] = field(default=(), repr=False)
+    secondary_owner: str = field(default="", repr=False)
+
+    @property
+    def fallbacks(self) -> tuple[str, ...]:
+        """The other eligible candidates in retry order: the secondary owner, then by
+        score (ties in candidate order, owners first)."""
+        scores = self.other_scores
+        ranked = sorted(range(len(scores)), key=scores.__getitem__, reverse=True)
+        order = [self.others[i] for i in ranked]
+        secondary = self.secondary_owner
+        if secondary and secondary in order and order[0] != secondary:
+            order.remove(secondary)
+            order.insert(0, secondary)
+        return tuple(order)
 
     @property
     def refusal(self) -> str:
@@ -102,8 +147,10 @@ class Decision:
 
 @dataclass(frozen=True, slots=True)
 class Profile:
-    """A fixed pipeline. `candidates` bounds how many endpoints of the least pressured
-    ones a decision looks at besides the owners and the prefix holders."""
+    """A fixed pipeline. A decision looks at a shortlist, never the whole pool: the
+    request's owners, up to `max_prefix_holders` endpoints that probably hold its
+    prefix, and `candidates` endpoints from a request-dependent window of the snapshot's
+    least pressured ones (power of k choices over a list ranked once per snapshot)."""
 
     name: str
     filters: tuple[Filter, ...]
@@ -111,86 +158,102 @@ class Profile:
     picker: Picker
     candidates: int = 4
     max_prefix_holders: int = 4
+    # Bound methods and weights, looked up once per profile instead of per decision.
+    _filter_fns: tuple[tuple[str, FilterFn], ...] = field(init=False, repr=False, compare=False)
+    _score_fns: tuple[ScoreFn, ...] = field(init=False, repr=False, compare=False)
+    _weights: tuple[float, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.scorers:
+            raise ValueError(f"profile {self.name}: a profile needs at least one scorer")
+        setattr_ = object.__setattr__
+        setattr_(self, "_filter_fns", tuple((f.name, f.filter) for f in self.filters))
+        setattr_(self, "_score_fns", tuple(ws.scorer.score for ws in self.scorers))
+        setattr_(self, "_weights", tuple(ws.weight for ws in self.scorers))
 
     def decide(self, request: RouteRequest, ctx: RoutingContext) -> Decision:
         snapshot = ctx.snapshot
-        holders: Mapping[str, int] = {}
+        holders = _NO_HOLDERS
         if ctx.prefix_index is not None and request.block_hashes:
             holders = ctx.prefix_index.holders(request.block_hashes)
         ready = len(snapshot.preferred) or 1
-        cycle = Cycle(request, ctx, holders, (snapshot.total_load + ctx.inflight_total) / ready)
+        cycle = Cycle(request, ctx, holders, (snapshot.total_load + ctx.inflight_total) / ready, {})
 
         candidates = self._candidates(cycle)
-        rejected: dict[str, int] = {}
-        for f in self.filters:
+        rejected: dict[str, int] | None = None
+        for name, keep in self._filter_fns:
             before = len(candidates)
-            candidates = f.filter(cycle, candidates)
+            candidates = keep(cycle, candidates)
             if len(candidates) < before:
-                rejected[f.name] = before - len(candidates)
-            if not candidates:
-                return Decision("", DecisionReason.NO_CANDIDATE, False, rejected=rejected)
+                if rejected is None:
+                    rejected = {}
+                rejected[name] = before - len(candidates)
+                if not candidates:
+                    return Decision("", DecisionReason.NO_CANDIDATE, False, rejected=rejected)
 
-        weighted = self.scorers
-        first = weighted[0]
-        totals = [first.weight * x for x in first.scorer.score(cycle, candidates)]
-        for ws in weighted[1:]:
-            w = ws.weight
-            totals = [
-                t + w * x for t, x in zip(totals, ws.scorer.score(cycle, candidates), strict=True)
-            ]
+        # One weighted sum per candidate over the scorers' columns, in C (map/sum), rather
+        # than one pass over the candidates per scorer.
+        weights = self._weights
+        scores = [score(cycle, candidates) for score in self._score_fns]
+        totals = [sum(map(mul, weights, column)) for column in zip(*scores, strict=True)]
         chosen = self.picker.pick(cycle, candidates, totals)
         picked = candidates[chosen].endpoint_id
-
-        primary, secondary = request.primary_owner, request.secondary_owner
-        ranked = sorted(range(len(candidates)), key=totals.__getitem__, reverse=True)
-        fallbacks = [candidates[i].endpoint_id for i in ranked if i != chosen]
-        if secondary in fallbacks:
-            fallbacks.remove(secondary)
-            fallbacks.insert(0, secondary)
-        if picked == primary:
+        owners = request.owners
+        if owners and picked == owners[0]:
             reason = DecisionReason.PRIMARY_OWNER
-        elif picked == secondary:
+        elif len(owners) > 1 and picked == owners[1]:
             reason = DecisionReason.SECONDARY_OWNER
         else:
             reason = DecisionReason.LEAST_COST
+        others = [c.endpoint_id for c in candidates]
+        del others[chosen]
+        other_scores = totals[:chosen] + totals[chosen + 1 :]
         return Decision(
-            picked, reason, picked == primary, tuple(fallbacks), totals[chosen], rejected
+            picked,
+            reason,
+            reason is DecisionReason.PRIMARY_OWNER,
+            totals[chosen],
+            rejected or _NO_REJECTIONS,
+            tuple(others),
+            tuple(other_scores),
+            request.secondary_owner,
         )
 
     def _candidates(self, cycle: Cycle) -> list[EndpointView]:
         request, snapshot = cycle.request, cycle.ctx.snapshot
-        exclude = request.exclude
+        exclude, owners = request.exclude, request.owners
         by_id = snapshot.by_id
-        if len(snapshot.endpoints) <= self.candidates + len(request.owners):
-            owners = [by_id[o] for o in request.owners if o in by_id and o not in exclude]
-            rest = [e for e in snapshot.endpoints if e.endpoint_id not in request.owners]
-            return owners + [e for e in rest if e.endpoint_id not in exclude]
+        if len(snapshot.endpoints) <= self.candidates + len(owners):
+            chosen = [by_id[o] for o in owners if o in by_id and o not in exclude]
+            chosen += [
+                e
+                for e in snapshot.endpoints
+                if e.endpoint_id not in owners and e.endpoint_id not in exclude
+            ]
+            return chosen
 
-        seen: set[str] = set(exclude)
-        chosen: list[EndpointView] = []
-        for endpoint_id in request.owners:
-            view = by_id.get(endpoint_id)
-            if view is not None and endpoint_id not in seen:
+        seen = set(exclude)
+        chosen = []
+        for endpoint_id in owners:
+            if endpoint_id not in seen and (view := by_id.get(endpoint_id)) is not None:
                 seen.add(endpoint_id)
                 chosen.append(view)
-        if cycle.holders:
-            best = sorted(cycle.holders.items(), key=lambda item: -item[1])
-            for endpoint_id, _ in best[: self.max_prefix_holders]:
-                view = by_id.get(endpoint_id)
-                if view is not None and endpoint_id not in seen:
+        holders = cycle.holders
+        if holders:
+            best = sorted(holders, key=holders.__getitem__, reverse=True)
+            for endpoint_id in best[: self.max_prefix_holders]:
+                if endpoint_id not in seen and (view := by_id.get(endpoint_id)) is not None:
                     seen.add(endpoint_id)
                     chosen.append(view)
         preferred = snapshot.preferred
         window = min(len(preferred), 2 * self.candidates)
-        start = zlib.crc32(request.request_id.encode()) % window if window else 0
-        taken = 0
-        for offset in range(window):
-            view = preferred[(start + offset) % window]
-            if view.endpoint_id in seen:
-                continue
-            seen.add(view.endpoint_id)
-            chosen.append(view)
-            taken += 1
-            if taken == self.candidates:
-                break
+        if not window:
+            return chosen
+        start = zlib.crc32(request.request_id.encode()) % window
+        wanted = len(chosen) + self.candidates
+        for view in preferred[start:window] + preferred[:start]:
+            if view.endpoint_id not in seen:
+                chosen.append(view)
+                if len(chosen) == wanted:
+                    break
         return chosen

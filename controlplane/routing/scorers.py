@@ -45,23 +45,23 @@ class PrefixAffinity:
             raise ValueError("prefix-affinity: block_tokens must be > 0, owner_blocks >= 0")
 
     def score(self, cycle: Cycle, candidates: Sequence[EndpointView]) -> list[float]:
-        request, holders = cycle.request, cycle.holders
-        owner_tokens = self.owner_blocks * self.block_tokens
-        primary, secondary = request.primary_owner, request.secondary_owner
-        block, max_wait = self.block_tokens, self.max_wait_s
-        cached = []
-        for view in candidates:
-            endpoint_id = view.endpoint_id
-            tokens = holders.get(endpoint_id, 0) * block
-            if endpoint_id == primary:
-                tokens = max(tokens, owner_tokens)
-            elif endpoint_id == secondary:
-                tokens = max(tokens, owner_tokens // 2)
-            cached.append(tokens)
-        if any(cached):  # a long queue voids cache credit: affinity never waits past it
-            queue = self.cost.queue_s(candidates, cycle.ctx)
-            cached = [0 if q > max_wait else c for c, q in zip(cached, queue, strict=True)]
+        request, holders, block = cycle.request, cycle.holders, self.block_tokens
+        # Credit only the owners and the prefix holders: everyone else caches nothing.
+        credit = {endpoint_id: blocks * block for endpoint_id, blocks in holders.items()}
+        owner_tokens = self.owner_blocks * block
+        for endpoint_id, tokens in zip(
+            request.owners, (owner_tokens, owner_tokens // 2), strict=False
+        ):
+            if credit.get(endpoint_id, 0) < tokens:
+                credit[endpoint_id] = tokens
+        cached = [credit.get(v.endpoint_id, 0) for v in candidates]
         half = self.half_at_s
+        if not any(cached):
+            return [half / (half + c) for c in self.cost.uncached_prefill_s(request, cached)]
+        # A long queue voids cache credit: affinity never keeps a request waiting past it.
+        max_wait = self.max_wait_s
+        queue = cycle.queue_s(self.cost, candidates)
+        cached = [0 if q > max_wait else c for c, q in zip(cached, queue, strict=True)]
         return [half / (half + c) for c in self.cost.uncached_prefill_s(request, cached)]
 
 
@@ -78,8 +78,8 @@ class QueueScorer:
         _check_half(self.name, self.half_at_s)
 
     def score(self, cycle: Cycle, candidates: Sequence[EndpointView]) -> list[float]:
-        ctx, cost, half = cycle.ctx, self.cost, self.half_at_s
-        return [half / (half + c) for c in cost.queue_s(candidates, ctx)]
+        half = self.half_at_s
+        return [half / (half + c) for c in cycle.queue_s(self.cost, candidates)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,8 +112,8 @@ class SLORiskScorer:
         _check_half(self.name, self.half_at_s)
 
     def score(self, cycle: Cycle, candidates: Sequence[EndpointView]) -> list[float]:
-        request, ctx, cost, half = cycle.request, cycle.ctx, self.cost, self.half_at_s
-        risks = cost.slo_risk_s(request, candidates, cost.queue_s(candidates, ctx))
+        request, cost, half = cycle.request, self.cost, self.half_at_s
+        risks = cost.slo_risk_s(request, candidates, cycle.queue_s(cost, candidates))
         return [half / (half + c) for c in risks]
 
 

@@ -27,8 +27,9 @@ class EndpointView:
     """One endpoint as the router sees it: its last reported state plus lease timing.
 
     The derived fields are computed once per snapshot because every decision reads them
-    for every candidate: `routable` (ready, not draining), `watermark_rank`, the load it
-    reported, its committed KV (used plus reserved growth) and its queue in tokens.
+    for every candidate, and a flat slot read is the cheapest read Python has:
+    `routable` (ready, not draining), `watermark_rank`, the load it reported, its
+    committed KV (used plus reserved growth), and the state fields the cost model reads.
     """
 
     state: EndpointState
@@ -38,6 +39,12 @@ class EndpointView:
     watermark_rank: int = field(init=False)
     reported_load: int = field(init=False)
     kv_committed_tokens: int = field(init=False)
+    kv_capacity_tokens: int = field(init=False)
+    queued_requests: int = field(init=False)
+    waiting_prefill_tokens: int = field(init=False)
+    predicted_ttft_s: float = field(init=False)
+    predicted_tpot_s: float = field(init=False)
+    is_prefill: bool = field(init=False)
 
     def __post_init__(self) -> None:
         s = self.state
@@ -47,6 +54,12 @@ class EndpointView:
         setattr_(self, "watermark_rank", s.watermark.rank)
         setattr_(self, "reported_load", s.running_requests + s.queued_requests)
         setattr_(self, "kv_committed_tokens", s.kv_used_tokens + s.kv_reserved_growth_tokens)
+        setattr_(self, "kv_capacity_tokens", s.kv_capacity_tokens)
+        setattr_(self, "queued_requests", s.queued_requests)
+        setattr_(self, "waiting_prefill_tokens", s.waiting_prefill_tokens)
+        setattr_(self, "predicted_ttft_s", s.predicted_ttft_s)
+        setattr_(self, "predicted_tpot_s", s.predicted_tpot_s)
+        setattr_(self, "is_prefill", s.role is Role.PREFILL)
 
 
 @dataclass(frozen=True, slots=True)

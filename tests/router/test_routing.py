@@ -6,9 +6,12 @@ from __future__ import annotations
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from controlplane.contract import EndpointState, Lifecycle, Role, WatermarkState
 from controlplane.routing import (
+    Decision,
     DecisionReason,
     FairQueue,
     PoolSnapshot,
@@ -48,7 +51,9 @@ def _request(**fields: object) -> RouteRequest:
 PROFILE = profile_from_config(default_config())
 
 
-def _decide(states: list[EndpointState], request: RouteRequest, now: float = 0.0, **ctx: object):
+def _decide(
+    states: list[EndpointState], request: RouteRequest, now: float = 0.0, **ctx: object
+) -> Decision:
     snapshot = PoolSnapshot.of("p", states, lease_deadline=10.0)
     return PROFILE.decide(request, RoutingContext(snapshot, now, **ctx))  # type: ignore[arg-type]
 
@@ -150,6 +155,79 @@ def test_a_large_pool_decides_over_a_bounded_candidate_set() -> None:
     decision = _decide(states, _request(owners=("e0500", "e0501")))
     assert decision.endpoint_id in {"e0500", "e0501"}
     assert len(decision.fallbacks) <= PROFILE.candidates + 1
+
+
+_ENDPOINT = st.fixed_dictionaries(
+    {
+        "watermark": st.sampled_from(list(WatermarkState)),
+        "lifecycle": st.sampled_from([Lifecycle.READY, Lifecycle.READY, Lifecycle.DRAINING]),
+        "model": st.sampled_from(["m", "m", "m", "other"]),
+        "running_requests": st.integers(0, 12),
+        "kv_used_tokens": st.integers(0, 99_000),
+        "waiting_prefill_tokens": st.integers(0, 50_000),
+    }
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    endpoints=st.lists(_ENDPOINT, min_size=12, max_size=60),
+    expired=st.sets(st.integers(0, 59)),
+    owner_picks=st.lists(st.integers(0, 59), min_size=0, max_size=2, unique=True),
+    inflight=st.dictionaries(st.integers(0, 59), st.integers(1, 8), max_size=6),
+    holder=st.integers(0, 59),
+)
+def test_the_shortlist_keeps_eligible_owners_and_never_picks_a_filtered_endpoint(
+    endpoints: list[dict[str, object]],
+    expired: set[int],
+    owner_picks: list[int],
+    inflight: dict[int, int],
+    holder: int,
+) -> None:
+    """A large pool is decided over a shortlist, not scanned: whatever the shortlist
+    drops, an owner that passes every filter stays a candidate, and the pick (and every
+    fallback) passes every filter."""
+    n = len(endpoints)
+    ids = [f"e{i:02d}" for i in range(n)]
+    views = [
+        view
+        for i, fields in enumerate(endpoints)
+        for view in PoolSnapshot.of(
+            "p", [_state(ids[i], **fields)], lease_deadline=5.0 if i in expired else 10.0
+        ).endpoints
+    ]
+    snapshot = PoolSnapshot("p", tuple(views))
+    owners = tuple(ids[i % n] for i in owner_picks)
+    index = PrefixIndex()
+    index.record(ids[holder % n], (1, 2, 3))
+    load = {ids[i % n]: count for i, count in inflight.items()}
+    ctx = RoutingContext(snapshot, 6.0, load, sum(load.values()), index)
+    request = _request(owners=owners, block_hashes=(1, 2, 3))
+    assert n > PROFILE.candidates + len(owners)  # the shortlist path, not a full scan
+    decision = PROFILE.decide(request, ctx)
+
+    mean = (snapshot.total_load + ctx.inflight_total) / (len(snapshot.preferred) or 1)
+    bound = math.ceil(1.25 * (mean * len(snapshot.preferred) + 1.0) / len(snapshot.preferred))
+
+    def eligible(endpoint_id: str) -> bool:
+        view = snapshot.by_id[endpoint_id]
+        return (
+            view.lease_deadline > 6.0
+            and view.routable
+            and view.state.model == "m"
+            and view.watermark_rank < WatermarkState.CRITICAL.rank
+            and ctx.load(view) < bound
+        )
+
+    considered = {decision.endpoint_id, *decision.fallbacks} - {""}
+    assert all(eligible(e) for e in considered)
+    for owner in owners:
+        if eligible(owner):
+            assert owner in considered
+    if owners and eligible(owners[0]) and decision.endpoint_id != owners[0]:
+        assert decision.reason != DecisionReason.PRIMARY_OWNER
+    if len(owners) > 1 and eligible(owners[1]) and decision.endpoint_id != owners[1]:
+        assert decision.fallbacks[0] == owners[1]
 
 
 @pytest.mark.parametrize(
