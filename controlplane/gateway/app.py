@@ -144,6 +144,8 @@ class Gateway:
         self.profile = profile_from_config(config.profile or default_config(config.routing))
         self.prefix_index = PrefixIndex()
         self.metrics = RouterMetrics()
+        self._decision_seconds = self.metrics.decision_seconds.labels(config.pool)
+        self._decisions: dict[tuple[str, bool], Any] = {}
         self.queue: FairQueue[tuple[RouteRequest, asyncio.Future[Decision]]] = FairQueue(
             config.queue_capacity_per_band, config.queue_max_wait_s
         )
@@ -225,12 +227,13 @@ class Gateway:
         started = time.perf_counter()
         ctx = RoutingContext(snapshot, now, self.inflight, self.inflight_total, self.prefix_index)
         decision = self.profile.decide(route, ctx)
-        pool = self.config.pool
-        self.metrics.decision_seconds.labels(pool).observe(time.perf_counter() - started)
-        self.metrics.decisions.labels(
-            pool, decision.reason if decision.endpoint_id else decision.refusal,
-            str(decision.owner_hit).lower(),
-        ).inc()  # fmt: skip
+        self._decision_seconds.observe(time.perf_counter() - started)
+        key = (decision.reason if decision.endpoint_id else decision.refusal, decision.owner_hit)
+        counter = self._decisions.get(key)
+        if counter is None:  # label lookups cost more than the count: once per outcome
+            counter = self.metrics.decisions.labels(self.config.pool, key[0], str(key[1]).lower())
+            self._decisions[key] = counter
+        counter.inc()
         if decision.endpoint_id:
             self._reserve(decision.endpoint_id)
         return decision
@@ -549,15 +552,15 @@ class Gateway:
         self, request: web.Request, ex: _Exchange, upstream: aiohttp.ClientResponse
     ) -> tuple[str, web.StreamResponse | None]:
         if ex.response is None:
-            response = web.StreamResponse(
+            stream = _EventStream(
                 headers={
                     "Content-Type": "text/event-stream",
                     "Cache-Control": "no-cache",
                     "x-weir-endpoint": ex.endpoint,
                 }
             )
-            await response.prepare(request)
-            ex.response = response
+            await stream.prepare(request)
+            ex.response = stream
         response = ex.response
         received = ex.received
         buffer = bytearray()
@@ -738,6 +741,14 @@ class Gateway:
                 "endpoints": endpoints,
             }
         )
+
+
+class _EventStream(web.StreamResponse):
+    """A streamed reply whose headers leave with its first event, in one packet: the
+    client is woken once for its first token instead of once for the headers and once
+    more for the token (aiohttp's own `Response` buffers headers the same way)."""
+
+    _send_headers_immediately = False
 
 
 def _fair_cost(route: RouteRequest) -> float:
