@@ -213,15 +213,24 @@ class SGLangEngine:
 
     @asynccontextmanager
     async def open(self, path: str, body: dict[str, Any]) -> AsyncIterator[_HTTPStream]:
-        try:
-            async with self.session.post(
-                self.url + path,
-                data=msgspec.json.encode(body),
-                headers={"content-type": "application/json"},
-            ) as resp:
-                yield _HTTPStream(resp)
-        except (aiohttp.ClientError, OSError) as exc:
-            raise EngineError(f"POST {self.url}{path}: {exc}") from exc
+        url, data = self.url + path, msgspec.json.encode(body)
+        headers = {"content-type": "application/json"}
+        for attempt in (1, 2):
+            try:
+                response = await self.session.post(url, data=data, headers=headers)
+                break
+            except aiohttp.ClientOSError as exc:
+                # Writing to a pooled keep-alive connection the engine had just closed: the
+                # request never left, so one retry on a fresh connection is safe.
+                if attempt == 2:
+                    raise EngineError(f"POST {url}: {exc}") from exc
+            except (aiohttp.ClientError, OSError) as exc:
+                raise EngineError(f"POST {url}: {exc}") from exc
+        async with response:
+            try:
+                yield _HTTPStream(response)
+            except (aiohttp.ClientError, OSError) as exc:
+                raise EngineError(f"POST {url}: {exc}") from exc
 
     async def abort(self, rid: str) -> None:
         status = await self._post("/abort_request", {"rid": rid, "abort_all": False})

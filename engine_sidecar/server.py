@@ -44,7 +44,7 @@ class SidecarConfig:
     heartbeat_s: float = 1.0
     lease_ttl_s: float = 5.0
     engine_poll_s: float = 0.5
-    engine_wait_s: float = 120.0
+    engine_wait_s: float = 900.0  # a large model can take many minutes to load
 
 
 def load_policy(path: str | Path) -> PoolPolicy:
@@ -77,12 +77,17 @@ async def _engine_info(engine: EngineAdapter, wait_s: float) -> EngineInfo:
     """The engine's server info, waiting while it starts (it answers 503 or not at all)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait_s
+    next_log = loop.time() + 10.0
     while True:
         try:
             return await engine.server_info()
-        except EngineError:
-            if loop.time() > deadline:
+        except EngineError as exc:
+            now = loop.time()
+            if now > deadline:
                 raise
+            if now > next_log:
+                log.info("waiting for the engine: %s", exc)
+                next_log = now + 10.0
             await asyncio.sleep(0.2)
 
 
@@ -156,5 +161,8 @@ async def serve_sidecar(config: SidecarConfig) -> AsyncIterator[RunningSidecar]:
         if service is not None:
             await service.settled()
         if link is not None:
-            await link.close()
+            try:  # bounded: with Redis gone, the lease simply expires
+                await asyncio.wait_for(link.close(), timeout=max(1.0, config.lease_ttl_s))
+            except TimeoutError:
+                log.warning("left without deregistering (Redis did not answer)")
         await engine.close()
