@@ -221,28 +221,21 @@ class QuotaStore:
         return reaped
 
     async def usage(self, tenant: str) -> TenantUsage:
-        """Concurrency in use and what each rate bucket holds now (refilled to Redis
-        server time, as the next charge would see it)."""
+        """Concurrency in use and what each rate bucket held after the tenant's last charge
+        or refund (not refilled since: a stable reading of what charges consumed)."""
         check_name("tenant", tenant)
-        fields = [f"{tenant}:{d}" for d in ("c", "i", "it", "o", "ot", "k", "kt")]
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hget(self.keys.quota_records, tenant)
-            pipe.hmget(self.keys.usage, fields)
-            pipe.time()
-            raw_quota, (conc, *buckets), (sec, usec) = await pipe.execute()
-        now = int(sec) * 1000 + int(usec) // 1000
-        quota = decode(raw_quota, TenantQuota) if raw_quota else None
-        limits = (
+        quota = await self.get_quota(tenant)
+        fields = [f"{tenant}:{d}" for d in ("c", "i", "o", "k")]
+        conc, i, o, k = await self.redis.hmget(self.keys.usage, fields)
+        full = (
             (0, 0, 0)
             if quota is None
             else (quota.input_tokens_per_min, quota.output_tokens_per_min,
                   quota.kv_token_seconds_per_min)
         )  # fmt: skip
-        left = []
-        for limit, level, since in zip(limits, buckets[0::2], buckets[1::2], strict=True):
-            if level is None or since is None:
-                left.append(float(limit))
-            else:
-                refill = max(0, now - int(since)) * limit / 60_000
-                left.append(min(float(limit), float(level) + refill))
-        return TenantUsage(int(conc or 0), left[0], left[1], left[2])
+        return TenantUsage(
+            int(conc or 0),
+            float(i) if i is not None else float(full[0]),
+            float(o) if o is not None else float(full[1]),
+            float(k) if k is not None else float(full[2]),
+        )
