@@ -31,7 +31,15 @@ import msgspec
 from aiohttp import web
 from redis.exceptions import RedisError
 
-from controlplane.contract import CacheIdentity, Continuation, EngineAPI, Role, RoutingPolicy
+from controlplane.contract import (
+    CacheIdentity,
+    Continuation,
+    EngineAPI,
+    PoolPolicy,
+    Role,
+    RoutingPolicy,
+    TenantQuota,
+)
 from controlplane.gateway.credits import CREDIT_HEADER, HandoffGate
 from controlplane.gateway.errors import GatewayError, overload, unavailable
 from controlplane.gateway.metrics import RouterMetrics, length_bucket
@@ -46,7 +54,7 @@ from controlplane.gateway.relay import (
     sse,
 )
 from controlplane.gateway.requests import ClientRequest, Limits, decode_body, parse, resume_body
-from controlplane.gateway.tenants import TenantKeys
+from controlplane.gateway.tenants import TENANT_HEADER, TenantKeys
 from controlplane.ownership import block_hashes, prefix_key
 from controlplane.routing import (
     Decision,
@@ -98,6 +106,27 @@ class GatewayConfig:
     decode_pool: str = ""
     kv_bytes_per_token: int = 131_072
     credit_ttl_s: float = 30.0
+    # Tenant quotas this router publishes to the control plane at start (the pool
+    # policy's); with quotas enforced, a tenant without one is refused with 403.
+    tenants: tuple[TenantQuota, ...] = ()
+
+    @classmethod
+    def from_policy(cls, policy: PoolPolicy, **overrides: Any) -> GatewayConfig:
+        """The router settings of a pool policy (the operator's `<pool>-policy`
+        ConfigMap): pool, model, context length, routing, role and tenant quotas, which
+        are enforced when the policy declares any. `overrides` win."""
+        fields: dict[str, Any] = {
+            "pool": policy.pool,
+            "model": policy.model,
+            "limits": Limits(context_length=policy.context_length),
+            "routing": policy.routing,
+            "role": policy.role,
+            "decode_pool": policy.decode_pool,
+            "tenants": policy.tenants,
+            "enforce_quotas": bool(policy.tenants),
+        }
+        fields.update(overrides)
+        return cls(**fields)
 
 
 class _ClientGoneError(Exception):
@@ -137,13 +166,13 @@ class Gateway:
     ) -> None:
         self.config = config
         self.view = view
-        self.keys = keys or TenantKeys()
+        self.keys = (keys or TenantKeys()).declaring(t.name for t in config.tenants)
         self.quotas = quotas
         self.credits = credits
         self.clock = clock
         self.profile = profile_from_config(config.profile or default_config(config.routing))
         self.prefix_index = PrefixIndex()
-        self.metrics = RouterMetrics()
+        self.metrics = RouterMetrics(config.pool)
         self._decision_seconds = self.metrics.decision_seconds.labels(config.pool)
         self._decisions: dict[tuple[str, bool], Any] = {}
         self.queue: FairQueue[tuple[RouteRequest, asyncio.Future[Decision]]] = FairQueue(
@@ -501,7 +530,7 @@ class Gateway:
         payload = msgspec.json.encode({**body, "rid": ex.upstream_rid, "stream": client.stream})
         headers = {
             "Content-Type": "application/json",
-            "x-weir-tenant": ex.tenant,
+            TENANT_HEADER: ex.tenant,
             "x-weir-request-id": ex.route.request_id,
             "x-weir-priority": str(client.priority),
         }

@@ -1,6 +1,11 @@
 """The router's metric families, built from the catalogue so names, labels and buckets
 never drift from `controlplane.telemetry.catalog.ROUTER` (a test asserts every family is
-exported). Each gateway owns its registry, so several can run in one process."""
+exported). Each gateway owns its registry, so several can run in one process.
+
+Event counters start at zero for every label value the router can produce (standard
+Prometheus practice): a series that only appears after its first event makes rates and
+dashboards show "no data" instead of 0, and `increase()` misses that first event.
+"""
 
 from __future__ import annotations
 
@@ -19,8 +24,25 @@ def length_bucket(tokens: int) -> str:
     return "gt16384"
 
 
+# The label values the gateway produces, by family (reasons are the `reason` of its
+# refusals: `controlplane.gateway.errors`, the quota store's limits, the fair queue).
+RETRY_REASONS = ("upstream_429", "upstream_503", "connect_error")
+RESUME_REASONS = ("broken", "preempted")
+OVERLOAD_REASONS = (
+    "queue_full",
+    "queue_timeout",
+    "endpoints_overloaded",
+    "snapshot_stale",
+    "concurrency",
+    "input_tokens",
+    "output_tokens",
+    "class_capacity",
+)
+DEFAULT_PRIORITY = "0"
+
+
 class RouterMetrics:
-    def __init__(self) -> None:
+    def __init__(self, pool: str) -> None:
         self.registry = CollectorRegistry()
         self._families: dict[str, Any] = {}
         for spec in ROUTER:
@@ -52,6 +74,15 @@ class RouterMetrics:
         self.ring_version = f["weir_router_ring_version"]
         self.snapshot_age = f["weir_router_snapshot_age_seconds"]
         self.lease_expiries = f["weir_router_lease_expiries_total"]
+        for family, reasons in (
+            (self.retries, RETRY_REASONS),
+            (self.resumes, RESUME_REASONS),
+            (self.overloads, OVERLOAD_REASONS),
+        ):
+            for reason in reasons:
+                family.labels(pool, reason)
+        self.lease_expiries.labels(pool)
+        self.queue_seconds.labels(pool, DEFAULT_PRIORITY)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -80,6 +80,10 @@ async def serve_gateway(
         feed = StoreFeed(follower, view, clock, owners_for=owners)
         if config.enforce_quotas:
             quotas = QuotaGate(QuotaStore(redis, config.pool))
+            # Every replica publishes the same policy; the last write wins, and charges
+            # already made stay.
+            for quota in config.tenants:
+                await quotas.store.set_quota(quota)
             await quotas.store.renew_holder(quotas.holder, quotas.lease_ttl_s)
         if config.role is Role.PREFILL:
             # The decode pool keeps the budget; its name is the credit class.

@@ -5,15 +5,20 @@ A keys file is YAML or JSON mapping each key to its tenant:
     sk-team-a-1: team-a
     sk-team-b-1: team-b
 
-With no keys configured the gateway is open and every request is tenant `default`. With
-keys, a request needs `Authorization: Bearer <key>` (or `x-api-key: <key>`); a missing or
-unknown key is refused with 401 before anything else happens.
+With keys, a request needs `Authorization: Bearer <key>` (or `x-api-key: <key>`); a
+missing or unknown key is refused with 401 before anything else happens, and the key alone
+names the tenant.
+
+With no keys configured the gateway is open: a request is tenant `default`, or the tenant
+its `x-weir-tenant` header names when the pool policy declares that tenant (its quota; a
+name the policy does not declare is refused with 403, so the tenant label set stays the
+policy's). With no tenants declared the header is ignored.
 """
 
 from __future__ import annotations
 
 import hmac
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import yaml
@@ -21,14 +26,20 @@ import yaml
 from controlplane.gateway.errors import GatewayError
 
 DEFAULT_TENANT = "default"
+TENANT_HEADER = "x-weir-tenant"
 
 
 class TenantKeys:
-    def __init__(self, keys: Mapping[str, str] | None = None) -> None:
+    def __init__(self, keys: Mapping[str, str] | None = None, declared: Iterable[str] = ()) -> None:
         self._keys = dict(keys or {})
         for key, tenant in self._keys.items():
             if not (isinstance(key, str) and key and isinstance(tenant, str) and tenant):
                 raise ValueError("API keys and tenant names must be non-empty strings")
+        self.declared = frozenset(declared)
+
+    def declaring(self, tenants: Iterable[str]) -> TenantKeys:
+        """The same keys, with `tenants` declared by the pool policy as well."""
+        return TenantKeys(self._keys, self.declared | frozenset(tenants))
 
     @classmethod
     def load(cls, path: str | Path) -> TenantKeys:
@@ -43,7 +54,15 @@ class TenantKeys:
 
     def tenant(self, headers: Mapping[str, str]) -> str:
         if not self._keys:
-            return DEFAULT_TENANT
+            named = headers.get(TENANT_HEADER)
+            if not named or not self.declared:
+                return DEFAULT_TENANT
+            if named not in self.declared:
+                raise GatewayError(
+                    403, "permission_error", "unknown_tenant",
+                    f"tenant {named[:64]!r} is not declared by the pool policy",
+                )  # fmt: skip
+            return named
         key = _presented_key(headers)
         if key is None:
             raise GatewayError(

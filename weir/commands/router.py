@@ -1,10 +1,17 @@
-"""`weir router`: serve the OpenAI-compatible router for one pool."""
+"""`weir router`: serve the OpenAI-compatible router for one pool.
+
+In a cluster the router reads its pool's policy (`--policy-file`, the operator's
+`<pool>-policy` ConfigMap mounted as a file): pool, model, context length, routing
+settings and tenant quotas, which it publishes to the control plane and enforces. Flags
+given explicitly override the policy.
+"""
 
 from __future__ import annotations
 
 import argparse
 
 NAME = "router"
+DEFAULT_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 HELP = "Serve the router: OpenAI/SGLang-compatible gateway with KV-aware routing for one pool."
 
 
@@ -12,22 +19,27 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--host", default="127.0.0.1")
     add("--port", type=int, default=8080, help="0 picks a free port")
-    add("--pool", default="default", help="the pool's name in the control plane")
-    add("--model", default="meta-llama/Llama-3.1-8B-Instruct",
-        help="the model this pool serves (also the default for /generate)")  # fmt: skip
+    add("--pool", help="the pool's name in the control plane (default: the policy's, else "
+        "'default')")  # fmt: skip
+    add("--model", help="the model this pool serves, also the default for /generate "
+        f"(default: the policy's, else {DEFAULT_MODEL})")  # fmt: skip
+    add("--policy-file", metavar="FILE",
+        help="the PoolPolicy as JSON (the operator's <pool>-policy ConfigMap): routing settings "
+             "and tenant quotas (enforced when it declares tenants; needs --redis-url)")  # fmt: skip
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--redis-url", help="the control plane: endpoints, leases, owners")
     source.add_argument("--endpoint", action="append", metavar="URL",
                         help="a fixed engine URL instead of the control plane (repeatable)")  # fmt: skip
     add("--api-keys", metavar="FILE", help="YAML/JSON mapping API key -> tenant")
     add("--profile", metavar="FILE", help="routing profile (YAML/JSON; see controlplane.routing)")
-    add("--context-length", type=int, default=32768)
+    add("--context-length", type=int, help="default: the policy's, else 32768")
     add("--bytes-per-token", type=float, default=4.0,
         help="UTF-8 prompt bytes per token for the router's estimates (context check, "
              "prefix blocks, resume counts): ~4 for real tokenizers, 1 for the reference "
              "engine, whose tokens are bytes")  # fmt: skip
-    add("--staleness-s", type=float, default=10.0,
-        help="route on the last snapshot this long while Redis is unreachable, then refuse")  # fmt: skip
+    add("--staleness-s", type=float,
+        help="route on the last snapshot this long while Redis is unreachable, then refuse "
+             "(default: the policy's routing.snapshot_staleness_s, else 10)")  # fmt: skip
     add("--queue-max-wait-s", type=float, default=30.0)
     add("--max-attempts", type=int, default=3, help="endpoints tried before the first byte")
     add("--prefill-for", metavar="DECODE_POOL", default="",
@@ -42,9 +54,10 @@ def run(args: argparse.Namespace) -> int:
     import sys
     from pathlib import Path
 
+    import msgspec
     import yaml
 
-    from controlplane.contract import Role, RoutingPolicy
+    from controlplane.contract import PoolPolicy, Role, SchemaError, decode_json
     from controlplane.gateway import GatewayConfig, Limits, TenantKeys, serve_gateway
     from controlplane.routing import ProfileError, profile_from_config
 
@@ -55,40 +68,60 @@ def run(args: argparse.Namespace) -> int:
         profile = yaml.safe_load(Path(args.profile).read_text()) if args.profile else None
         if profile is not None:
             profile_from_config(profile)  # refuse a bad profile before serving
-        config = GatewayConfig(
-            pool=args.pool,
-            model=args.model,
+        policy = (
+            decode_json(Path(args.policy_file).read_bytes(), PoolPolicy)
+            if args.policy_file
+            else PoolPolicy(pool=args.pool or "default", model=args.model or DEFAULT_MODEL)
+        )
+        if args.pool and args.pool != policy.pool:
+            raise ValueError(f"--pool {args.pool} but the policy is for pool {policy.pool}")
+        routing = policy.routing
+        if args.staleness_s is not None:
+            routing = msgspec.structs.replace(routing, snapshot_staleness_s=args.staleness_s)
+        overrides: dict[str, object] = {}
+        if args.prefill_for:
+            overrides.update(role=Role.PREFILL, decode_pool=args.prefill_for)
+        if args.quotas:
+            overrides["enforce_quotas"] = True
+        config = GatewayConfig.from_policy(
+            policy,
+            model=args.model or policy.model,
             host=args.host,
             port=args.port,
-            limits=Limits(args.context_length, args.bytes_per_token),
-            routing=RoutingPolicy(snapshot_staleness_s=args.staleness_s),
+            limits=Limits(args.context_length or policy.context_length, args.bytes_per_token),
+            routing=routing,
             profile=profile,
             max_attempts=args.max_attempts,
             queue_max_wait_s=args.queue_max_wait_s,
-            enforce_quotas=args.quotas,
-            role=Role.PREFILL if args.prefill_for else Role.MIXED,
-            decode_pool=args.prefill_for,
+            **overrides,
         )
-        if (args.quotas or args.prefill_for) and not args.redis_url:
-            raise ValueError("--quotas and --prefill-for need --redis-url (the control plane)")
-    except (OSError, ValueError, ProfileError, yaml.YAMLError) as exc:
+        if (config.enforce_quotas or config.role is Role.PREFILL) and not args.redis_url:
+            raise ValueError(
+                "quotas (--quotas, or tenants in the policy) and --prefill-for need "
+                "--redis-url (the control plane)"
+            )
+    except (OSError, ValueError, ProfileError, SchemaError, yaml.YAMLError) as exc:
         print(f"weir router: {exc}", file=sys.stderr)
         return 2
 
-    async def serve() -> None:
+    async def serve() -> int:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        running = await serve_gateway(
-            config, redis_url=args.redis_url or "", endpoints=args.endpoint or (), keys=keys
-        )
+        try:
+            running = await serve_gateway(
+                config, redis_url=args.redis_url or "", endpoints=args.endpoint or (), keys=keys
+            )
+        except ValueError as exc:  # e.g. the policy's quotas, refused by the control plane
+            print(f"weir router: {exc}", file=sys.stderr)
+            return 2
         source = args.redis_url or ", ".join(args.endpoint)
         print(f"weir router: {running.url} (pool {config.pool}, from {source})", flush=True)
         try:
             await stop.wait()
         finally:
             await running.close()
+        return 0
 
-    asyncio.run(serve())
-    return 0
+    return asyncio.run(serve())

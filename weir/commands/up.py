@@ -69,8 +69,9 @@ def run(args: argparse.Namespace) -> int:
         for engine, sidecar in zip(fleet.engine_urls, fleet.sidecar_urls, strict=True):
             print(f"  engine   {engine}  sidecar {sidecar}")
         print(f"  router   {fleet.router_url}   (OpenAI base URL: {fleet.router_url}/v1)")
-        print(f"  metrics  {fleet.router_url}/metrics   status {fleet.router_url}/weir/v1/pool",
-              flush=True)  # fmt: skip
+        print(f"  metrics  {fleet.router_url}/metrics   status {fleet.router_url}/weir/v1/pool")
+        tenants = ", ".join(t.name for t in config.tenants)
+        print(f"  tenants  {tenants} (header x-weir-tenant; none: default)", flush=True)
         failures = sum(not _sample(fleet, i) for i in range(args.requests))
         if args.smoke:
             print(f"weir up: {args.requests - failures}/{args.requests} sample requests ok")

@@ -1,9 +1,15 @@
 """A local fleet as plain processes: Redis, N engines each with a sidecar, and a router.
 
 `weir up` runs one. Every part is the real component started the way a cluster starts it
-(`weir engine` or SGLang's `launch_server`, `weir sidecar`, `weir router`), each child's
-output goes to a log file in the fleet's work directory, and `stop()` ends every child,
-newest first, terminating politely and killing what does not exit in time.
+(`weir engine` or SGLang's `launch_server`, `weir sidecar`, `weir router --policy-file`),
+each child's output goes to a log file in the fleet's work directory, and `stop()` ends
+every child, newest first, terminating politely and killing what does not exit in time.
+
+The router reads a pool policy written to the work directory, as it reads the operator's
+ConfigMap in a cluster. It declares demo tenants with quotas (`DEMO_TENANTS`), so tenant
+admission and the tenants dashboard work out of the box: the router is open (no API
+keys), a request names its tenant with `x-weir-tenant: interactive` (or `batch`), and
+one that names none is tenant `default`.
 """
 
 from __future__ import annotations
@@ -21,10 +27,25 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from controlplane.contract import PoolPolicy, TenantQuota, encode_json
 from weir.local.ports import free_port, wait_for_port
 from weir.local.redis_server import RedisServer
 
 WEIR = (sys.executable, "-m", "weir.cli")
+
+
+# Generous for a laptop: they bound a runaway client, not the demo.
+DEMO_TENANTS = (
+    TenantQuota(name="default", max_concurrency=64, output_tokens_per_min=2_000_000),
+    TenantQuota(
+        name="interactive", max_concurrency=64, input_tokens_per_min=4_000_000,
+        output_tokens_per_min=2_000_000,
+    ),
+    TenantQuota(
+        name="batch", priority_class="batch", weight=0.5, max_concurrency=32,
+        input_tokens_per_min=2_000_000, output_tokens_per_min=1_000_000,
+    ),
+)  # fmt: skip
 
 
 class FleetError(RuntimeError):
@@ -42,6 +63,7 @@ class FleetConfig:
     redis_url: str = ""  # empty: start a redis-server
     speed_factor: float = 1.0
     startup_timeout_s: float = 120.0
+    tenants: tuple[TenantQuota, ...] = DEMO_TENANTS
 
     def __post_init__(self) -> None:
         if not 1 <= self.engines <= 64:
@@ -80,6 +102,10 @@ class LocalFleet:
         c = self.config
         return c.model_path if c.engine == "sglang" else c.model
 
+    def policy(self) -> PoolPolicy:
+        """The pool policy the router reads (the operator's ConfigMap in a cluster)."""
+        return PoolPolicy(pool=self.config.pool, model=self.model, tenants=self.config.tenants)
+
     def start(self) -> LocalFleet:
         c = self.config
         try:
@@ -104,9 +130,11 @@ class LocalFleet:
                 )  # fmt: skip
                 self.sidecar_urls.append(f"http://127.0.0.1:{port}")
             port = c.router_port or free_port()
+            policy_file = self.workdir / "policy.json"
+            policy_file.write_bytes(encode_json(self.policy()))
             self._spawn(
                 "router",
-                [*WEIR, "router", "--port", str(port), "--pool", c.pool, "--model", self.model,
+                [*WEIR, "router", "--port", str(port), "--policy-file", str(policy_file),
                  "--redis-url", self.redis_url,
                  "--bytes-per-token", "1" if c.engine == "reference" else "4"],
                 port,
