@@ -1,7 +1,8 @@
 """The gateway: an OpenAI- and SGLang-compatible HTTP front for one pool.
 
-A request travels: API key → tenant (401) → validation (400/404) → the tenant's quota
-(429, when enforced) → a decode handoff credit (prefill pools) → the pool snapshot (503
+A request travels: API key → tenant (401; on a gateway without keys, a declared
+`x-weir-tenant` or `default`, 403 for an undeclared one) → validation (400/404) → the
+tenant's quota (429, when enforced; 403 for a tenant without one) → a decode handoff credit (prefill pools) → the pool snapshot (503
 when stale) → a routing decision, or the tenant-fair queue when every candidate is
 saturated (429 `overload` when full or timed out, 504 past its deadline) → the picked
 endpoint. An overload or a
@@ -737,7 +738,16 @@ class Gateway:
             m.endpoints.labels(pool, lifecycle, watermark).set(n)
 
     async def _pool_status(self, _request: web.Request) -> web.Response:
-        """The fleet as this router sees it (the status view of `weir up`)."""
+        """`GET /weir/v1/pool`: the fleet as this router sees it (`weir up`'s status view).
+
+        Top level: `pool`, `version` (change-feed) and `ring_version` of the snapshot,
+        `snapshot_age_s` since the control plane last confirmed it, `stale` (past the
+        staleness bound: routing refuses), `error` (why the feed is failing; empty while it works),
+        `queued` (requests in the fair queue) and `endpoints`, one object each:
+        `endpoint_id`, `address`, `lifecycle`, `watermark`, `kv_used_tokens`,
+        `kv_reserved_growth_tokens`, `kv_capacity_tokens`, `running_requests`,
+        `queued_requests` (as last reported), `router_inflight` (sent by this router since
+        that report) and `lease_left_s` (null for a fixed `--endpoint`)."""
         now = self.clock()
         snapshot = self.view.snapshot
         endpoints = [

@@ -8,9 +8,12 @@ headers or, equivalently, body fields (a header wins when both are given):
 |-----------------------|---------------------|-------------------------------------------------|
 | `x-weir-priority`     | `priority`          | integer in [-1000, 1000], higher runs first     |
 | `x-weir-deadline-ms`  | `weir_deadline_ms`  | time budget in milliseconds from arrival        |
+| `x-weir-tenant`       | —                   | the tenant, on a gateway without API keys, when |
+|                       |                     | the pool policy declares it (else 403)          |
 
-`priority` is SGLang's own field and is forwarded; `weir_deadline_ms` is removed before the
-body goes upstream. Prompt tokens are estimated from UTF-8 bytes (`bytes_per_token`; the
+Served replies carry `x-weir-endpoint`, the endpoint that served them (the first one, when
+a stream was resumed elsewhere). `priority` is SGLang's own field and is forwarded;
+`weir_deadline_ms` is removed before the body goes upstream. Prompt tokens are estimated from UTF-8 bytes (`bytes_per_token`; the
 reference engine's tokens are bytes) for routing, prefix hashing and the context check:
 the router never runs a tokenizer on the hot path.
 """
