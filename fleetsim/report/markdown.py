@@ -31,6 +31,9 @@ _COLUMNS = (
     ("cache hit", lambda s: _pct(s["cache_hit_share"])),
     ("low-pri done / in wait", lambda s: _low(s["starvation"])),
     ("max wait s", lambda s: _f(s["starvation"]["max_wait_s"])),
+    ("TTFT p99 by input s", lambda s: _buckets(s["ttft_by_input"])),
+    ("TPOT p99 by output ms", lambda s: _buckets(s["tpot_by_output"], 1000)),
+    ("tenant share", lambda s: _shares(s["tenant_share"])),
 )
 
 
@@ -103,6 +106,14 @@ def _low(starvation: dict[str, float]) -> str:
     if not starvation["requests"]:
         return "–"
     return f"{_pct(starvation['completed_share'])} / {_pct(starvation['within_max_wait_share'])}"
+
+
+def _buckets(by: dict[str, dict[str, float]], scale: float = 1.0) -> str:
+    return ", ".join(f"{bucket}: {_f(q['p99'] * scale)}" for bucket, q in by.items()) or "–"
+
+
+def _shares(shares: dict[str, float]) -> str:
+    return ", ".join(f"{t} {_pct(v)}" for t, v in shares.items()) or "–"
 
 
 def _ok(met: bool) -> str:
