@@ -47,6 +47,18 @@ def test_weir_up_serves_openai_streams_until_sigterm(weir_up: WeirUp) -> None:
             )
         assert len(text) == 20
     assert served <= {"local-0", "local-1"}
+    # The demo policy's tenants: named by header on the open router, each with a quota.
+    reply = client.completions.create(
+        model="meta-llama/Llama-3.1-8B-Instruct", prompt="a batch job", max_tokens=4,
+        extra_headers={"x-weir-tenant": "batch"},
+    )  # fmt: skip
+    assert reply.choices[0].text
+    metrics = urllib.request.urlopen(weir_up.url + "/metrics", timeout=5).read().decode()
+    for tenant in ("default", "batch"):
+        assert (
+            f'weir_router_quota_utilization_ratio{{pool="local",resource="concurrency",tenant="{tenant}"}}'
+            in metrics
+        )
     status = urllib.request.urlopen(weir_up.url + "/weir/v1/pool", timeout=5).read()
     assert b'"local-0"' in status
     assert b'"local-1"' in status
