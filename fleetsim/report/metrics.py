@@ -28,7 +28,7 @@ from typing import Any
 
 from controlplane.contract import FinishReason
 from fleetsim.sim import SLO, Flight, SimResult
-from fleetsim.workloads import length_bucket
+from fleetsim.workloads import LENGTH_BUCKETS, length_bucket
 
 CLIENT_ENDINGS = frozenset({FinishReason.CANCELLED, FinishReason.DEADLINE})
 
@@ -144,7 +144,7 @@ def _by_bucket(flights: Sequence[Flight], side: str, metric: str) -> dict[str, d
             continue
         value = {"ttft": f.ttft_s, "tpot": f.tpot_s, "e2e": f.e2e_s}[metric]
         groups[length_bucket(tokens)].append(value)
-    return {bucket: quantiles(values) for bucket, values in sorted(groups.items())}
+    return {b: quantiles(groups[b]) for b in LENGTH_BUCKETS if b in groups}
 
 
 def _starvation(low: Sequence[Flight]) -> dict[str, float]:

@@ -4,6 +4,7 @@ output-length misprediction. Everything is deterministic for a seed."""
 from fleetsim.workloads.misprediction import with_output_hints
 from fleetsim.workloads.request import (
     BLOCK_TOKENS,
+    LENGTH_BUCKETS,
     RequestSpec,
     length_bucket,
     prompt_token_ids,
@@ -13,6 +14,7 @@ from fleetsim.workloads.traces import TraceError, read_trace
 
 __all__ = [
     "BLOCK_TOKENS",
+    "LENGTH_BUCKETS",
     "SCENARIOS",
     "MixStats",
     "RequestSpec",

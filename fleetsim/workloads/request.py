@@ -91,3 +91,5 @@ def length_bucket(tokens: int) -> str:
 
 
 _BUCKETS = ((1024, "<=1k"), (4096, "1k-4k"), (16384, "4k-16k"), (32768, "16k-32k"))
+LENGTH_BUCKETS = (*(name for _, name in _BUCKETS), ">32k")
+"""Every bucket `length_bucket` returns, shortest first."""
