@@ -37,7 +37,7 @@ def test_bench_fleet_writes_the_report_and_prints_one_json(
     printed = json.loads(capsys.readouterr().out)
     assert printed["benchmark"] == "fleet"
     names = [f["name"] for f in printed["figures"]]
-    assert "short_short: goodput vs best baseline" in names
+    assert "short_short@100%: goodput vs best baseline" in names
     document = json.loads((out / "report.json").read_text())
     assert {c["policy"] for c in document["cells"]} == {"round_robin", "weir"}
     assert (out / "report.md").read_text().startswith("# Fleet simulation report")

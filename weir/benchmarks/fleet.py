@@ -123,10 +123,14 @@ def run(args: argparse.Namespace) -> int:
     if args.trace:
         sweep = []
     started = time.perf_counter()
-    cells = run_cells([*matrix, *sweep], args.jobs)
+    # A sweep point that is also a matrix cell (same scenario, load and seed) runs once.
+    unique = list(dict.fromkeys([*matrix, *sweep]))
+    done = dict(zip(unique, run_cells(unique, args.jobs), strict=True))
     elapsed = time.perf_counter() - started
-    matrix_cells, sweep_cells = cells[: len(matrix)], cells[len(matrix) :]
-    goal_rows = goals(matrix_cells)
+    matrix_cells = [done[c] for c in matrix]
+    sweep_cells = [done[c] for c in sweep]
+    # Goals near and past saturation: the matrix load, and every other swept load.
+    goal_rows = goals(list({id(c): c for c in [*matrix_cells, *sweep_cells]}.values()))
     points = saturation(sweep_cells)
 
     out: Path = args.out
@@ -182,8 +186,9 @@ _GOALS: tuple[tuple[str, str, str, str, Callable[[float], bool]], ...] = (
 
 
 def _figures(report: Report, rows: list[dict[str, Any]]) -> None:
-    for name in dict.fromkeys(str(r["scenario"]) for r in rows):
-        mine = [r for r in rows if r["scenario"] == name]
+    for scenario, load in dict.fromkeys((str(r["scenario"]), float(r["load"])) for r in rows):
+        name = f"{scenario}@{load:.0%}"
+        mine = [r for r in rows if r["scenario"] == scenario and r["load"] == load]
         for key, label, unit, goal, ok in _GOALS:
             values = [float(r[key]) for r in mine if math.isfinite(float(r[key]))]
             if not values:
