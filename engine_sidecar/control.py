@@ -95,8 +95,10 @@ class ControlLink:
         changed_at = ledger.changed_at
         ledger.changed.clear()
         ledger.changed_at = None
+        own_used = ledger.own_used
         try:
             await self.lease.beat(self.state())
+            ledger.published(own_used)
             await self.quota.renew()
             await self.quota.retry_releases()
         except FencedError as exc:

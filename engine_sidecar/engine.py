@@ -102,7 +102,14 @@ class _HTTPStream:
 
     async def batches(self) -> AsyncIterator[list[StreamEvent]]:
         pending = b""
-        async for chunk in self._response.content.iter_any():
+        chunks = self._response.content.iter_any()
+        while True:
+            try:
+                chunk = await anext(chunks)
+            except StopAsyncIteration:
+                return
+            except (aiohttp.ClientError, OSError) as exc:
+                raise EngineError(f"{self._response.url}: the stream broke: {exc}") from exc
             pending = pending + chunk if pending else chunk
             batch = []
             while (end := pending.find(b"\n\n")) >= 0:
@@ -116,7 +123,10 @@ class _HTTPStream:
                 yield batch
 
     async def body(self) -> bytes:
-        return await self._response.read()
+        try:
+            return await self._response.read()
+        except (aiohttp.ClientError, OSError) as exc:
+            raise EngineError(f"{self._response.url}: the answer broke: {exc}") from exc
 
 
 def _int(value: object, default: int = 0) -> int:
@@ -226,11 +236,10 @@ class SGLangEngine:
                     raise EngineError(f"POST {url}: {exc}") from exc
             except (aiohttp.ClientError, OSError) as exc:
                 raise EngineError(f"POST {url}: {exc}") from exc
+        # Errors inside the block are the caller's (a client that went away, say): only
+        # reading the engine's answer turns into EngineError, in _HTTPStream.
         async with response:
-            try:
-                yield _HTTPStream(response)
-            except (aiohttp.ClientError, OSError) as exc:
-                raise EngineError(f"POST {url}: {exc}") from exc
+            yield _HTTPStream(response)
 
     async def abort(self, rid: str) -> None:
         status = await self._post("/abort_request", {"rid": rid, "abort_all": False})

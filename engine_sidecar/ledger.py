@@ -128,8 +128,9 @@ class Ledger:
         self.engine_sampled_at = 0.0
         self.last_release_at = 0.0
         self.preemptions = 0
-        # Publication: `changed` wakes the control-plane link; `changed_at` is when the
-        # oldest unpublished change happened (for the publication-delay metric).
+        # Publication: `changed` wakes the control-plane link when the watermark state
+        # changes or KV moved by 1 % of capacity from what was last published;
+        # `changed_at` is when the oldest unpublished change happened (for the metric).
         self.changed = asyncio.Event()
         self.changed_at: float | None = None
         self.pressure = asyncio.Event()  # wakes the relief loop
@@ -237,10 +238,14 @@ class Ledger:
                 self.watermark = state
                 if state is WatermarkState.EXHAUSTED:
                     self.pressure.set()
-            self._published_used = self.own_used
             if self.changed_at is None:
                 self.changed_at = now
             self.changed.set()
+
+    def published(self, own_used: int) -> None:
+        """The control plane now shows the KV of `own_used`: later changes are measured
+        against it (not against the last notification, which a quiet drift could hide)."""
+        self._published_used = own_used
 
     def move(
         self, flight: Flight, to: RequestState, finish_reason: FinishReason | None = None

@@ -307,14 +307,21 @@ class SidecarService:
                 return await self._stream(request, flight, reader or StreamReader(intake.api))
             return await self._unary(flight)
         except (asyncio.CancelledError, ConnectionResetError):
-            await asyncio.shield(self._cancel(flight))
+            # The client went away. The cancellation runs to its end even if this handler
+            # is cancelled again meanwhile.
+            await asyncio.shield(self._spawn(self._cancel(flight)))
+            raise
+        except Exception:
+            log.exception("request %s failed", record.rid)
+            if not flight.record.state.is_final:
+                await asyncio.shield(self._spawn(self._abort_and_end(flight)))
             raise
         finally:
-            if not flight.record.state.is_final:
-                log.warning("request %s left in %s; aborting", record.rid, flight.record.state)
-                await asyncio.shield(self._abort_engine(flight))
-                self._end(flight, _S.ABORTED, FinishReason.ERROR)
             self._origins.pop(record.rid, None)
+
+    async def _abort_and_end(self, flight: Flight) -> None:
+        await self._abort_engine(flight)
+        self._end(flight, _S.ABORTED, FinishReason.ERROR, "internal_error")
 
     def _engine_body(self, flight: Flight, reader: StreamReader, segment: int) -> dict[str, Any]:
         rec = flight.record
@@ -607,10 +614,12 @@ class SidecarService:
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
-    def _spawn(self, coro: Awaitable[Any]) -> None:
+    def _spawn(self, coro: Awaitable[Any]) -> asyncio.Future[Any]:
+        """Run `coro` in the background, tracked so that `settled()` can wait for it."""
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     async def _abort_engine(self, flight: Flight) -> None:
         if not flight.engine_rid:

@@ -117,3 +117,19 @@ async def test_queue_keeps_order_refuses_when_full_and_times_out() -> None:
     with pytest.raises(OverloadError) as never:
         await ledger.admit(huge)
     assert never.value.reason == "too_large"
+
+
+async def test_changes_are_measured_against_what_was_published() -> None:
+    ledger = Ledger(POLICY, 10_000)  # 1 % = 100 tokens
+    a = await admitted(ledger, flight("a", 150))
+    assert ledger.changed.is_set()
+    ledger.changed.clear()
+    ledger.published(150)  # the heartbeat carried it
+    b = await admitted(ledger, flight("b", 60))  # 60 from what routers see: quiet
+    assert not ledger.changed.is_set()
+    ledger.move(a, S.CANCELLED, FinishReason.CANCELLED)  # 210 → 60: 90 from 150, quiet
+    assert not ledger.changed.is_set()
+    c = await admitted(ledger, flight("c", 100))  # 160... routers saw 150: quiet
+    ledger.move(b, S.CANCELLED, FinishReason.CANCELLED)
+    ledger.move(c, S.CANCELLED, FinishReason.CANCELLED)  # 0: 150 from what was published
+    assert ledger.changed.is_set()
