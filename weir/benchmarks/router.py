@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import random
 import subprocess
 import sys
@@ -50,6 +51,9 @@ def run(args: argparse.Namespace) -> int:
             "runs": args.runs,
             "streams": 0 if args.skip_proxy else args.streams,
             "tokens": args.tokens,
+            # Latency figures from a shared machine are only comparable at similar load.
+            "load_avg_1m": round(os.getloadavg()[0], 2),
+            "cpus": os.cpu_count(),
         },
     )
     _decisions(report, args)
