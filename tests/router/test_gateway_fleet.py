@@ -8,7 +8,7 @@ import asyncio
 
 import aiohttp
 import pytest
-from openai import AsyncOpenAI
+from openai import AsyncOpenAI, AsyncStream
 
 from controlplane.contract import CacheIdentity, RoutingPolicy, WatermarkState
 from controlplane.ownership import Membership, OwnershipRing, prefix_key
@@ -40,6 +40,7 @@ async def test_a_streamed_chat_through_the_router_matches_the_engine(fleet: Flee
             model=MODEL, messages=messages, max_tokens=40, stream=True,  # type: ignore[arg-type]
             extra_body={"ignore_eos": True},
         )  # fmt: skip
+        assert isinstance(stream, AsyncStream)
         pieces = [c.choices[0].delta.content or "" async for c in stream if c.choices]
         texts.append("".join(pieces))
         await client.close()

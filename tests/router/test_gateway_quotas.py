@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 import pytest
@@ -54,7 +55,9 @@ async def _open_stream(
     return reply
 
 
-async def _short(session: aiohttp.ClientSession, url: str, key: str, prompt: str = "hi"):
+async def _short(
+    session: aiohttp.ClientSession, url: str, key: str, prompt: str = "hi"
+) -> tuple[int, dict[str, str], Any]:
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 2}
     async with session.post(url + "/v1/completions", json=body, headers=_auth(key)) as reply:
         return reply.status, dict(reply.headers), await reply.json()
@@ -74,7 +77,7 @@ async def test_concurrency_holds_across_two_router_replicas(redis_url: str) -> N
         async def admitted() -> bool:
             status, _, _ = await _short(session, second.url, "sk-a")
             assert status in (200, 429)
-            return status == 200
+            return bool(status == 200)
 
         await eventually(admitted, "the slot to come back")
         other.close()

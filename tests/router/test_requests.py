@@ -6,12 +6,14 @@ import pytest
 
 from controlplane.contract import Continuation, EngineAPI
 from controlplane.gateway import GatewayError, Limits
-from controlplane.gateway.requests import parse, resume_body
+from controlplane.gateway.requests import ClientRequest, parse, resume_body
 
 MODELS = frozenset({"m"})
 
 
-def _parse(api: EngineAPI, body: dict[str, object], headers: dict[str, str] | None = None):
+def _parse(
+    api: EngineAPI, body: dict[str, object], headers: dict[str, str] | None = None
+) -> ClientRequest:
     return parse(
         api, body, headers or {}, models=MODELS, default_model="m", limits=Limits(1000, 1.0)
     )
