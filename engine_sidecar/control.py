@@ -84,6 +84,7 @@ class ControlLink:
             running_requests=running,
             queued_requests=ledger.queued,
             preemptions_per_s=preemptions_per_s,
+            predicted_tpot_s=ledger.tpot_s,
             started_at=self.started_at,
             updated_at=time.time(),
         )

@@ -128,6 +128,7 @@ class Ledger:
         self.engine_sampled_at = 0.0
         self.last_release_at = 0.0
         self.preemptions = 0
+        self.tpot_s = 0.02  # smoothed seconds per output token, from finished requests
         # Publication: `changed` wakes the control-plane link when the watermark state
         # changes or KV moved by 1 % of capacity from what was last published;
         # `changed_at` is when the oldest unpublished change happened (for the metric).
@@ -292,6 +293,9 @@ class Ledger:
         now = self.clock()
         self.growth = self.growth.observe(self.used_tokens, now)
         self._reclassify(now)
+
+    def observe_tpot(self, tpot_s: float) -> None:
+        self.tpot_s = 0.9 * self.tpot_s + 0.1 * tpot_s
 
     def finished_naturally(self, flight: Flight) -> int:
         """Calibrate the predictor with a natural ending; returns the prediction's error."""

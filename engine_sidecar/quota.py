@@ -32,7 +32,6 @@ class KVQuota:
         self.ledger = ledger
         self.holder = holder
         self.ttl_s = ttl_s
-        self.tpot_s = 0.02  # smoothed seconds per output token, from finished requests
         self._charged: dict[str, float] = {}  # rid → wall time of the charge
         self._unreleased: dict[str, Amounts] = {}  # releases Redis did not take yet
 
@@ -43,7 +42,7 @@ class KVQuota:
         rec = flight.record
         predicted = self.ledger.predict(flight)
         average_kv = rec.prompt_tokens + predicted / 2
-        return max(1, math.ceil(average_kv * predicted * self.tpot_s))
+        return max(1, math.ceil(average_kv * predicted * self.ledger.tpot_s))
 
     async def charge(self, flight: Flight) -> int | None:
         """None when granted (or not applicable); else the Retry-After in seconds."""
@@ -72,9 +71,6 @@ class KVQuota:
         rec = flight.record
         held_s = max(0.0, time.time() - charged_at)
         used = math.ceil((rec.prompt_tokens + rec.generated_tokens / 2) * held_s)
-        if rec.generated_tokens > 1 and flight.first_token_mono:
-            decode_s = self.ledger.clock() - flight.first_token_mono
-            self.tpot_s = 0.9 * self.tpot_s + 0.1 * decode_s / rec.generated_tokens
         self._unreleased[flight.rid] = Amounts(kv_token_seconds=used)
         await self.retry_releases()
 

@@ -590,6 +590,7 @@ class SidecarService:
             if rec.generated_tokens > 1 and flight.first_token_mono:
                 tpot = (now - flight.first_token_mono) / (rec.generated_tokens - 1)
                 self.metrics.observe("weir_sidecar_tpot_seconds", tpot, *buckets)
+                self.ledger.observe_tpot(tpot)
             self._end(flight, _S.FINISHED, reason)
         else:
             self._end(flight, _S.ABORTED, reason)
