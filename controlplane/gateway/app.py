@@ -41,6 +41,7 @@ from controlplane.contract import (
     RoutingPolicy,
     TenantQuota,
 )
+from controlplane.contract import headers as wire
 from controlplane.gateway.credits import CREDIT_HEADER, HandoffGate
 from controlplane.gateway.errors import GatewayError, overload, unavailable
 from controlplane.gateway.metrics import RouterMetrics, length_bucket
@@ -532,16 +533,16 @@ class Gateway:
         headers = {
             "Content-Type": "application/json",
             TENANT_HEADER: ex.tenant,
-            "x-weir-request-id": ex.route.request_id,
-            "x-weir-priority": str(client.priority),
+            wire.REQUEST_ID: ex.route.request_id,
+            wire.PRIORITY: str(client.priority),
         }
         if ex.credit:
             headers[CREDIT_HEADER] = ex.credit
         if client.stream:  # the router can resume it: a sidecar may migrate it away
-            headers["x-weir-migratable"] = "1"
+            headers[wire.MIGRATABLE] = "1"
         if client.deadline_s:
             left = client.deadline_s - (self.clock() - ex.started)
-            headers["x-weir-deadline-ms"] = str(max(1, int(left * 1000)))
+            headers[wire.DEADLINE_MS] = str(max(1, int(left * 1000)))
         url = view.state.address + _API_PATHS[client.api]
         pool = self.config.pool
         try:
@@ -560,7 +561,7 @@ class Gateway:
                         status=upstream.status,
                         body=raw,
                         content_type=upstream.content_type,
-                        headers={"x-weir-endpoint": endpoint_id},
+                        headers={wire.ENDPOINT: endpoint_id},
                     )
                 if upstream.status != 200:
                     if ex.response is not None:
@@ -586,7 +587,7 @@ class Gateway:
                 headers={
                     "Content-Type": "text/event-stream",
                     "Cache-Control": "no-cache",
-                    "x-weir-endpoint": ex.endpoint,
+                    wire.ENDPOINT: ex.endpoint,
                 }
             )
             await stream.prepare(request)

@@ -14,10 +14,11 @@ from __future__ import annotations
 from redis.exceptions import RedisError
 
 from controlplane.contract import HandoffCredit
+from controlplane.contract import headers as wire
 from controlplane.gateway.errors import overload, unavailable
 from controlplane.store import CreditRefusal, CreditStore
 
-CREDIT_HEADER = "x-weir-handoff-credit"
+CREDIT_HEADER = wire.HANDOFF_CREDIT
 
 
 class HandoffGate:

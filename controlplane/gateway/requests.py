@@ -28,6 +28,7 @@ from typing import Any
 import msgspec
 
 from controlplane.contract import Continuation, EngineAPI
+from controlplane.contract import headers as wire
 from controlplane.gateway.errors import GatewayError, bad_request
 
 PRIORITY_RANGE = (-1000, 1000)
@@ -124,7 +125,7 @@ def parse(
             f"the prompt (~{prompt_tokens} tokens) plus {max_new} new tokens exceeds the "
             f"context length of {limits.context_length}",
         )
-    priority = _priority(headers.get("x-weir-priority"), body.get("priority"))
+    priority = _priority(headers.get(wire.PRIORITY), body.get("priority"))
     if "priority" in body or priority:
         body["priority"] = priority
     adapter = body.get("lora_path", "")
@@ -140,7 +141,7 @@ def parse(
         prompt_tokens=prompt_tokens,
         max_new_tokens=max_new,
         priority=priority,
-        deadline_s=_deadline(headers.get("x-weir-deadline-ms"), deadline_field),
+        deadline_s=_deadline(headers.get(wire.DEADLINE_MS), deadline_field),
         adapter=adapter,
     )
 

@@ -23,10 +23,11 @@ from pathlib import Path
 
 import yaml
 
+from controlplane.contract import headers as wire
 from controlplane.gateway.errors import GatewayError
 
 DEFAULT_TENANT = "default"
-TENANT_HEADER = "x-weir-tenant"
+TENANT_HEADER = wire.TENANT
 
 
 class TenantKeys:
