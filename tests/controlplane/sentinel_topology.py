@@ -6,15 +6,15 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from types import TracebackType
 
 from weir.local.ports import free_port, wait_for_port
+from weir.local.process import LocalService, stop_process
 from weir.local.redis_server import RedisServer
 
 SERVICE = "weir"
 
 
-class SentinelTopology:
+class SentinelTopology(LocalService):
     """master + one replica + one sentinel (quorum 1) that fails over half a second after
     the master stops answering."""
 
@@ -50,25 +50,8 @@ class SentinelTopology:
         return self
 
     def close(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.terminate()
-            self._proc.wait(timeout=10)
+        stop_process(self._proc)
         self._proc = None
         self.replica.close()
         self.master.close()
         self._dir.cleanup()
-
-    def __enter__(self) -> SentinelTopology:
-        try:
-            return self.start()
-        except BaseException:
-            self.close()
-            raise
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()

@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         print("\nweir up: stopping", flush=True)
         return 0
     finally:
-        fleet.stop()
+        fleet.close()
 
 
 def _sample(fleet: object, i: int) -> bool:

@@ -2,7 +2,7 @@
 
 `weir up` runs one. Every part is the real component started the way a cluster starts it
 (`weir engine` or SGLang's `launch_server`, `weir sidecar`, `weir router --policy-file`),
-each child's output goes to a log file in the fleet's work directory, and `stop()` ends
+each child's output goes to a log file in the fleet's work directory, and `close()` ends
 every child, newest first, terminating politely and killing what does not exit in time.
 
 The router reads a pool policy written to the work directory, as it reads the operator's
@@ -24,11 +24,11 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 from controlplane.contract import PoolPolicy, TenantQuota, encode_json
 from weir.local.ports import free_port, wait_for_port
+from weir.local.process import LocalService
 from weir.local.redis_server import RedisServer
 
 WEIR = (sys.executable, "-m", "weir.cli")
@@ -87,7 +87,7 @@ class _Child:
 
 
 @dataclass
-class LocalFleet:
+class LocalFleet(LocalService):
     config: FleetConfig
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="weir-up-")))
     redis: RedisServer | None = None
@@ -142,7 +142,7 @@ class LocalFleet:
             self.router_url = f"http://127.0.0.1:{port}"
             self._wait_ready()
         except BaseException:
-            self.stop()
+            self.close()
             raise
         return self
 
@@ -197,7 +197,7 @@ class LocalFleet:
     def failed_children(self) -> list[str]:
         return [c.name for c in self._children if c.proc.poll() is not None]
 
-    def stop(self) -> None:
+    def close(self) -> None:
         for child in reversed(self._children):
             if child.proc.poll() is None:
                 child.proc.terminate()
@@ -211,17 +211,6 @@ class LocalFleet:
         if self.redis is not None:
             self.redis.close()
             self.redis = None
-
-    def __enter__(self) -> LocalFleet:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
 
 def _tail(log: Path, lines: int = 20) -> str:
