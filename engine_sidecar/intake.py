@@ -52,7 +52,6 @@ class Intake:
     model: str
     stream: bool
     prompt_tokens: int
-    prompt_exact: bool
     prompt_ids: tuple[int, ...]
     max_new_tokens: int
     priority: int
@@ -210,7 +209,6 @@ def parse(api: EngineAPI, body: dict[str, Any], limits: Limits) -> Intake:
         model=model,
         stream=stream,
         prompt_tokens=prompt,
-        prompt_exact=exact,
         prompt_ids=prompt_ids,
         max_new_tokens=max_new_tokens,
         priority=priority,
@@ -234,7 +232,6 @@ def from_continuation(cont: Continuation, limits: Limits) -> Intake:
         model=base.model,
         stream=True,
         prompt_tokens=base.prompt_tokens + extra,
-        prompt_exact=base.prompt_exact and len(cont.generated_ids) == extra,
         prompt_ids=cont.prompt_ids + cont.generated_ids,
         max_new_tokens=cont.remaining_tokens,
         priority=cont.priority,

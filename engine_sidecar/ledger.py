@@ -75,7 +75,6 @@ class Flight:
     generated_text: list[str] = field(default_factory=list)
     engine_rid: str = ""
     preempt_mode: str = ""  # set by relief or a command: "recompute" or "migrate"
-    preempted: asyncio.Event = field(default_factory=asyncio.Event)
     first_token_mono: float = 0.0
     cancelled_mono: float = 0.0
 
