@@ -1,14 +1,17 @@
 """The KV pool: fixed-size pages, a radix (prefix) cache over full pages, exact accounting.
 
 Every page is in exactly one place: the free list, one request's private list (the tail it
-is still filling), or the prefix cache as one tree node. A cache node's `refs` counts the
-requests whose page path runs through it; a request holds a reference on every node of its
-path, so a node's references are never fewer than its children's and an unreferenced node
-roots an unreferenced subtree. Unreferenced nodes are evictable; eviction takes unreferenced
-leaves in least-recently-used order (a use is a match or a release), so a page in use is
-never reclaimed. Each cache salt (SGLang's `cache_salt`) has its own tree: requests with
-different salts never share KV. Allocation fails
-closed: it either hands out every page asked for or none.
+is still filling), or the prefix cache inside one tree node. The tree is a compressed radix
+tree, as SGLang's: a node holds a run of pages (its `key` is their tokens) and is split only
+where two histories diverge, so caching a prompt costs one node, not one per page.
+
+A node's `refs` counts the holders (running requests) whose cached path runs through it; a
+holder is known by the last node of its path, and locking or unlocking walks up to the root.
+A node's references are therefore never fewer than its children's, and an unreferenced node
+roots an unreferenced subtree. Unreferenced pages are evictable: eviction trims unreferenced
+leaves from their tail in least-recently-used order (a use is a match or a release), so a
+page in use is never reclaimed. Allocation fails closed: it hands out every page asked for
+or none. Each cache salt (SGLang's `cache_salt`) has its own tree.
 """
 
 from __future__ import annotations
@@ -18,16 +21,25 @@ from collections.abc import Iterable, Sequence
 
 
 class CacheNode:
-    """One full page of cached tokens, reached from its parent by the page's token ids."""
+    """A run of cached pages, reached from its parent by the tokens of its first page."""
 
-    __slots__ = ("children", "key", "page", "parent", "refs")
+    __slots__ = ("children", "key", "pages", "parent", "refs")
 
-    def __init__(self, key: tuple[int, ...], page: int, parent: CacheNode | None) -> None:
-        self.key = key
-        self.page = page
+    def __init__(self, key: list[int], pages: list[int], parent: CacheNode | None) -> None:
+        self.key = key  # len(pages) * page_size tokens
+        self.pages = pages
         self.parent = parent
         self.children: dict[tuple[int, ...], CacheNode] = {}
         self.refs = 0
+
+
+def path_pages(node: CacheNode | None) -> list[int]:
+    """The pages from the root down to `node`, in token order."""
+    runs: list[list[int]] = []
+    while node is not None and node.parent is not None:
+        runs.append(node.pages)
+        node = node.parent
+    return [page for run in reversed(runs) for page in run]
 
 
 class KVCache:
@@ -41,7 +53,7 @@ class KVCache:
         self.prefix_cache = prefix_cache
         self._free = list(range(total_pages - 1, -1, -1))
         self._roots: dict[str, CacheNode] = {}
-        self._leaves: OrderedDict[CacheNode, None] = OrderedDict()
+        self._leaves: OrderedDict[CacheNode, None] = OrderedDict()  # evictable, LRU first
         self.cached_pages = 0
         self.evictable_pages = 0
 
@@ -79,20 +91,29 @@ class KVCache:
         self._free.extend(pages)
 
     def evict(self, count: int) -> int:
-        """Return up to `count` unreferenced cached pages to the free list, LRU first."""
+        """Return up to `count` unreferenced cached pages to the free list: the tails of
+        the least recently used unreferenced leaves."""
         evicted = 0
+        size = self.page_size
         while evicted < count and self._leaves:
-            node, _ = self._leaves.popitem(last=False)
-            parent = node.parent
-            assert parent is not None
-            del parent.children[node.key]
-            self._free.append(node.page)
-            self.cached_pages -= 1
-            self.evictable_pages -= 1
-            evicted += 1
-            if parent.refs == 0 and not parent.children:
-                self._leaves[parent] = None
-                self._leaves.move_to_end(parent, last=False)
+            node = next(iter(self._leaves))
+            take = min(count - evicted, len(node.pages))
+            if take < len(node.pages):
+                self._free.extend(node.pages[-take:])
+                del node.pages[-take:]
+                del node.key[-take * size :]
+            else:
+                del self._leaves[node]
+                self._free.extend(node.pages)
+                parent = node.parent
+                assert parent is not None
+                del parent.children[tuple(node.key[:size])]
+                if parent.refs == 0 and not parent.children:
+                    self._leaves[parent] = None
+                    self._leaves.move_to_end(parent, last=False)
+            self.cached_pages -= take
+            self.evictable_pages -= take
+            evicted += take
         return evicted
 
     def flush(self) -> int:
@@ -103,82 +124,137 @@ class KVCache:
     def root(self, salt: str = "") -> CacheNode:
         node = self._roots.get(salt)
         if node is None:
-            node = self._roots[salt] = CacheNode((), -1, None)
+            node = self._roots[salt] = CacheNode([], [], None)
             node.refs = 1  # never evicted
         return node
 
-    def match(self, ids: Sequence[int], max_tokens: int, salt: str = "") -> list[CacheNode]:
-        """The cached path of full pages that prefixes `ids`, at most `max_tokens` long."""
-        if not self.prefix_cache:
-            return []
-        size = self.page_size
+    def match(self, ids: Sequence[int], max_tokens: int, salt: str = "") -> tuple[CacheNode, int]:
+        """The deepest cached node whose path prefixes `ids` in full pages, at most
+        `max_tokens` long, and that path's length in tokens. A node the match ends inside
+        is split there, so the result always ends on a node boundary."""
         node = self.root(salt)
-        path: list[CacheNode] = []
-        for start in range(0, max_tokens - size + 1, size):
-            child = node.children.get(tuple(ids[start : start + size]))
+        if not self.prefix_cache:
+            return node, 0
+        size = self.page_size
+        limit = max_tokens // size * size
+        pos = 0
+        while pos + size <= limit:
+            child = node.children.get(tuple(ids[pos : pos + size]))
             if child is None:
                 break
-            path.append(child)
-            node = child
-        if path and path[-1] in self._leaves:
-            self._leaves.move_to_end(path[-1])  # a hit is a use
-        return path
+            n = len(child.key)
+            if pos + n <= limit and ids[pos : pos + n] == child.key:
+                node, pos = child, pos + n
+                continue
+            pages = self._common_pages(child.key, ids, pos, min(n, limit - pos))
+            node, pos = self._split(child, pages), pos + pages * size
+            break
+        if node in self._leaves:
+            self._leaves.move_to_end(node)  # a hit is a use
+        return node, pos
 
-    def lock(self, nodes: Iterable[CacheNode]) -> None:
-        for node in nodes:
+    def evictable_on_path(self, node: CacheNode) -> int:
+        """Pages on the path to `node` that locking it would take out of the evictable
+        pool (the unreferenced bottom of the path)."""
+        pages = 0
+        while node.parent is not None and node.refs == 0:
+            pages += len(node.pages)
+            node = node.parent
+        return pages
+
+    def lock(self, node: CacheNode) -> None:
+        """A holder's path now ends at `node`: reference every node up to the root."""
+        while node.parent is not None:
             if node.refs == 0:
-                self.evictable_pages -= 1
+                self.evictable_pages -= len(node.pages)
                 self._leaves.pop(node, None)
             node.refs += 1
+            node = node.parent
 
-    def unlock(self, nodes: Iterable[CacheNode]) -> None:
-        for node in nodes:
+    def unlock(self, node: CacheNode) -> None:
+        while node.parent is not None:
             node.refs -= 1
             if node.refs == 0:
-                self.evictable_pages += 1
+                self.evictable_pages += len(node.pages)
                 if not node.children:
                     self._leaves[node] = None
+            node = node.parent
 
     def adopt(
-        self,
-        path: list[CacheNode],
-        pages: list[int],
-        ids: Sequence[int],
-        full_pages: int,
-        salt: str = "",
-    ) -> None:
-        """Move a holder's filled private pages into the cache, extending its locked `path`
-        in place and consuming the adopted pages from the front of `pages`.
+        self, last: CacheNode, private: list[int], ids: Sequence[int], start: int, end: int
+    ) -> CacheNode:
+        """Move a holder's filled private pages for tokens [start, end) into the cache
+        below its locked path ending at `last` (covering `start` tokens), consuming them
+        from the front of `private`; returns the holder's new last node (locked).
 
         A page whose content is already cached (another request computed the same prefix)
-        is freed and the holder switches to the cached node: same tokens, same KV.
-        Without a prefix cache this does nothing.
-        """
-        if not self.prefix_cache:
-            return
+        is freed and the holder switches to the cached one: same tokens, same KV."""
         size = self.page_size
-        parent = path[-1] if path else self.root(salt)
-        adopted = 0
-        for index in range(len(path), full_pages):
-            key = tuple(ids[index * size : (index + 1) * size])
-            page = pages[adopted]
-            adopted += 1
-            node = parent.children.get(key)
-            if node is None:
-                node = CacheNode(key, page, parent)
-                parent.children[key] = node
-                self.cached_pages += 1
-                node.refs = 1
-            else:
-                self.free((page,))
-                self.lock((node,))
-            path.append(node)
-            parent = node
-        del pages[:adopted]
+        node, pos, used = last, start, 0
+        while pos < end:
+            child = node.children.get(tuple(ids[pos : pos + size]))
+            if child is None:
+                count = (end - pos) // size
+                if node.parent is not None and node.refs == 1 and not node.children:
+                    # The holder's own leaf: grow it in place rather than chain a child.
+                    node.key.extend(ids[pos:end])
+                    node.pages.extend(private[used : used + count])
+                    self.cached_pages += count
+                    del private[: used + count]
+                    return node
+                child = CacheNode(list(ids[pos:end]), private[used : used + count], node)
+                node.children[tuple(ids[pos : pos + size])] = child
+                self.cached_pages += count
+                child.refs = 1
+                del private[: used + count]
+                return child
+            pages = self._common_pages(child.key, ids, pos, min(len(child.key), end - pos))
+            if pages * size < len(child.key):
+                child = self._split(child, pages)
+            self.free(private[used : used + pages])
+            used += pages
+            if child.refs == 0:
+                self.evictable_pages -= len(child.pages)
+                self._leaves.pop(child, None)
+            child.refs += 1
+            node, pos = child, pos + pages * size
+        del private[:used]
+        return node
 
-    def check(self, holders: Iterable[tuple[Sequence[CacheNode], Sequence[int]]]) -> None:
+    def _common_pages(self, key: list[int], ids: Sequence[int], pos: int, span: int) -> int:
+        """Whole pages of `key` equal to ids[pos:] within `span` tokens (the first page is
+        known to match)."""
+        size = self.page_size
+        pages = 1
+        while (pages + 1) * size <= span and (
+            ids[pos + pages * size : pos + (pages + 1) * size]
+            == key[pages * size : (pages + 1) * size]
+        ):
+            pages += 1
+        return pages
+
+    def _split(self, node: CacheNode, pages: int) -> CacheNode:
+        """Cut `node` after `pages` pages; returns the new upper part. The lower part keeps
+        its identity, so holders whose path ends at it are unaffected, and the upper part
+        carries the same references (every such path runs through it)."""
+        size = self.page_size
+        parent = node.parent
+        assert parent is not None
+        assert 0 < pages < len(node.pages)
+        upper = CacheNode(node.key[: pages * size], node.pages[:pages], parent)
+        upper.refs = node.refs
+        parent.children[tuple(node.key[:size])] = upper
+        node.key = node.key[pages * size :]
+        node.pages = node.pages[pages:]
+        node.parent = upper
+        upper.children[tuple(node.key[:size])] = node
+        return upper
+
+    # -- invariants ----------------------------------------------------------------------
+    def check(self, holders: Iterable[tuple[CacheNode | None, Sequence[int]]]) -> None:
         """Raise AssertionError unless every page has exactly one owner and every cached
         node's reference count equals the number of holders whose path runs through it."""
+        size = self.page_size
         owner: dict[int, str] = {}
 
         def own(page: int, who: str) -> None:
@@ -191,25 +267,33 @@ class KVCache:
         for page in self._free:
             own(page, "free list")
         refs: dict[int, int] = {}
-        for index, (path, pages) in enumerate(holders):
-            for node in path:
+        for index, (last, pages) in enumerate(holders):
+            node = last
+            while node is not None and node.parent is not None:
                 refs[id(node)] = refs.get(id(node), 0) + 1
+                node = node.parent
             for page in pages:
                 own(page, f"holder {index}")
         cached = evictable = 0
         stack = [child for root in self._roots.values() for child in root.children.values()]
         while stack:
             node = stack.pop()
-            cached += 1
-            own(node.page, "cache")
+            if not node.pages or len(node.key) != len(node.pages) * size:
+                raise AssertionError(f"node with {len(node.pages)} pages has a bad key")
+            assert node.parent is not None
+            if node.parent.children.get(tuple(node.key[:size])) is not node:
+                raise AssertionError("node not reachable from its parent by its first page")
+            for page in node.pages:
+                own(page, "cache")
+            cached += len(node.pages)
             if node.refs != refs.get(id(node), 0):
-                raise AssertionError(f"node of page {node.page} has refs {node.refs}")
+                raise AssertionError(f"node of pages {node.pages[:3]}… has refs {node.refs}")
             if node.refs == 0:
-                evictable += 1
+                evictable += len(node.pages)
                 if not node.children and node not in self._leaves:
-                    raise AssertionError(f"evictable leaf page {node.page} not in LRU")
+                    raise AssertionError("evictable leaf not in the LRU")
             elif node in self._leaves:
-                raise AssertionError(f"referenced page {node.page} in LRU")
+                raise AssertionError("referenced node in the LRU")
             stack.extend(node.children.values())
         if len(owner) != self.total_pages:
             raise AssertionError(f"{self.total_pages - len(owner)} pages lost")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from fleetsim.engine.kv_cache import CacheNode
+from fleetsim.engine.kv_cache import CacheNode, path_pages
 from fleetsim.engine.tokens import decode
 
 
@@ -72,7 +72,8 @@ class EngineRequest:
     phase: Phase = Phase.WAITING
     computed: int = 0
     cached_tokens: int = 0
-    nodes: list[CacheNode] = field(default_factory=list)
+    node: CacheNode | None = None  # last node of its locked prefix-cache path
+    tree_len: int = 0  # tokens that path covers
     pages: list[int] = field(default_factory=list)
     hash_state: int = 0
     finish: Finish | None = None
@@ -115,7 +116,7 @@ class EngineRequest:
 
     def page_table(self) -> list[int]:
         """Pages holding this request's KV, in token order."""
-        return [node.page for node in self.nodes] + self.pages
+        return path_pages(self.node) + self.pages
 
     def output_text(self) -> str:
         """Generated text as SGLang returns it: EOS skipped, cut before a matched stop

@@ -301,13 +301,13 @@ class EngineModel:
 
     def check(self) -> None:
         """Assert the pool's invariants against the live requests (tests call this)."""
-        holders = [(r.nodes, r.pages) for r in self.prefilling + self.decoding]
+        holders = [(r.node, r.pages) for r in self.prefilling + self.decoding]
         for req in self.waiting:
-            if req.nodes or req.pages or req.computed:
+            if req.node is not None or req.pages or req.computed:
                 raise AssertionError(f"waiting request {req.rid} holds KV")
         ps = self.page_size
         for req in self.prefilling + self.decoding:
-            held = (len(req.nodes) + len(req.pages)) * ps
+            held = req.tree_len + len(req.pages) * ps
             if held != -(-req.computed // ps) * ps:
                 raise AssertionError(
                     f"request {req.rid} computed {req.computed} tokens with {held} tokens of pages"
@@ -324,7 +324,7 @@ class EngineModel:
             return result
         self.steps += 1
         if self.waiting:
-            self._admit(now)
+            self._admit(now, result)
         batch = list(self.decoding)  # requests that finish prefill now decode next step
         pf_tokens = pf_pairs = pf_context = 0
         if self.prefilling:
@@ -370,7 +370,7 @@ class EngineModel:
         cfg = self.config
         if cfg.schedule_policy == "lpm" and self.kv.prefix_cache:
             self.waiting.sort(
-                key=lambda r: -len(self.kv.match(r.history(), r.total_len - 1, r.cache_salt))
+                key=lambda r: -self.kv.match(r.history(), r.total_len - 1, r.cache_salt)[1]
             )
         elif cfg.enable_priority_scheduling:
             sign = 1 if cfg.schedule_low_priority_values_first else -1
@@ -394,7 +394,7 @@ class EngineModel:
             pending += r.total_len - r.computed
         return growth * self.new_token_ratio + pending
 
-    def _admit(self, now: float) -> None:
+    def _admit(self, now: float, result: StepResult) -> None:
         self._order_waiting(now)
         kv, ps = self.kv, self.page_size
         reserved = self._reserved_growth()
@@ -410,19 +410,22 @@ class EngineModel:
             if running >= limit or pending >= self.prefill_budget:
                 break
             history = req.history()
-            nodes = kv.match(history, req.total_len - 1, req.cache_salt)
-            matched = len(nodes) * ps
+            node, matched = kv.match(history, req.total_len - 1, req.cache_salt)
             uncached = req.total_len - matched
             clipped = min(req.max_new_tokens - len(req.output_ids), CLIP_MAX_NEW_TOKENS)
-            evictable_hit = sum(1 for n in nodes if n.refs == 0) * ps
+            evictable_hit = kv.evictable_on_path(node) * ps
             available = kv.available_pages * ps - evictable_hit
             if uncached + clipped > available - reserved and (running or uncached > available):
-                # With nothing running the head is admitted if its history fits at all (it
-                # always does: validation and decode keep histories within the pool), or
-                # it would block the queue forever.
+                # With nothing running the head is admitted if its history fits at all, or
+                # it would block the queue forever. A history that cannot fit even then
+                # (retracted after its last token filled the pool) never will: fail closed.
+                if not running:
+                    self._finish(req, aborted("The KV cache cannot hold this request.", 503), now)
+                    self.aborted_total += 1
+                    result.finished.append(req)
                 break
-            kv.lock(nodes)
-            req.nodes = nodes
+            kv.lock(node)
+            req.node, req.tree_len = node, matched
             req.computed = matched
             req.cached_tokens += matched
             self.cached_tokens_total += matched if not req.output_ids else 0
@@ -462,7 +465,7 @@ class EngineModel:
                 end = self._fit_time(start, end, tokens, pairs, context)
                 if end <= start:
                     break
-            held = len(req.nodes) + len(req.pages)
+            held = req.tree_len // ps + len(req.pages)
             need = -(-end // ps) - held
             if need > 0:
                 spare = kv.available_pages
@@ -533,21 +536,23 @@ class EngineModel:
         self._append(req, token, now, result)
 
     def _cache_full_pages(self, req: EngineRequest) -> None:
-        full = req.computed // self.page_size
-        if full > len(req.nodes) and self.kv.prefix_cache:
-            self.kv.adopt(req.nodes, req.pages, req.history(), full, req.cache_salt)
+        end = req.computed // self.page_size * self.page_size
+        if end > req.tree_len and self.kv.prefix_cache:
+            last = req.node if req.node is not None else self.kv.root(req.cache_salt)
+            req.node = self.kv.adopt(last, req.pages, req.history(), req.tree_len, end)
+            req.tree_len = end
 
     # -- decode --------------------------------------------------------------------------
     def _decode(
         self, batch: list[EngineRequest], now: float, result: StepResult
     ) -> tuple[int, int]:
         kv, ps = self.kv, self.page_size
-        needing = [r for r in batch if r.computed == (len(r.nodes) + len(r.pages)) * ps]
+        needing = [r for r in batch if r.computed == r.tree_len + len(r.pages) * ps]
         if len(needing) > kv.available_pages:
             self._retract_for(len(needing), now, result)
             fresh = {id(r) for r in batch}
             batch = [r for r in self.decoding if id(r) in fresh]
-            needing = [r for r in batch if r.computed == (len(r.nodes) + len(r.pages)) * ps]
+            needing = [r for r in batch if r.computed == r.tree_len + len(r.pages) * ps]
             if not batch:
                 return 0, 0
         if needing:
@@ -619,7 +624,7 @@ class EngineModel:
         for req in order:
             if pages_needed <= kv.available_pages or len(victims) == len(order) - 1:
                 break
-            if req.computed == (len(req.nodes) + len(req.pages)) * ps:
+            if req.computed == req.tree_len + len(req.pages) * ps:
                 pages_needed -= 1
             self._retract(req)
             victims.add(id(req))
@@ -655,12 +660,13 @@ class EngineModel:
         """Give back the request's KV; its computed full pages stay cached (evictable), so
         a recompute or a continuation of the same history hits the prefix cache."""
         kv = self.kv
-        if req.nodes or req.pages:
+        if req.node is not None or req.pages:
             if req.phase is not Phase.WAITING:
                 self._cache_full_pages(req)
-            kv.unlock(req.nodes)
+            if req.node is not None:
+                kv.unlock(req.node)
             kv.free(req.pages)
-            req.nodes = []
+            req.node, req.tree_len = None, 0
             req.pages = []
 
     def _finish(self, req: EngineRequest, finish: Finish, now: float) -> None:

@@ -187,3 +187,33 @@ def test_lpm_admits_the_longest_cached_prefix_first() -> None:
         while model.has_work:
             order += [r.rid for r in model.step(0.0).finished if r.rid != "blocker"]
         assert order == expected, policy
+
+
+def test_radix_tree_holds_runs_and_splits_where_histories_diverge() -> None:
+    model = EngineModel(EngineConfig(max_total_tokens=1 << 16, page_size=1))
+    shared = "a long shared system prompt, " * 30 + "question "
+    reqs = []
+    for i in range(8):
+        reqs.append(make(model, f"q{i}", shared + f"{i}?", 5))
+        drain(model)
+    # One node for the shared prefix, one per diverging tail: not one per token.
+    (trunk,) = model.kv.root().children.values()
+    assert trunk.key == encode(shared)
+    assert len(trunk.children) == 8
+    assert all(not child.children for child in trunk.children.values())
+    assert all(r.cached_tokens == len(encode(shared)) for r in reqs[1:])
+    assert model.kv.cached_pages == model.kv.evictable_pages == len(encode(shared)) + 8 * 6
+
+
+def test_a_history_grown_past_the_pool_fails_closed_on_readmission() -> None:
+    model = EngineModel(EngineConfig(max_total_tokens=24, page_size=1, context_length=4096))
+    req = make(model, "grown", "g" * 10, 100)
+    while len(req.output_ids) < 15:  # 10 + 15 tokens: the last one has no KV yet
+        model.step(0.0)
+    assert req in model.decoding
+    model.pause("retract", 0.0)  # its 25-token history no longer fits 24 tokens
+    model.resume()
+    drain(model)
+    assert req.finish is not None
+    assert req.finish.status_code == 503
+    assert model.kv.used_pages == 0
