@@ -26,9 +26,9 @@ time. The model never reads a clock: every call takes `now` (seconds, any origin
     engine.flush_cache()                                # False while requests are live
     engine.check()                                      # assert pool/refcount invariants
 
-Speed: a 64-sequence decode batch simulates ~400k tokens per CPU-second (`weir bench
-engine`). The prefix cache keeps one node per page, so prompts cost ~2-5 µs per page when
-cached: simulate long prompts with `page_size` 16 or more (or `disable_radix_cache`).
+Speed: a 64-sequence decode batch simulates ~500k tokens per CPU-second (`weir bench
+engine`); prompts hash at C speed and the prefix cache is a compressed radix tree (one node
+per run of pages), so admission and caching cost little per request at any page size.
 
 Requests (`EngineRequest`) carry `input_ids` (byte tokens: `tokens.encode(text)`),
 `output_ids`, `finish`, `computed` (tokens with KV), `cached_tokens`, `retractions`, and
