@@ -352,10 +352,12 @@ class Ledger:
         if flight.record.deadline_at > 0:
             expires = min(expires, flight.record.deadline_at)
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        # A preempted request waits as if queued since it first arrived: its aging carries
+        # it ahead of newer arrivals of its class.
+        rec = flight.record
+        since = rec.arrived_at if rec.state is _S.DECODE_PREEMPTED else now
         self._queue[flight.rid] = (
-            QueuedRequest(
-                flight.rid, flight.record.priority, now, expires, flight.record.prompt_tokens
-            ),
+            QueuedRequest(flight.rid, rec.priority, since, expires, rec.prompt_tokens),
             future,
         )
         self.changed.set()

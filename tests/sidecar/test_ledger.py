@@ -133,3 +133,30 @@ async def test_changes_are_measured_against_what_was_published() -> None:
     ledger.move(b, S.CANCELLED, FinishReason.CANCELLED)
     ledger.move(c, S.CANCELLED, FinishReason.CANCELLED)  # 0: 150 from what was published
     assert ledger.changed.is_set()
+
+
+async def test_a_preempted_request_resumes_before_newer_arrivals() -> None:
+    clock = [100.0]
+    ledger = Ledger(POLICY, 1000, clock=lambda: clock[0])
+    old = flight("old", 480)
+    old.record = RequestRecord(
+        rid="old", tenant="t", model="m", prompt_tokens=480, max_new_tokens=64, arrived_at=90.0
+    )
+    await admitted(ledger, old)
+    for state in (S.PREFILL_RUNNING, S.DECODE_READY, S.DECODING, S.DECODE_PREEMPTED):
+        ledger.move(old, state)
+    hog = await admitted(ledger, flight("hog", 700))
+    new = flight("new", 480)
+    ledger.add(new)
+    waiting_new = asyncio.create_task(ledger.admit(new))
+    await asyncio.sleep(0)
+    clock[0] = 101.0
+    resuming = asyncio.create_task(ledger.admit(old))
+    await asyncio.sleep(0)
+    assert ledger.queued == 2
+    ledger.move(hog, S.CANCELLED, FinishReason.CANCELLED)  # room for one of the two
+    await asyncio.sleep(0)
+    assert old.record.state.value == "decode_ready"
+    assert new.record.state.value == "waiting_admission"
+    await resuming
+    waiting_new.cancel()
