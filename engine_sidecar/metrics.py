@@ -13,13 +13,28 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from controlplane.contract import WatermarkState
+from controlplane.contract import PreemptionMode, WatermarkState
 from controlplane.telemetry.catalog import SIDECAR, MetricKind
 from engine_sidecar.ledger import Ledger
 
 _SPECS = {spec.name: spec for spec in SIDECAR}
 _EP = ("pool", "endpoint")
 _LENGTH_BUCKETS = ((256, "le256"), (1024, "le1k"), (4096, "le4k"), (16384, "le16k"))
+# Label values known in advance are exported at zero from the start, so a dashboard shows
+# "none happened" instead of "no data" (and rate() has a baseline when the first one does).
+_KNOWN_LABELS = {
+    "weir_sidecar_admission_rejections_total": (
+        "too_large",
+        "queue_full",
+        "queue_timeout",
+        "draining",
+        "tenant_kv_quota",
+    ),
+    "weir_sidecar_preemptions_total": tuple(mode.value for mode in PreemptionMode),
+}
+# Active-sequence series stay (at zero) for the (priority, tenant) pairs seen, up to this
+# many, so a tenant's line drops to zero when it goes idle instead of vanishing.
+_REMEMBERED_SEQUENCE_KEYS = 256
 
 
 def length_bucket(tokens: int) -> str:
@@ -35,6 +50,7 @@ class _Gauges(Collector):
     def __init__(self, ledger: Ledger, pool: str, endpoint: str) -> None:
         self._ledger = ledger
         self._ep = (pool, endpoint)
+        self._seen: set[tuple[str, str]] = set()
 
     def _family(self, name: str) -> GaugeMetricFamily:
         spec = _SPECS[name]
@@ -43,11 +59,13 @@ class _Gauges(Collector):
     def collect(self) -> Iterator[Metric]:
         ledger, ep = self._ledger, list(self._ep)
         active = self._family("weir_sidecar_active_sequences")
-        counts: dict[tuple[str, str], int] = {}
+        counts = dict.fromkeys(self._seen, 0)
         for flight in ledger.flights.values():
             if flight.kv:
                 key = (str(flight.record.priority), flight.record.tenant)
                 counts[key] = counts.get(key, 0) + 1
+        if len(self._seen) < _REMEMBERED_SEQUENCE_KEYS:
+            self._seen.update(counts)
         for (priority, tenant), n in sorted(counts.items()):
             active.add_metric([*ep, priority, tenant], n)
         yield active
@@ -90,6 +108,8 @@ class SidecarMetrics:
                 # No further labels: export the series (at zero) from the start.
                 family = self._counters.get(spec.name) or self._histograms[spec.name]
                 family.labels(pool, endpoint)
+            for value in _KNOWN_LABELS.get(spec.name, ()):
+                self._counters[spec.name].labels(pool, endpoint, value)
 
     def count(self, name: str, *labels: str, amount: float = 1.0) -> None:
         self._counters[name].labels(self.pool, self.endpoint, *labels).inc(amount)

@@ -13,7 +13,7 @@ Routes:
   the same actions the control-plane commands trigger.
 
 Request headers a router sets: `x-weir-tenant` (default "default"), `x-weir-migratable: 1`
-(the router can splice a `weir.preempted` continuation), `x-weir-deadline-s` (relative).
+(the router can splice a `weir.preempted` continuation), `x-weir-deadline-ms` (relative).
 
 A streamed request may be preempted at any time: the sidecar aborts its rid in the engine;
 when the engine's stream ends with the abort, the request either resumes in place (its
@@ -49,6 +49,7 @@ from controlplane.contract import (
     decode_json,
     encode_json,
 )
+from controlplane.contract import headers as wire
 from engine_sidecar.engine import EngineAdapter, EngineError, EngineInfo, EngineStream
 from engine_sidecar.intake import (
     ENGINE_PATH,
@@ -259,11 +260,11 @@ class SidecarService:
         reader: StreamReader | None = None,
         preemptions: int = 0,
     ) -> web.StreamResponse:
-        tenant = request.headers.get("x-weir-tenant", "default")
+        tenant = request.headers.get(wire.TENANT, "default")
         if not _TENANT.match(tenant):
-            return _bad(RequestError("x-weir-tenant must be a short name ([A-Za-z0-9_.:-])"))
+            return _bad(RequestError(f"{wire.TENANT} must be a short name ([A-Za-z0-9_.:-])"))
         try:
-            deadline_s = _deadline(request.headers.get("x-weir-deadline-s"))
+            deadline_s = _deadline(request.headers.get(wire.DEADLINE_MS))
         except RequestError as exc:
             return _bad(exc)
         if self.draining:
@@ -285,7 +286,7 @@ class SidecarService:
             recomputable=streamed and intake.recomputable and self._may_recompute,
             migratable=streamed
             and self._may_migrate
-            and request.headers.get("x-weir-migratable") == "1",
+            and request.headers.get(wire.MIGRATABLE) == "1",
         )
         flight = Flight(intake, record, arrived_mono=now)
         self.ledger.add(flight)
@@ -411,7 +412,7 @@ class SidecarService:
                     else:
                         if response is None:
                             response = web.StreamResponse(
-                                headers={**_SSE_HEADERS, "x-weir-request-id": flight.rid}
+                                headers={**_SSE_HEADERS, wire.REQUEST_ID: flight.rid}
                             )
                             await response.prepare(request)
                         finish = await self._relay(stream, response, flight, reader, base)
@@ -574,7 +575,7 @@ class SidecarService:
         return web.Response(
             body=payload,
             content_type="application/json",
-            headers={"x-weir-request-id": flight.rid},
+            headers={wire.REQUEST_ID: flight.rid},
         )
 
     # -- endings -------------------------------------------------------------------------
@@ -741,18 +742,18 @@ class SidecarService:
 
 
 def _deadline(header: str | None) -> float:
-    """The relative deadline a router passes in `x-weir-deadline-s` (0: none)."""
+    """The relative deadline, in seconds, a router passes in milliseconds (0: none)."""
     if header is None:
         return 0.0
     try:
         value = float(header)
     except ValueError:
         raise RequestError(
-            f"x-weir-deadline-s must be a number of seconds, got {header!r}"
+            f"{wire.DEADLINE_MS} must be a number of milliseconds, got {header!r}"
         ) from None
-    if not 0.0 < value <= 86_400.0:
-        raise RequestError(f"x-weir-deadline-s must be in (0, 86400], got {header!r}")
-    return value
+    if not 0.0 < value <= 86_400_000.0:
+        raise RequestError(f"{wire.DEADLINE_MS} must be in (0, 86400000], got {header!r}")
+    return value / 1000.0
 
 
 def _unary_outcome(api: EngineAPI, payload: bytes) -> tuple[str, int, int]:
