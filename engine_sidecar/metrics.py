@@ -56,6 +56,11 @@ class _Gauges(Collector):
         spec = _SPECS[name]
         return GaugeMetricFamily(spec.name, spec.help, labels=list(spec.labels))
 
+    def remember(self, key: tuple[str, str]) -> None:
+        """Keep exporting (priority, tenant) at zero once its sequences are gone."""
+        if len(self._seen) < _REMEMBERED_SEQUENCE_KEYS:
+            self._seen.add(key)
+
     def collect(self) -> Iterator[Metric]:
         ledger, ep = self._ledger, list(self._ep)
         active = self._family("weir_sidecar_active_sequences")
@@ -64,8 +69,8 @@ class _Gauges(Collector):
             if flight.kv:
                 key = (str(flight.record.priority), flight.record.tenant)
                 counts[key] = counts.get(key, 0) + 1
-        if len(self._seen) < _REMEMBERED_SEQUENCE_KEYS:
-            self._seen.update(counts)
+        for key in counts:
+            self.remember(key)
         for (priority, tenant), n in sorted(counts.items()):
             active.add_metric([*ep, priority, tenant], n)
         yield active
@@ -92,7 +97,8 @@ class SidecarMetrics:
     def __init__(self, ledger: Ledger, pool: str, endpoint: str) -> None:
         self.registry = CollectorRegistry()
         self.pool, self.endpoint = pool, endpoint
-        self.registry.register(_Gauges(ledger, pool, endpoint))
+        self._gauges = _Gauges(ledger, pool, endpoint)
+        self.registry.register(self._gauges)
         self._counters: dict[str, Counter] = {}
         self._histograms: dict[str, Histogram] = {}
         for spec in SIDECAR:
@@ -110,6 +116,11 @@ class SidecarMetrics:
                 family.labels(pool, endpoint)
             for value in _KNOWN_LABELS.get(spec.name, ()):
                 self._counters[spec.name].labels(pool, endpoint, value)
+
+    def sequence_ended(self, priority: int, tenant: str) -> None:
+        """A sequence that ran here ended, perhaps between two scrapes: its active-sequence
+        series must still exist (at zero) for dashboards."""
+        self._gauges.remember((str(priority), tenant))
 
     def count(self, name: str, *labels: str, amount: float = 1.0) -> None:
         self._counters[name].labels(self.pool, self.endpoint, *labels).inc(amount)

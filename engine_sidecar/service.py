@@ -604,6 +604,8 @@ class SidecarService:
         self.ledger.move(flight, state, reason)
         if state is _S.REJECTED:
             self.metrics.count("weir_sidecar_admission_rejections_total", why or reason.value)
+        else:
+            self.metrics.sequence_ended(flight.record.priority, flight.record.tenant)
         self.metrics.count("weir_sidecar_requests_finished_total", reason.value)
         self._release_quota(flight)
 

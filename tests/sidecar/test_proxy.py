@@ -184,3 +184,24 @@ async def test_every_catalogued_family_is_exported(sidecar: RunningSidecar) -> N
         assert any(d in text for d in declared), spec.name
     assert "weir_sidecar_requests_finished_total{endpoint=" in text
     assert 'reason="length"' in text
+
+
+async def test_event_series_exist_before_their_first_event(sidecar: RunningSidecar) -> None:
+    """Dashboards show zero, not "no data": refusal and preemption series start at zero,
+    and a tenant's active-sequence series stays (at zero) after its request ended."""
+    async with aiohttp.ClientSession() as http:
+        async with http.post(
+            sidecar.url + "/generate", json=generate_body(4), headers={"x-weir-tenant": "quiet"}
+        ) as resp:
+            await sse(resp)
+        async with http.get(sidecar.url + "/metrics") as resp:
+            text = await resp.text()
+    lines = text.splitlines()
+
+    def value(name: str, label: str) -> float:
+        [line] = [x for x in lines if x.startswith(name + "{") and label in x]
+        return float(line.rsplit(" ", 1)[1])
+
+    assert value("weir_sidecar_admission_rejections_total", 'reason="queue_full"') == 0
+    assert value("weir_sidecar_preemptions_total", 'mode="migrate"') == 0
+    assert value("weir_sidecar_active_sequences", 'tenant="quiet"') == 0
