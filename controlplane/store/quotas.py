@@ -144,6 +144,11 @@ class QuotaStore:
         )
         return int(lease)
 
+    def _charge_keys(self, holder: str) -> tuple[str, ...]:
+        """The keys of the scripts that add or remove a holder's charges."""
+        k = self.keys
+        return (k.quotas, k.usage, k.classes, k.charges, k.holders, k.held_by(holder))
+
     async def charge(
         self, tenant: str, holder: str, request_id: str, amounts: Amounts
     ) -> ChargeResult:
@@ -151,14 +156,7 @@ class QuotaStore:
         check_name("request id", request_id)
         granted, reason, retry_ms = await _CHARGE(
             self.redis,
-            (
-                self.keys.quotas,
-                self.keys.usage,
-                self.keys.classes,
-                self.keys.charges,
-                self.keys.holders,
-                self.keys.held_by(holder),
-            ),
+            self._charge_keys(holder),
             (
                 tenant,
                 holder,
@@ -206,14 +204,7 @@ class QuotaStore:
             holder = as_text(raw)
             n = await _REAP(
                 self.redis,
-                (
-                    self.keys.quotas,
-                    self.keys.usage,
-                    self.keys.classes,
-                    self.keys.charges,
-                    self.keys.holders,
-                    self.keys.held_by(holder),
-                ),
+                self._charge_keys(holder),
                 (holder,),
             )
             if int(n) >= 0:
