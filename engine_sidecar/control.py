@@ -101,6 +101,7 @@ class ControlLink:
             await self.lease.beat(self.state())
             ledger.published(own_used)
             await self.quota.renew()
+            await self.quota.refresh_tenants()
             await self.quota.retry_releases()
         except FencedError as exc:
             metrics.count("weir_sidecar_heartbeats_total", "fenced")

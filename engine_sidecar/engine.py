@@ -110,15 +110,21 @@ class _HTTPStream:
                 return
             except (aiohttp.ClientError, OSError) as exc:
                 raise EngineError(f"{self._response.url}: the stream broke: {exc}") from exc
-            pending = pending + chunk if pending else chunk
+            buf = pending + chunk if pending else chunk
             batch = []
-            while (end := pending.find(b"\n\n")) >= 0:
-                frame, pending = pending[:end], pending[end + 2 :]
-                for line in frame.split(b"\n"):
-                    if line.startswith(b"data:"):
-                        data = line[5:].strip()
-                        raw = frame + b"\n\n" if line is frame else b"data: " + data + b"\n\n"
-                        batch.append(StreamEvent(raw, data))
+            start = 0
+            # Frames are found by index, so a read's worth of events costs one scan and
+            # one slice per event; a one-line frame (SGLang's) is forwarded as it came.
+            while (end := buf.find(b"\n\n", start)) >= 0:
+                if buf.startswith(b"data:", start) and buf.find(b"\n", start, end) < 0:
+                    batch.append(StreamEvent(buf[start : end + 2], buf[start + 5 : end].strip()))
+                else:
+                    for line in buf[start:end].split(b"\n"):
+                        if line.startswith(b"data:"):
+                            data = line[5:].strip()
+                            batch.append(StreamEvent(b"data: " + data + b"\n\n", data))
+                start = end + 2
+            pending = buf[start:]
             if batch:
                 yield batch
 

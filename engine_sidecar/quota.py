@@ -9,7 +9,9 @@ endpoint (finished, cancelled, refused, migrated away), reporting what it really
 an early finish is refunded. Recompute in place keeps the charge: the request stays here.
 
 A tenant the quota store does not know is not charged (the router enforces tenancy), and
-an unreachable Redis does not block admission (soft on control).
+an unreachable Redis does not block admission (soft on control). The tenants that have a
+quota are read with every heartbeat, so a request of any other tenant reaches the engine
+without a Redis round trip; a quota set meanwhile applies from the next heartbeat.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import time
 from redis.exceptions import RedisError
 
 from controlplane.store.quotas import Amounts, QuotaStore
+from controlplane.store.scripts import as_text
 from engine_sidecar.ledger import Flight, Ledger
 
 log = logging.getLogger("weir.sidecar.quota")
@@ -34,9 +37,19 @@ class KVQuota:
         self.ttl_s = ttl_s
         self._charged: dict[str, float] = {}  # rid → wall time of the charge
         self._unreleased: dict[str, Amounts] = {}  # releases Redis did not take yet
+        # Tenants with a quota as of the last heartbeat; None until read: charge everyone.
+        self._tenants: frozenset[str] | None = None
 
     async def renew(self) -> None:
         await self.store.renew_holder(self.holder, self.ttl_s)
+
+    async def refresh_tenants(self) -> None:
+        names = await self.store.redis.hkeys(self.store.keys.quotas)
+        self._tenants = frozenset(as_text(name) for name in names)
+
+    def holds(self, flight: Flight) -> bool:
+        """A charge for `flight` is held (its release has something to return)."""
+        return flight.rid in self._charged
 
     def estimate(self, flight: Flight) -> int:
         rec = flight.record
@@ -46,6 +59,8 @@ class KVQuota:
 
     async def charge(self, flight: Flight) -> int | None:
         """None when granted (or not applicable); else the Retry-After in seconds."""
+        if self._tenants is not None and flight.record.tenant not in self._tenants:
+            return None
         amounts = Amounts(kv_token_seconds=self.estimate(flight))
         try:
             result = await self.store.charge(flight.record.tenant, self.holder, flight.rid, amounts)

@@ -504,14 +504,14 @@ class SidecarService:
                     reader.prompt_tokens = step.prompt_tokens
                 if step.finish == "abort" and flight.preempt_mode:
                     reader.forget_last()
-                    self._note_tokens(flight, reader.generated - base)
                     finish, ended = "abort", True
                     break
-                self._note_tokens(flight, step.generated - base)
                 if step.forward is not None:
                     out.append(step.forward)
                 if step.finish:
                     finish = step.finish
+            # The events of one read arrived together: the ledger takes their total once.
+            self._note_tokens(flight, reader.generated - base)
             if out:
                 await response.write(out[0] if len(out) == 1 else b"".join(out))
             if ended:
@@ -610,7 +610,7 @@ class SidecarService:
         self._release_quota(flight)
 
     def _release_quota(self, flight: Flight) -> None:
-        if self.quota is not None:
+        if self.quota is not None and self.quota.holds(flight):
             self._spawn(self.quota.release(flight))
 
     async def settled(self) -> None:
