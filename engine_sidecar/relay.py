@@ -121,6 +121,13 @@ class StreamReader:
         return self.offset_tokens > 0 or bool(self.prefix_text)
 
     @property
+    def skims(self) -> bool:
+        """Events before the last of a read may be forwarded unread: in a fresh cumulative
+        /generate stream the latest event says all the earlier ones did (the finish comes
+        only in the stream's last event)."""
+        return self.api is EngineAPI.GENERATE and not self.incremental_text and not self.resumed
+
+    @property
     def generated(self) -> int:
         return self.offset_tokens + self.seg_tokens
 

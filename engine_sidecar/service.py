@@ -489,15 +489,20 @@ class SidecarService:
         'abort' (not forwarded) when it ended because this request is being preempted."""
         finish = ""
         deadline = flight.record.deadline_at
+        skims = reader.skims
         async for batch in stream.batches():
             if deadline and self.ledger.clock() >= deadline:
                 return "deadline"
             out: list[bytes] = []
             ended = False
-            for event in batch:
+            last = len(batch) - 1
+            for i, event in enumerate(batch):
                 if event.done:
                     ended = True
                     break
+                if skims and i < last and not batch[i + 1].done:
+                    out.append(event.raw)
+                    continue
                 step = reader.read(event.raw, event.data)
                 if step.prompt_tokens and not reader.prompt_tokens and base == 0:
                     self.ledger.set_prompt_tokens(flight, step.prompt_tokens)
