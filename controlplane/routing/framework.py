@@ -21,10 +21,16 @@ from operator import mul
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Protocol
 
-from controlplane.routing.snapshot import EndpointView, RouteRequest, RoutingContext
+from controlplane.routing.snapshot import (
+    EndpointView,
+    PoolSnapshot,
+    RouteRequest,
+    RoutingContext,
+)
 
 if TYPE_CHECKING:
     from controlplane.routing.cost import CostModel
+    from controlplane.routing.fused import FusedPipeline
 
 
 @dataclass(slots=True)
@@ -112,25 +118,58 @@ class Decision:
     order: the secondary owner first, then the others by score. `rejected` counts how
     many candidates each filter removed, which names the refusal when none is left.
 
-    The fallbacks are ranked when first read: the simulator and most live requests never
-    retry, so a decision does not pay for the ranking up front."""
+    A decision keeps the eligible candidates and their totals as computed and ranks the
+    fallbacks when first read: the simulator and most live requests never retry, so a
+    decision does not pay for the ranking up front."""
 
     endpoint_id: str
     reason: str
     owner_hit: bool
     score: float = 0.0
     rejected: Mapping[str, int] = field(default_factory=lambda: _NO_REJECTIONS)
-    others: tuple[str, ...] = field(default=(), repr=False)
-    other_scores: tuple[float, ...] = field(default=(), repr=False)
+    eligible: Sequence[EndpointView] = field(default=(), repr=False, compare=False)
+    totals: Sequence[float] = field(default=(), repr=False, compare=False)
+    chosen: int = field(default=0, repr=False)
     secondary_owner: str = field(default="", repr=False)
+
+    @classmethod
+    def of(
+        cls,
+        request: RouteRequest,
+        eligible: Sequence[EndpointView],
+        totals: Sequence[float],
+        chosen: int,
+        rejected: Mapping[str, int] | None,
+    ) -> Decision:
+        """The decision for `eligible[chosen]`, named by which owner it is, if any."""
+        picked = eligible[chosen].endpoint_id
+        owners = request.owners
+        if owners and picked == owners[0]:
+            reason = DecisionReason.PRIMARY_OWNER
+        elif len(owners) > 1 and picked == owners[1]:
+            reason = DecisionReason.SECONDARY_OWNER
+        else:
+            reason = DecisionReason.LEAST_COST
+        return cls(
+            picked,
+            reason,
+            reason is DecisionReason.PRIMARY_OWNER,
+            totals[chosen],
+            rejected or _NO_REJECTIONS,
+            eligible,
+            totals,
+            chosen,
+            request.secondary_owner,
+        )
 
     @property
     def fallbacks(self) -> tuple[str, ...]:
         """The other eligible candidates in retry order: the secondary owner, then by
         score (ties in candidate order, owners first)."""
-        scores = self.other_scores
-        ranked = sorted(range(len(scores)), key=scores.__getitem__, reverse=True)
-        order = [self.others[i] for i in ranked]
+        chosen, totals, eligible = self.chosen, self.totals, self.eligible
+        others = [i for i in range(len(eligible)) if i != chosen]
+        others.sort(key=totals.__getitem__, reverse=True)
+        order = [eligible[i].endpoint_id for i in others]
         secondary = self.secondary_owner
         if secondary and secondary in order and order[0] != secondary:
             order.remove(secondary)
@@ -162,24 +201,50 @@ class Profile:
     _filter_fns: tuple[tuple[str, FilterFn], ...] = field(init=False, repr=False, compare=False)
     _score_fns: tuple[ScoreFn, ...] = field(init=False, repr=False, compare=False)
     _weights: tuple[float, ...] = field(init=False, repr=False, compare=False)
+    # The plugins fused into one loop when they are all built-ins it reproduces.
+    _fused: FusedPipeline | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.scorers:
             raise ValueError(f"profile {self.name}: a profile needs at least one scorer")
+        # Imported here: the fused pipeline is built from the plugins, which import this module.
+        from controlplane.routing.fused import fuse
+
         setattr_ = object.__setattr__
         setattr_(self, "_filter_fns", tuple((f.name, f.filter) for f in self.filters))
         setattr_(self, "_score_fns", tuple(ws.scorer.score for ws in self.scorers))
         setattr_(self, "_weights", tuple(ws.weight for ws in self.scorers))
+        setattr_(self, "_fused", fuse(self.filters, self.scorers, self.picker))
+
+    @property
+    def fused(self) -> bool:
+        """Whether decisions run the fused loop rather than the plugins one by one."""
+        return self._fused is not None
 
     def decide(self, request: RouteRequest, ctx: RoutingContext) -> Decision:
-        snapshot = ctx.snapshot
         holders = _NO_HOLDERS
         if ctx.prefix_index is not None and request.block_hashes:
             holders = ctx.prefix_index.holders(request.block_hashes)
-        ready = len(snapshot.preferred) or 1
-        cycle = Cycle(request, ctx, holders, (snapshot.total_load + ctx.inflight_total) / ready, {})
+        snapshot = ctx.snapshot
+        mean_load = (snapshot.total_load + ctx.inflight_total) / (len(snapshot.preferred) or 1)
+        shortlist = self._candidates(request, snapshot, holders)
+        fused = self._fused
+        if fused is not None:
+            return fused.decide(request, ctx, holders, mean_load, shortlist)
+        return self._run_plugins(Cycle(request, ctx, holders, mean_load, {}), shortlist)
 
-        candidates = self._candidates(cycle)
+    def decide_with_plugins(self, request: RouteRequest, ctx: RoutingContext) -> Decision:
+        """The same decision by running each plugin in turn, fused or not: the reference
+        the fused loop is checked against."""
+        holders = _NO_HOLDERS
+        if ctx.prefix_index is not None and request.block_hashes:
+            holders = ctx.prefix_index.holders(request.block_hashes)
+        snapshot = ctx.snapshot
+        mean_load = (snapshot.total_load + ctx.inflight_total) / (len(snapshot.preferred) or 1)
+        cycle = Cycle(request, ctx, holders, mean_load, {})
+        return self._run_plugins(cycle, self._candidates(request, snapshot, holders))
+
+    def _run_plugins(self, cycle: Cycle, candidates: list[EndpointView]) -> Decision:
         rejected: dict[str, int] | None = None
         for name, keep in self._filter_fns:
             before = len(candidates)
@@ -188,8 +253,10 @@ class Profile:
                 if rejected is None:
                     rejected = {}
                 rejected[name] = before - len(candidates)
-                if not candidates:
-                    return Decision("", DecisionReason.NO_CANDIDATE, False, rejected=rejected)
+        if not candidates:
+            return Decision(
+                "", DecisionReason.NO_CANDIDATE, False, rejected=rejected or _NO_REJECTIONS
+            )
 
         # One weighted sum per candidate over the scorers' columns, in C (map/sum), rather
         # than one pass over the candidates per scorer.
@@ -197,30 +264,11 @@ class Profile:
         scores = [score(cycle, candidates) for score in self._score_fns]
         totals = [sum(map(mul, weights, column)) for column in zip(*scores, strict=True)]
         chosen = self.picker.pick(cycle, candidates, totals)
-        picked = candidates[chosen].endpoint_id
-        owners = request.owners
-        if owners and picked == owners[0]:
-            reason = DecisionReason.PRIMARY_OWNER
-        elif len(owners) > 1 and picked == owners[1]:
-            reason = DecisionReason.SECONDARY_OWNER
-        else:
-            reason = DecisionReason.LEAST_COST
-        others = [c.endpoint_id for c in candidates]
-        del others[chosen]
-        other_scores = totals[:chosen] + totals[chosen + 1 :]
-        return Decision(
-            picked,
-            reason,
-            reason is DecisionReason.PRIMARY_OWNER,
-            totals[chosen],
-            rejected or _NO_REJECTIONS,
-            tuple(others),
-            tuple(other_scores),
-            request.secondary_owner,
-        )
+        return Decision.of(cycle.request, candidates, totals, chosen, rejected)
 
-    def _candidates(self, cycle: Cycle) -> list[EndpointView]:
-        request, snapshot = cycle.request, cycle.ctx.snapshot
+    def _candidates(
+        self, request: RouteRequest, snapshot: PoolSnapshot, holders: Mapping[str, int]
+    ) -> list[EndpointView]:
         exclude, owners = request.exclude, request.owners
         by_id = snapshot.by_id
         if len(snapshot.endpoints) <= self.candidates + len(owners):
@@ -238,7 +286,6 @@ class Profile:
             if endpoint_id not in seen and (view := by_id.get(endpoint_id)) is not None:
                 seen.add(endpoint_id)
                 chosen.append(view)
-        holders = cycle.holders
         if holders:
             best = sorted(holders, key=holders.__getitem__, reverse=True)
             for endpoint_id in best[: self.max_prefix_holders]:

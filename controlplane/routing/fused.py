@@ -1,0 +1,274 @@
+"""The built-in plugins fused into one pass over the shortlist.
+
+Running the plugins costs a call, a list and often a cost-model call per plugin per
+decision, which is most of a decision's time over a shortlist of a few endpoints. A
+profile made only of built-in filters (any subset, any order), built-in scorers (each at
+most once, in the canonical order of `default_config`, sharing one cost model) and the
+max-score picker is compiled once into a `FusedPipeline` that evaluates every filter
+predicate and every scorer term per candidate in a single loop.
+
+It decides exactly as the plugins do: the same kept candidates, bit-identical totals (the
+weighted sum is added in scorer order, as `sum(map(mul, ...))` does on Python 3.11, and an
+absent scorer contributes `0.0 * score`, which leaves a non-negative sum unchanged), the
+same pick and the same rejection counts (a dropped candidate is attributed by running the
+filter plugins over the dropped ones only: built-in filters judge each candidate alone).
+tests/router/test_fused.py compares the two over random pools.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import cast
+
+from controlplane.contract import Role, WatermarkState
+from controlplane.routing.cost import CostModel
+from controlplane.routing.filters import (
+    BoundedLoad,
+    LeaseValid,
+    NotDraining,
+    RoleModelAdapterMatch,
+    WatermarkBelowCritical,
+)
+from controlplane.routing.framework import (
+    _NO_REJECTIONS,
+    Cycle,
+    Decision,
+    DecisionReason,
+    Filter,
+    Picker,
+    WeightedScorer,
+)
+from controlplane.routing.pickers import MaxScore
+from controlplane.routing.scorers import (
+    KVPressureScorer,
+    LoadScorer,
+    PrefixAffinity,
+    QueueScorer,
+    SLORiskScorer,
+    TransferScorer,
+)
+from controlplane.routing.snapshot import EndpointView, RouteRequest, RoutingContext
+
+_SCORER_ORDER: tuple[type, ...] = (
+    PrefixAffinity,
+    QueueScorer,
+    KVPressureScorer,
+    SLORiskScorer,
+    LoadScorer,
+    TransferScorer,
+)
+_BuiltinScorer = (
+    PrefixAffinity | QueueScorer | KVPressureScorer | SLORiskScorer | LoadScorer | TransferScorer
+)
+_FILTER_TYPES: frozenset[type] = frozenset(
+    (LeaseValid, NotDraining, RoleModelAdapterMatch, WatermarkBelowCritical, BoundedLoad)
+)
+_CRITICAL = WatermarkState.CRITICAL.rank
+_NEVER = -math.inf  # a lease deadline every endpoint beats: lease-valid not in the profile
+
+
+@dataclass(frozen=True, slots=True)
+class FusedPipeline:
+    """A profile's built-in filters, scorers and picker as constants of one loop."""
+
+    filters: tuple[Filter, ...]
+    check_lease: bool
+    check_draining: bool
+    check_match: bool
+    check_watermark: bool
+    load_factor: float  # 0: bounded-load is not in the profile
+    cost: CostModel
+    affinity: PrefixAffinity
+    weights: tuple[float, float, float, float, float, float]
+    halves: tuple[float, float, float, float, float, float]
+
+    def decide(
+        self,
+        request: RouteRequest,
+        ctx: RoutingContext,
+        holders: Mapping[str, int],
+        mean_load: float,
+        shortlist: Sequence[EndpointView],
+    ) -> Decision:
+        # Per-decision terms, computed once (the plugins compute them once per plugin).
+        snapshot, inflight = ctx.snapshot, ctx.inflight
+        ready = len(snapshot.preferred) or 1
+        bound = (
+            math.ceil(self.load_factor * (mean_load * ready + 1.0) / ready)
+            if self.load_factor
+            else math.inf
+        )
+        lease_now = ctx.now if self.check_lease else _NEVER
+        check_draining, check_match = self.check_draining, self.check_match
+        max_rank = _CRITICAL if self.check_watermark else math.inf
+        model, role, adapter = request.model, request.role, request.adapter
+
+        cost, affinity = self.cost, self.affinity
+        prompt, tokens, deadline = request.prompt_tokens, request.max_new_tokens, request.deadline_s
+        rate, per_request = cost.prefill_tokens_per_s, cost.queued_request_s
+        block, max_wait = affinity.block_tokens, affinity.max_wait_s
+        owner_tokens = affinity.owner_blocks * block
+        owners = request.owners
+        first_owner = owners[0] if owners else None
+        second_owner = owners[1] if len(owners) > 1 else None
+        own = prompt + tokens * cost.expected_output_fraction
+        kv_penalty, kv_full = cost.kv_penalty_s, cost.kv_penalty_s * 1e3
+        slo = cost.ttft_slo_s
+        base = prompt / rate - slo
+        load_scale = cost.load_penalty_s / (mean_load + 1.0)
+        shipped = prompt * cost.kv_bytes_per_token / cost.transfer_bytes_per_s
+        ships = role is Role.PREFILL
+        w_prefix, w_queue, w_kv, w_slo, w_load, w_transfer = self.weights
+        h_prefix, h_queue, h_kv, h_slo, h_load, h_transfer = self.halves
+
+        kept: list[EndpointView] = []
+        totals: list[float] = []
+        dropped: list[EndpointView] | None = None
+        chosen, best = 0, -math.inf
+        for view in shortlist:
+            endpoint_id = view.endpoint_id
+            extra = inflight.get(endpoint_id, 0) if inflight else 0
+            state = view.state
+            if not (
+                view.lease_deadline > lease_now
+                and (view.routable or not check_draining)
+                and (
+                    not check_match
+                    or (
+                        state.model == model
+                        and state.role is role
+                        and (not adapter or adapter in state.adapters)
+                    )
+                )
+                and view.watermark_rank < max_rank
+                and view.reported_load + extra < bound
+            ):
+                if dropped is None:
+                    dropped = []
+                dropped.append(view)
+                continue
+
+            queue = (
+                view.waiting_prefill_tokens / rate + (view.queued_requests + extra) * per_request
+            )
+            cached = holders.get(endpoint_id, 0) * block
+            if endpoint_id == first_owner and cached < owner_tokens:
+                cached = owner_tokens
+            if endpoint_id == second_owner and cached < owner_tokens // 2:
+                cached = owner_tokens // 2
+            if cached and queue > max_wait:  # a long queue voids cache credit
+                cached = 0
+            uncached = (prompt - cached) / rate if cached < prompt else 0.0
+            capacity = view.kv_capacity_tokens
+            if capacity > 0 and (c := (view.kv_committed_tokens + own) / capacity) < 1.0:
+                kv = kv_penalty * c * c / (1.0 - c)
+            else:
+                kv = kv_full
+            late = queue + base + view.predicted_ttft_s
+            if deadline <= 0:
+                risk = late if late > 0.0 else 0.0
+            else:
+                missed = late + slo + tokens * view.predicted_tpot_s - deadline
+                risk = (late if late > 0.0 else 0.0) + (missed if missed > 0.0 else 0.0)
+            load = view.reported_load + extra
+            penalty = load_scale * (load - mean_load) if load > mean_load else 0.0
+            transfer = (
+                h_transfer / (h_transfer + (shipped if view.is_prefill else 0.0)) if ships else 1.0
+            )
+            total = (
+                w_prefix * (h_prefix / (h_prefix + uncached))
+                + w_queue * (h_queue / (h_queue + queue))
+                + w_kv * (h_kv / (h_kv + kv))
+                + w_slo * (h_slo / (h_slo + risk))
+                + w_load * (h_load / (h_load + penalty))
+                + w_transfer * transfer
+            )
+            if total > best or not kept:  # MaxScore: the first of the highest
+                chosen, best = len(kept), total
+            kept.append(view)
+            totals.append(total)
+
+        rejected = self._attribute(request, ctx, holders, mean_load, dropped) if dropped else None
+        if not kept:
+            return Decision(
+                "", DecisionReason.NO_CANDIDATE, False, rejected=rejected or _NO_REJECTIONS
+            )
+        return Decision.of(request, kept, totals, chosen, rejected)
+
+    def _attribute(
+        self,
+        request: RouteRequest,
+        ctx: RoutingContext,
+        holders: Mapping[str, int],
+        mean_load: float,
+        dropped: list[EndpointView],
+    ) -> dict[str, int]:
+        """How many of the dropped candidates each filter removed, in profile order."""
+        cycle = Cycle(request, ctx, holders, mean_load, {})
+        rejected: dict[str, int] = {}
+        remaining: Sequence[EndpointView] = dropped
+        for plugin in self.filters:
+            passed = plugin.filter(cycle, remaining)
+            if len(passed) < len(remaining):
+                rejected[plugin.name] = len(remaining) - len(passed)
+            remaining = passed
+        return rejected
+
+
+def fuse(
+    filters: Sequence[Filter], scorers: Sequence[WeightedScorer], picker: Picker
+) -> FusedPipeline | None:
+    """The fused form of these plugins, or None when any is not one it reproduces."""
+    picker_type: type = type(picker)
+    if picker_type is not MaxScore or not scorers:
+        return None
+    if any(type(f) not in _FILTER_TYPES for f in filters):
+        return None
+    if len({type(f) for f in filters}) < len(filters):
+        return None
+    kinds: list[type] = [type(ws.scorer) for ws in scorers]
+    if any(kind not in _SCORER_ORDER for kind in kinds):
+        return None
+    positions = [_SCORER_ORDER.index(kind) for kind in kinds]
+    if positions != sorted(set(positions)):  # a repeat or another order: its own float sum
+        return None
+    present = cast(list[_BuiltinScorer], [ws.scorer for ws in scorers])
+    costs = {scorer.cost for scorer in present}
+    if len(costs) != 1:
+        return None
+    (cost,) = costs
+    if not cost.prefill_tokens_per_s > 0:  # the fused loop divides by it for every term
+        return None
+    # Absent scorers keep their defaults and weigh 0.
+    weights = [0.0] * len(_SCORER_ORDER)
+    terms: list[_BuiltinScorer] = [kind(cost=cost) for kind in _SCORER_ORDER]
+    for position, weighted, scorer in zip(positions, scorers, present, strict=True):
+        if not math.isfinite(weighted.weight):  # inf * a zero score: leave it to the plugins
+            return None
+        weights[position] = weighted.weight
+        terms[position] = scorer
+    affinity = terms[0]
+    assert isinstance(affinity, PrefixAffinity)
+    by_type: dict[type, Filter] = {type(f): f for f in filters}
+    bounded = by_type.get(BoundedLoad)
+    return FusedPipeline(
+        filters=tuple(filters),
+        check_lease=LeaseValid in by_type,
+        check_draining=NotDraining in by_type,
+        check_match=RoleModelAdapterMatch in by_type,
+        check_watermark=WatermarkBelowCritical in by_type,
+        load_factor=bounded.factor if isinstance(bounded, BoundedLoad) else 0.0,
+        cost=cost,
+        affinity=affinity,
+        weights=(weights[0], weights[1], weights[2], weights[3], weights[4], weights[5]),
+        halves=(
+            terms[0].half_at_s,
+            terms[1].half_at_s,
+            terms[2].half_at_s,
+            terms[3].half_at_s,
+            terms[4].half_at_s,
+            terms[5].half_at_s,
+        ),
+    )
