@@ -94,6 +94,13 @@ def _bad(exc: RequestError) -> web.Response:
     )
 
 
+class _SSEResponse(web.StreamResponse):
+    """A stream whose headers leave with its first event: one send, one wake-up of the
+    client, on the way to the first token."""
+
+    _send_headers_immediately = False
+
+
 @dataclass
 class _Origin:
     """How the request first entered Weir, for building its continuation."""
@@ -411,7 +418,7 @@ class SidecarService:
                         lost = True
                     else:
                         if response is None:
-                            response = web.StreamResponse(
+                            response = _SSEResponse(
                                 headers={**_SSE_HEADERS, wire.REQUEST_ID: flight.rid}
                             )
                             await response.prepare(request)
@@ -437,10 +444,8 @@ class SidecarService:
                 )
                 return response
             if finish and not (finish == "abort" and mode):
-                await response.write(DONE)
-                reason = finish_reason(finish)
-                self._finish(flight, reason)
-                await response.write_eof()
+                await response.write_eof(DONE)
+                self._finish(flight, finish_reason(finish))
                 return response
             if lost and not mode:
                 if not (flight.record.recomputable and self._resumable(flight)):
@@ -456,10 +461,9 @@ class SidecarService:
             if mode == "migrate":
                 cont = self.continuation(flight, reader)
                 data = encode_json(cont)
-                await response.write(PREEMPTED_EVENT + b"data: " + data + b"\n\n")
+                await response.write_eof(PREEMPTED_EVENT + b"data: " + data + b"\n\n")
                 self.metrics.count("weir_sidecar_transferred_bytes_total", amount=len(data))
                 self._end(flight, _S.FINISHED, FinishReason.PREEMPTED)
-                await response.write_eof()
                 return response
             if mode == "terminate":
                 await self._end_stream(response, flight, "aborted", "terminated by relief policy")
@@ -558,8 +562,7 @@ class SidecarService:
         if not flight.record.state.is_final:
             self._end(flight, _S.ABORTED, reason, kind)
         try:
-            await response.write(b"data: " + error_body(kind, message) + b"\n\n" + DONE)
-            await response.write_eof()
+            await response.write_eof(b"data: " + error_body(kind, message) + b"\n\n" + DONE)
         except ConnectionResetError:
             pass
 
