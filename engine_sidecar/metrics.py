@@ -101,6 +101,10 @@ class SidecarMetrics:
         self.registry.register(self._gauges)
         self._counters: dict[str, Counter] = {}
         self._histograms: dict[str, Histogram] = {}
+        # Label children by (family, labels): a request's updates skip prometheus-client's
+        # label lookup. Label values are bounded (reasons, modes, length buckets).
+        self._counted: dict[tuple[str, tuple[str, ...]], Counter] = {}
+        self._observed: dict[tuple[str, tuple[str, ...]], Histogram] = {}
         for spec in SIDECAR:
             if spec.kind is MetricKind.COUNTER:
                 self._counters[spec.name] = Counter(
@@ -123,10 +127,20 @@ class SidecarMetrics:
         self._gauges.remember((str(priority), tenant))
 
     def count(self, name: str, *labels: str, amount: float = 1.0) -> None:
-        self._counters[name].labels(self.pool, self.endpoint, *labels).inc(amount)
+        child = self._counted.get((name, labels))
+        if child is None:
+            child = self._counted[name, labels] = self._counters[name].labels(
+                self.pool, self.endpoint, *labels
+            )
+        child.inc(amount)
 
     def observe(self, name: str, value: float, *labels: str) -> None:
-        self._histograms[name].labels(self.pool, self.endpoint, *labels).observe(value)
+        child = self._observed.get((name, labels))
+        if child is None:
+            child = self._observed[name, labels] = self._histograms[name].labels(
+                self.pool, self.endpoint, *labels
+            )
+        child.observe(value)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -27,6 +27,7 @@ released.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import uuid
@@ -561,10 +562,8 @@ class SidecarService:
             await self._abort_engine(flight)
         if not flight.record.state.is_final:
             self._end(flight, _S.ABORTED, reason, kind)
-        try:
+        with contextlib.suppress(ConnectionResetError):
             await response.write_eof(b"data: " + error_body(kind, message) + b"\n\n" + DONE)
-        except ConnectionResetError:
-            pass
 
     async def _unary(self, flight: Flight) -> web.Response:
         api = flight.intake.api
