@@ -33,12 +33,15 @@ fi
 stamp="$venv/.weir-$mode-$(sha256sum pyproject.toml | cut -c1-16)"
 if [ ! -f "$stamp" ]; then
   echo "bootstrap: installing Python packages into $venv ($mode)" >&2
-  "$venv/bin/python" -m pip install -q --upgrade "pip>=25.1"
-  group=(); [ "$mode" = dev ] && group=(--group dev)
   # Some machines' pip config names local index folders that may be absent; pip warns
   # once per package about them, which buries real errors.
-  "$venv/bin/python" -m pip install -q -e . "${group[@]}" \
-    2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+  pip_install() {
+    "$venv/bin/python" -m pip install -q "$@" \
+      2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+  }
+  pip_install --upgrade "pip>=25.1"
+  group=(); [ "$mode" = dev ] && group=(--group dev)
+  pip_install -e . "${group[@]}"
   touch "$stamp"
 fi
 

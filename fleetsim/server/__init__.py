@@ -65,12 +65,19 @@ class RunningEngine:
         await self.driver.stop()
         await self._site.stop()
         http = self._runner.server
-        if http is not None:
-            for handler in http.connections:
-                transport = handler.transport
-                if transport is not None:
-                    transport.abort()
+        # A connection accepted in this loop iteration registers on the next one; without
+        # this pause it would escape the reset and linger as an unclosed socket.
+        await asyncio.sleep(0)
+        self._reset_connections(http)
         await self._runner.cleanup()
+        self._reset_connections(http)
+
+    @staticmethod
+    def _reset_connections(http: web.Server | None) -> None:
+        for handler in http.connections if http is not None else ():
+            transport = handler.transport
+            if transport is not None:
+                transport.abort()
 
     async def close(self) -> None:
         if self._closed:
