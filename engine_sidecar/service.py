@@ -520,10 +520,11 @@ class SidecarService:
                     out.append(step.forward)
                 if step.finish:
                     finish = step.finish
-            # The events of one read arrived together: the ledger takes their total once.
-            self._note_tokens(flight, reader.generated - base)
             if out:
                 await response.write(out[0] if len(out) == 1 else b"".join(out))
+            # The events of one read arrived together: the ledger takes their total once,
+            # after the client has them (off the path to the first token).
+            self._note_tokens(flight, reader.generated - base)
             if ended:
                 break
         return finish
