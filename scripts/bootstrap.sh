@@ -34,9 +34,10 @@ stamp="$venv/.weir-$mode-$(sha256sum pyproject.toml | cut -c1-16)"
 if [ ! -f "$stamp" ]; then
   echo "bootstrap: installing Python packages into $venv ($mode)" >&2
   # Some machines' pip config names local index folders that may be absent; pip warns
-  # once per package about them, which buries real errors.
+  # once per package about them, and setuptools warns that an editable install is one:
+  # noise that buries real errors.
   pip_install() {
-    "$venv/bin/python" -m pip install -q "$@" \
+    PYTHONWARNINGS=ignore::UserWarning "$venv/bin/python" -m pip install -q "$@" \
       2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
   }
   pip_install --upgrade "pip>=25.1"
