@@ -10,8 +10,8 @@ predicate and every scorer term per candidate in a single loop.
 It decides exactly as the plugins do: the same kept candidates, bit-identical totals (the
 weighted sum is added in scorer order, as `sum(map(mul, ...))` does on Python 3.11, and an
 absent scorer contributes `0.0 * score`, which leaves a non-negative sum unchanged), the
-same pick and the same rejection counts (a dropped candidate is attributed by running the
-filter plugins over the dropped ones only: built-in filters judge each candidate alone).
+same pick and the same rejection counts (built-in filters judge each candidate alone, so
+running them in sequence counts a candidate against the first one it fails).
 tests/router/test_fused.py compares the two over random pools.
 """
 
@@ -33,7 +33,6 @@ from controlplane.routing.filters import (
 )
 from controlplane.routing.framework import (
     _NO_REJECTIONS,
-    Cycle,
     Decision,
     DecisionReason,
     Filter,
@@ -62,8 +61,13 @@ _SCORER_ORDER: tuple[type, ...] = (
 _BuiltinScorer = (
     PrefixAffinity | QueueScorer | KVPressureScorer | SLORiskScorer | LoadScorer | TransferScorer
 )
-_FILTER_TYPES: frozenset[type] = frozenset(
-    (LeaseValid, NotDraining, RoleModelAdapterMatch, WatermarkBelowCritical, BoundedLoad)
+# The built-in filters in the order of the fused loop's per-candidate pass flags.
+_FILTER_CHECKS: tuple[type, ...] = (
+    LeaseValid,
+    NotDraining,
+    RoleModelAdapterMatch,
+    WatermarkBelowCritical,
+    BoundedLoad,
 )
 _CRITICAL = WatermarkState.CRITICAL.rank
 _NEVER = -math.inf  # a lease deadline every endpoint beats: lease-valid not in the profile
@@ -73,7 +77,8 @@ _NEVER = -math.inf  # a lease deadline every endpoint beats: lease-valid not in 
 class FusedPipeline:
     """A profile's built-in filters, scorers and picker as constants of one loop."""
 
-    filters: tuple[Filter, ...]
+    # (index into the per-candidate pass flags, filter name), in the profile's order.
+    filter_order: tuple[tuple[int, str], ...]
     check_lease: bool
     check_draining: bool
     check_match: bool
@@ -125,29 +130,30 @@ class FusedPipeline:
 
         kept: list[EndpointView] = []
         totals: list[float] = []
-        dropped: list[EndpointView] | None = None
+        rejected: dict[str, int] | None = None
         chosen, best = 0, -math.inf
         for view in shortlist:
             endpoint_id = view.endpoint_id
             extra = inflight.get(endpoint_id, 0) if inflight else 0
             state = view.state
-            if not (
-                view.lease_deadline > lease_now
-                and (view.routable or not check_draining)
-                and (
-                    not check_match
-                    or (
-                        state.model == model
-                        and state.role is role
-                        and (not adapter or adapter in state.adapters)
-                    )
-                )
-                and view.watermark_rank < max_rank
-                and view.reported_load + extra < bound
-            ):
-                if dropped is None:
-                    dropped = []
-                dropped.append(view)
+            passes = (
+                view.lease_deadline > lease_now,
+                view.routable or not check_draining,
+                not check_match
+                or (
+                    state.model == model
+                    and state.role is role
+                    and (not adapter or adapter in state.adapters)
+                ),
+                view.watermark_rank < max_rank,
+                view.reported_load + extra < bound,
+            )
+            if not all(passes):
+                # Sequential filters count a candidate against the first one it fails.
+                name = next(name for i, name in self.filter_order if not passes[i])
+                if rejected is None:
+                    rejected = {}
+                rejected[name] = rejected.get(name, 0) + 1
                 continue
 
             queue = (
@@ -190,31 +196,14 @@ class FusedPipeline:
             kept.append(view)
             totals.append(total)
 
-        rejected = self._attribute(request, ctx, holders, mean_load, dropped) if dropped else None
+        if rejected is not None and len(rejected) > 1:  # in filter order, as the plugins count
+            counts = rejected
+            rejected = {name: counts[name] for _, name in self.filter_order if name in counts}
         if not kept:
             return Decision(
                 "", DecisionReason.NO_CANDIDATE, False, rejected=rejected or _NO_REJECTIONS
             )
         return Decision.of(request, kept, totals, chosen, rejected)
-
-    def _attribute(
-        self,
-        request: RouteRequest,
-        ctx: RoutingContext,
-        holders: Mapping[str, int],
-        mean_load: float,
-        dropped: list[EndpointView],
-    ) -> dict[str, int]:
-        """How many of the dropped candidates each filter removed, in profile order."""
-        cycle = Cycle(request, ctx, holders, mean_load, {})
-        rejected: dict[str, int] = {}
-        remaining: Sequence[EndpointView] = dropped
-        for plugin in self.filters:
-            passed = plugin.filter(cycle, remaining)
-            if len(passed) < len(remaining):
-                rejected[plugin.name] = len(remaining) - len(passed)
-            remaining = passed
-        return rejected
 
 
 def fuse(
@@ -224,7 +213,7 @@ def fuse(
     picker_type: type = type(picker)
     if picker_type is not MaxScore or not scorers:
         return None
-    if any(type(f) not in _FILTER_TYPES for f in filters):
+    if any(type(f) not in _FILTER_CHECKS for f in filters):
         return None
     if len({type(f) for f in filters}) < len(filters):
         return None
@@ -254,7 +243,7 @@ def fuse(
     by_type: dict[type, Filter] = {type(f): f for f in filters}
     bounded = by_type.get(BoundedLoad)
     return FusedPipeline(
-        filters=tuple(filters),
+        filter_order=tuple((_FILTER_CHECKS.index(type(f)), f.name) for f in filters),
         check_lease=LeaseValid in by_type,
         check_draining=NotDraining in by_type,
         check_match=RoleModelAdapterMatch in by_type,
