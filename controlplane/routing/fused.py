@@ -150,10 +150,12 @@ class FusedPipeline:
             )
             if not all(passes):
                 # Sequential filters count a candidate against the first one it fails.
-                name = next(name for i, name in self.filter_order if not passes[i])
                 if rejected is None:
                     rejected = {}
-                rejected[name] = rejected.get(name, 0) + 1
+                for check, name in self.filter_order:
+                    if not passes[check]:
+                        rejected[name] = rejected.get(name, 0) + 1
+                        break
                 continue
 
             queue = (
