@@ -298,7 +298,8 @@ class Profile:
             return chosen
         start = zlib.crc32(request.request_id.encode()) % window
         wanted = len(chosen) + self.candidates
-        for view in preferred[start:window] + preferred[:start]:
+        for i in range(start, start + window):  # the window, rotated to start
+            view = preferred[i % window]
             if view.endpoint_id not in seen:
                 chosen.append(view)
                 if len(chosen) == wanted:

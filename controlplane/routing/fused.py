@@ -148,7 +148,7 @@ class FusedPipeline:
                 view.watermark_rank < max_rank,
                 view.reported_load + extra < bound,
             )
-            if not all(passes):
+            if False in passes:
                 # Sequential filters count a candidate against the first one it fails.
                 if rejected is None:
                     rejected = {}
