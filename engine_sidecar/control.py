@@ -55,7 +55,9 @@ class ControlLink:
         service.quota = self.quota
         self.commands = CommandChannel(redis, pool)
         self._executed: collections.OrderedDict[str, None] = collections.OrderedDict()
-        self._tasks: list[asyncio.Task[None]] = []
+        self._heartbeat: asyncio.Task[None] | None = None
+        self._commands: asyncio.Task[None] | None = None
+        self._closing = False
         self._last_preemptions = 0
         self._last_beat = time.monotonic()
 
@@ -120,7 +122,7 @@ class ControlLink:
 
     async def _run(self) -> None:
         changed = self.service.ledger.changed
-        while self.lease.fenced is None:
+        while self.lease.fenced is None and not self._closing:
             await self.beat()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(changed.wait(), timeout=self.heartbeat_s)
@@ -149,10 +151,8 @@ class ControlLink:
                 await asyncio.sleep(self.heartbeat_s)
 
     def start(self) -> None:
-        self._tasks = [
-            asyncio.create_task(self._run(), name="weir-sidecar-heartbeat"),
-            asyncio.create_task(self._run_commands(), name="weir-sidecar-commands"),
-        ]
+        self._heartbeat = asyncio.create_task(self._run(), name="weir-sidecar-heartbeat")
+        self._commands = asyncio.create_task(self._run_commands(), name="weir-sidecar-commands")
 
     async def drain(self) -> None:
         """Out of routing for good: mark draining in the store and publish it."""
@@ -164,9 +164,14 @@ class ControlLink:
         await self.beat()
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        # The heartbeat ends after its current beat rather than cancelled inside a Redis
+        # call (a command cancelled mid-reply can leave its connection unreleased).
+        self._closing = True
+        self.service.ledger.changed.set()
+        if self._commands is not None:
+            self._commands.cancel()
+        tasks = [t for t in (self._heartbeat, self._commands) if t is not None]
+        await asyncio.gather(*tasks, return_exceptions=True)
         with contextlib.suppress(RedisError, OSError):
             await self.quota.retry_releases()
         with contextlib.suppress(RedisError, OSError):

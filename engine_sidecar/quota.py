@@ -47,6 +47,10 @@ class KVQuota:
         names = await self.store.redis.hkeys(self.store.keys.quotas)
         self._tenants = frozenset(as_text(name) for name in names)
 
+    def charges(self, tenant: str) -> bool:
+        """Whether `tenant`'s requests are charged: it has a quota, or none are read yet."""
+        return self._tenants is None or tenant in self._tenants
+
     def holds(self, flight: Flight) -> bool:
         """A charge for `flight` is held (its release has something to return)."""
         return flight.rid in self._charged
@@ -59,7 +63,7 @@ class KVQuota:
 
     async def charge(self, flight: Flight) -> int | None:
         """None when granted (or not applicable); else the Retry-After in seconds."""
-        if self._tenants is not None and flight.record.tenant not in self._tenants:
+        if not self.charges(flight.record.tenant):
             return None
         amounts = Amounts(kv_token_seconds=self.estimate(flight))
         try:

@@ -176,6 +176,51 @@ async def test_kv_quota_is_charged_refused_and_released(
         await redis.aclose()
 
 
+async def test_kv_quota_skips_unknown_tenants_and_applies_from_the_next_heartbeat(
+    engine: RunningEngine, redis_url: str
+) -> None:
+    redis = connect(RedisSettings(url=redis_url))
+    quotas = QuotaStore(redis, "p")
+    config = SidecarConfig(
+        engine_url=engine.url, redis_url=redis_url, pool="p", endpoint_id="pod-l",
+        policy=pool_policy(), heartbeat_s=0.2,
+    )  # fmt: skip
+    held = PoolKeys("p").held_by("sidecar.pod-l")
+    body = {
+        "text": "charge me later",
+        "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True},
+        "stream": True,
+    }
+    headers = {"x-weir-tenant": "late"}
+    try:
+        async with serve_sidecar(config) as sidecar, aiohttp.ClientSession() as http:
+            quota = sidecar.service.quota
+            assert quota is not None
+
+            async def unknown() -> bool:
+                return not quota.charges("late")
+
+            await _until(unknown)
+            # No quota: the request streams without a charge (no Redis on its path).
+            resp = await http.post(sidecar.url + "/generate", json=body, headers=headers)
+            await read_sse(resp, stop_after=3)
+            assert await redis.smembers(held) == set()
+            resp.close()
+            # A quota set while the sidecar runs applies once a heartbeat has read it.
+            await quotas.set_quota(TenantQuota(name="late", kv_token_seconds_per_min=1))
+
+            async def known() -> bool:
+                return quota.charges("late")
+
+            await _until(known)
+            async with http.post(sidecar.url + "/generate", json=body, headers=headers) as r:
+                assert r.status == 429
+                assert (await r.json())["error"]["reason"] == "tenant_kv_quota"
+            assert await sidecar.service.ledger.wait_idle(10.0)
+    finally:
+        await redis.aclose()
+
+
 async def test_commands_are_executed_once_and_acknowledged(
     engine: RunningEngine, redis_url: str
 ) -> None:
