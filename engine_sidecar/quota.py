@@ -23,7 +23,6 @@ import time
 from redis.exceptions import RedisError
 
 from controlplane.store.quotas import Amounts, QuotaStore
-from controlplane.store.scripts import as_text
 from engine_sidecar.ledger import Flight, Ledger
 
 log = logging.getLogger("weir.sidecar.quota")
@@ -44,8 +43,7 @@ class KVQuota:
         await self.store.renew_holder(self.holder, self.ttl_s)
 
     async def refresh_tenants(self) -> None:
-        names = await self.store.redis.hkeys(self.store.keys.quotas)
-        self._tenants = frozenset(as_text(name) for name in names)
+        self._tenants = await self.store.tenants()
 
     def charges(self, tenant: str) -> bool:
         """Whether `tenant`'s requests are charged: it has a quota, or none are read yet."""

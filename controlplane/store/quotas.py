@@ -211,6 +211,10 @@ class QuotaStore:
                 reaped[holder] = int(n)
         return reaped
 
+    async def tenants(self) -> frozenset[str]:
+        """The tenants that have a quota: requests of any other tenant are not charged."""
+        return frozenset(as_text(name) for name in await self.redis.hkeys(self.keys.quotas))
+
     async def usage(self, tenant: str) -> TenantUsage:
         """Concurrency in use and what each rate bucket held after the tenant's last charge
         or refund (not refilled since: a stable reading of what charges consumed)."""

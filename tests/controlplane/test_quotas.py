@@ -204,3 +204,10 @@ async def test_no_ghost_reservations_after_random_charges_releases_and_crashes(
     classes = await client.hgetall(store.keys.classes)
     assert all(int(v) == 0 for k, v in classes.items() if as_text(k).startswith("u:"))
     assert await client.hlen(store.keys.charges) == 0
+
+
+async def test_tenants_lists_exactly_those_with_a_quota(quotas: QuotaStore) -> None:
+    assert await quotas.tenants() == frozenset()
+    await quotas.set_quota(TenantQuota(name="acme", max_concurrency=1))
+    await quotas.set_quota(TenantQuota(name="globex", max_concurrency=1))
+    assert await quotas.tenants() == {"acme", "globex"}

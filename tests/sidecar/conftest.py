@@ -13,12 +13,6 @@ from fleetsim.server import RunningEngine, serve_engine
 
 MODEL = "weir/test-model"
 
-# The reference engine stores request state under plain string keys, which aiohttp 3.14
-# warns about (and warnings are errors here); not the sidecar's concern.
-REFERENCE_ENGINE_WARNINGS = pytest.mark.filterwarnings(
-    "ignore::aiohttp.web_exceptions.NotAppKeyWarning"
-)
-
 
 def engine_config(**overrides: object) -> EngineConfig:
     """A small, fast, deterministic engine: 8K tokens of KV, 200x real time."""

@@ -20,10 +20,10 @@ from controlplane.store import PoolKeys, RedisSettings, connect
 from controlplane.store.quotas import QuotaStore
 from engine_sidecar.server import RunningSidecar, SidecarConfig, serve_sidecar
 from fleetsim.server import RunningEngine, serve_engine, start_engine
-from tests.sidecar.conftest import MODEL, REFERENCE_ENGINE_WARNINGS, engine_config, pool_policy
+from tests.sidecar.conftest import MODEL, engine_config, pool_policy
 from tests.sidecar.streams import Received, read_sse
 
-pytestmark = [REFERENCE_ENGINE_WARNINGS, pytest.mark.slow, pytest.mark.redis]
+pytestmark = [pytest.mark.slow, pytest.mark.redis]
 
 SEED = 20261130
 REQUESTS = 36

@@ -12,11 +12,11 @@ import yaml
 
 from controlplane.store import EndpointRegistry, RedisSettings, connect
 from fleetsim.server import RunningEngine
-from tests.sidecar.conftest import MODEL, REFERENCE_ENGINE_WARNINGS
+from tests.sidecar.conftest import MODEL
 from tests.sidecar.streams import read_sse
 from weir.local.ports import free_port, wait_for_port
 
-pytestmark = [pytest.mark.redis, REFERENCE_ENGINE_WARNINGS]
+pytestmark = pytest.mark.redis
 
 
 async def test_runs_with_the_operators_flags_and_leaves_cleanly(

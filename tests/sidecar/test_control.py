@@ -18,10 +18,10 @@ from controlplane.store.connection import RedisSettings
 from controlplane.store.quotas import QuotaStore
 from engine_sidecar.server import SidecarConfig, serve_sidecar
 from fleetsim.server import RunningEngine
-from tests.sidecar.conftest import MODEL, REFERENCE_ENGINE_WARNINGS, pool_policy
+from tests.sidecar.conftest import MODEL, pool_policy
 from tests.sidecar.streams import read_sse
 
-pytestmark = [pytest.mark.redis, REFERENCE_ENGINE_WARNINGS]
+pytestmark = pytest.mark.redis
 
 
 async def _until(check: Callable[[], Awaitable[bool]], timeout_s: float = 10.0) -> None:

@@ -7,9 +7,7 @@ import pytest
 
 from engine_sidecar.engine import EngineError, SGLangEngine
 from fleetsim.server import serve_engine
-from tests.sidecar.conftest import MODEL, REFERENCE_ENGINE_WARNINGS, engine_config
-
-pytestmark = REFERENCE_ENGINE_WARNINGS
+from tests.sidecar.conftest import MODEL, engine_config
 
 
 @pytest.mark.parametrize(("version", "loads_api"), [("0.5.5", "get_load"), ("0.5.23", "v1_loads")])

@@ -11,10 +11,8 @@ import aiohttp
 from controlplane.contract import WatermarkState
 from engine_sidecar.server import RunningSidecar, SidecarConfig, serve_sidecar
 from fleetsim.server import RunningEngine, serve_engine
-from tests.sidecar.conftest import REFERENCE_ENGINE_WARNINGS, engine_config, pool_policy
+from tests.sidecar.conftest import engine_config, pool_policy
 from tests.sidecar.streams import read_sse
-
-pytestmark = REFERENCE_ENGINE_WARNINGS
 
 REQUESTS = 24
 MAX_NEW = 500

@@ -13,10 +13,8 @@ import pytest
 from controlplane.contract import encode_json
 from engine_sidecar.server import RunningSidecar, SidecarConfig, serve_sidecar
 from fleetsim.server import RunningEngine, serve_engine
-from tests.sidecar.conftest import MODEL, REFERENCE_ENGINE_WARNINGS, engine_config, pool_policy
+from tests.sidecar.conftest import MODEL, engine_config, pool_policy
 from tests.sidecar.streams import Received, read_sse
-
-pytestmark = REFERENCE_ENGINE_WARNINGS
 
 # Slow enough that a request is still decoding when the test preempts it.
 SLOW = {"speed_factor": 4.0}

@@ -11,9 +11,7 @@ import pytest
 from controlplane.telemetry.catalog import SIDECAR
 from engine_sidecar.server import RunningSidecar
 from fleetsim.server import RunningEngine
-from tests.sidecar.conftest import MODEL, REFERENCE_ENGINE_WARNINGS
-
-pytestmark = REFERENCE_ENGINE_WARNINGS
+from tests.sidecar.conftest import MODEL
 
 
 async def sse(resp: aiohttp.ClientResponse) -> list[dict[str, Any]]:
