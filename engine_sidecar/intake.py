@@ -228,7 +228,7 @@ def from_continuation(cont: Continuation, limits: Limits) -> Intake:
     extra = len(cont.generated_ids) or _text_tokens(cont.generated_text)
     return Intake(
         api=base.api,
-        body=continuation_body(cont),
+        body=cont.engine_body(),
         model=base.model,
         stream=True,
         prompt_tokens=base.prompt_tokens + extra,
@@ -237,31 +237,3 @@ def from_continuation(cont: Continuation, limits: Limits) -> Intake:
         priority=cont.priority,
         recomputable=base.recomputable,
     )
-
-
-def continuation_body(cont: Continuation) -> dict[str, Any]:
-    """The engine body that resumes `cont`: its prompt extended by what was generated, and
-    at most its remaining tokens (Continuation's docstring gives the protocol)."""
-    body: dict[str, Any] = dict(cont.body)
-    remaining = cont.remaining_tokens
-    if cont.api is EngineAPI.GENERATE:
-        params = dict(body.get("sampling_params") or {})
-        params["max_new_tokens"] = remaining
-        body["sampling_params"] = params
-        if cont.prompt_ids and (cont.generated_ids or not cont.generated_text):
-            body.pop("text", None)
-            body["input_ids"] = [*cont.prompt_ids, *cont.generated_ids]
-        else:
-            body.pop("input_ids", None)
-            body["text"] = str(body.get("text", "")) + cont.generated_text
-    elif cont.api is EngineAPI.COMPLETIONS:
-        body["prompt"] = str(body.get("prompt", "")) + cont.generated_text
-        body["max_tokens"] = remaining
-    else:
-        messages = list(body.get("messages") or [])
-        messages.append({"role": "assistant", "content": cont.generated_text})
-        body["messages"] = messages
-        body["continue_final_message"] = True
-        body.pop("max_completion_tokens", None)
-        body["max_tokens"] = remaining
-    return body

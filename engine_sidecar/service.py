@@ -57,7 +57,6 @@ from engine_sidecar.intake import (
     Intake,
     Limits,
     RequestError,
-    continuation_body,
     from_continuation,
     parse,
     parse_json,
@@ -337,7 +336,7 @@ class SidecarService:
         if segment == 0:
             body = dict(flight.intake.body)
         else:
-            body = continuation_body(self.continuation(flight, reader))
+            body = self.continuation(flight, reader).engine_body()
         flight.engine_rid = f"{rec.rid}s{segment:03d}"
         body["rid"] = flight.engine_rid
         body["stream"] = flight.intake.stream

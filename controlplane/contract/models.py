@@ -241,3 +241,36 @@ class Continuation(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def remaining_tokens(self) -> int:
         return max(0, self.max_new_tokens - len(self.generated_ids))
+
+    def engine_body(self, remaining_tokens: int | None = None) -> dict[str, object]:
+        """The engine request that resumes this continuation, its prompt extended as the
+        class docstring says. `remaining_tokens` overrides the count from `generated_ids`
+        for callers that counted tokens themselves (OpenAI streams carry text, not ids)."""
+        body: dict[str, object] = dict(self.body)
+        remaining = self.remaining_tokens if remaining_tokens is None else remaining_tokens
+        if self.api is EngineAPI.GENERATE:
+            params = body.get("sampling_params")
+            body["sampling_params"] = {
+                **(params if isinstance(params, dict) else {}),
+                "max_new_tokens": remaining,
+            }
+            if self.prompt_ids and (self.generated_ids or not self.generated_text):
+                body.pop("text", None)
+                body["input_ids"] = [*self.prompt_ids, *self.generated_ids]
+            else:
+                body.pop("input_ids", None)
+                body["text"] = str(body.get("text", "")) + self.generated_text
+        elif self.api is EngineAPI.COMPLETIONS:
+            body["prompt"] = str(body.get("prompt", "")) + self.generated_text
+            body["max_tokens"] = remaining
+        else:
+            messages = body.get("messages")
+            body["messages"] = [
+                *(messages if isinstance(messages, list) else []),
+                {"role": "assistant", "content": self.generated_text},
+            ]
+            body["continue_final_message"] = True
+            body["add_generation_prompt"] = False
+            body.pop("max_completion_tokens", None)
+            body["max_tokens"] = remaining
+        return body

@@ -147,32 +147,9 @@ def parse(
 
 
 def resume_body(continuation: Continuation, generated_tokens: int) -> dict[str, Any]:
-    """The engine request that resumes `continuation`, extended as its docstring says:
-    prompt plus what was generated, at most the remaining tokens. `generated_tokens` is
-    counted by the caller because OpenAI streams carry text, not token ids."""
-    body = dict(continuation.body)
-    remaining = max(1, continuation.max_new_tokens - generated_tokens)
-    if continuation.api is EngineAPI.GENERATE:
-        sampling = dict(_object(body.get("sampling_params", {}), "sampling_params"))
-        sampling["max_new_tokens"] = remaining
-        body["sampling_params"] = sampling
-        if continuation.prompt_ids and len(continuation.generated_ids) > 0:
-            body.pop("text", None)
-            body["input_ids"] = [*continuation.prompt_ids, *continuation.generated_ids]
-        else:
-            body["text"] = str(body.get("text", "")) + continuation.generated_text
-    elif continuation.api is EngineAPI.COMPLETIONS:
-        body["prompt"] = str(body["prompt"]) + continuation.generated_text
-        body["max_tokens"] = remaining
-    else:
-        messages = list(body["messages"])  # type: ignore[call-overload]
-        messages.append({"role": "assistant", "content": continuation.generated_text})
-        body["messages"] = messages
-        body["continue_final_message"] = True
-        body["add_generation_prompt"] = False
-        body.pop("max_completion_tokens", None)
-        body["max_tokens"] = remaining
-    return body
+    """The engine request that resumes `continuation` after the client received
+    `generated_tokens` (counted here because OpenAI streams carry text, not token ids)."""
+    return continuation.engine_body(max(1, continuation.max_new_tokens - generated_tokens))
 
 
 def _model(
