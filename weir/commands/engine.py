@@ -87,6 +87,8 @@ def run(args: argparse.Namespace) -> int:
     import signal
     import sys
 
+    import uvloop
+
     from fleetsim.server import serve_engine
 
     try:
@@ -110,5 +112,5 @@ def run(args: argparse.Namespace) -> int:
             )
             await stop.wait()
 
-    asyncio.run(serve())
+    uvloop.run(serve())
     return 0

@@ -55,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     import msgspec
+    import uvloop
     import yaml
 
     from controlplane.contract import PoolPolicy, Role, SchemaError, decode_json
@@ -124,4 +125,4 @@ def run(args: argparse.Namespace) -> int:
             await running.close()
         return 0
 
-    return asyncio.run(serve())
+    return uvloop.run(serve())

@@ -72,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
     import logging
     import signal
 
+    import uvloop
+
     from engine_sidecar.server import SidecarConfig, load_policy, serve_sidecar
 
     logging.basicConfig(
@@ -108,5 +110,5 @@ def run(args: argparse.Namespace) -> int:
             logging.getLogger("weir.sidecar").info("listening on %s", sidecar.url)
             await sidecar.wait_closed()
 
-    asyncio.run(main())
+    uvloop.run(main())
     return 0
