@@ -2,7 +2,8 @@
 a reason and a Retry-After.
 
 Every refusal names its reason in `{"error": {"type", "reason", "message"}}` so a client
-(and `weir_router_overloads_total`) can tell a full quota from a stale snapshot.
+(and `weir_router_overloads_total`) can tell a full quota from a stale snapshot; a refused
+body also names the parameter at fault (`"param"`, as OpenAI's errors do).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import math
 
 import msgspec
 from aiohttp import web
+
+from controlplane.contract.request_checks import RequestCheckError
 
 
 class GatewayError(Exception):
@@ -23,6 +26,7 @@ class GatewayError(Exception):
         reason: str,
         message: str,
         retry_after_s: float | None = None,
+        param: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -30,9 +34,13 @@ class GatewayError(Exception):
         self.reason = reason
         self.message = message
         self.retry_after_s = retry_after_s
+        self.param = param
 
     def response(self) -> web.Response:
-        body = {"error": {"type": self.error_type, "reason": self.reason, "message": self.message}}
+        error = {"type": self.error_type, "reason": self.reason, "message": self.message}
+        if self.param is not None:
+            error["param"] = self.param
+        body = {"error": error}
         headers = {}
         if self.retry_after_s is not None:
             headers["Retry-After"] = str(max(1, math.ceil(self.retry_after_s)))
@@ -46,6 +54,12 @@ class GatewayError(Exception):
 
 def bad_request(reason: str, message: str) -> GatewayError:
     return GatewayError(400, "invalid_request_error", reason, message)
+
+
+def refused(exc: RequestCheckError) -> GatewayError:
+    """A body the shared request checks refused, as OpenAI's error types name it."""
+    error_type = "not_found_error" if exc.status == 404 else "invalid_request_error"
+    return GatewayError(exc.status, error_type, exc.reason, exc.message, param=exc.param)
 
 
 def overload(reason: str, message: str, retry_after_s: float) -> GatewayError:
