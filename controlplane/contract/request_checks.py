@@ -89,8 +89,8 @@ class CheckedBody:
         if enforce and prompt_tokens + max_new > context_length:
             raise RequestCheckError(
                 "context_length_exceeded",
-                f"the prompt (~{prompt_tokens} tokens) plus {max_new} new tokens exceeds the "
-                f"context length of {context_length}",
+                f"the prompt in {self.prompt_param!r} (~{prompt_tokens} tokens) plus {max_new} "
+                f"new tokens exceeds the context length of {context_length}",
                 self.prompt_param,
             )
         return max_new
@@ -239,24 +239,28 @@ def _chat_prompt(messages: object) -> str:
             "missing_messages", "'messages' must be a non-empty list", "messages"
         )
     parts = []
-    for message in messages:
+    for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise RequestCheckError(
-                "invalid_messages", "each message needs a string 'role'", "messages"
+                "invalid_messages", f"'messages[{i}]' needs a string 'role'", "messages"
             )
-        parts.append(f"{message['role']}\n{_content_text(message.get('content'))}\n")
+        content = message.get("content")
+        if not (content is None or isinstance(content, str)):
+            content = _text_parts(content, i)
+        parts.append(f"{message['role']}\n{content or ''}\n")
     return "".join(parts)
 
 
-def _content_text(content: object) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
+def _text_parts(content: object, i: int) -> str:
+    """Content parts are read as text only: nothing else can be sized before the engine."""
     if isinstance(content, list):
         texts = [p.get("text") for p in content if isinstance(p, dict)]
         if len(texts) == len(content) and all(isinstance(t, str) for t in texts):
             return "".join(t for t in texts if isinstance(t, str))
     raise RequestCheckError(
-        "invalid_messages", "message content must be a string or a list of text parts", "messages"
+        "invalid_messages",
+        f"'messages[{i}].content' must be a string or a list of text parts",
+        "messages",
     )
 
 
