@@ -90,7 +90,7 @@ def test_only_an_exact_prompt_count_is_held_against_the_context() -> None:
 
 
 def test_a_continuation_for_another_model_or_with_nothing_left_is_refused() -> None:
-    body = {"text": "ab", "sampling_params": {"max_new_tokens": 4}}
+    body: dict[str, object] = {"text": "ab", "sampling_params": {"max_new_tokens": 4}}
     elsewhere = Continuation(request_id="r", model="other", api=GEN, body=body, max_new_tokens=4)
     done = Continuation(
         request_id="r", model="m", api=GEN, body=body, generated_ids=(1, 2, 3, 4),
