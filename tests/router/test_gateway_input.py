@@ -64,6 +64,15 @@ OK_CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
          {**AUTH, "x-weir-deadline-ms": "NaN"}, 400, "invalid_deadline"),
         ("/v1/completions", b'{"model": "m", "prompt": "x", "weir_deadline_ms": -1}', AUTH, 400,
          "invalid_deadline"),
+        ("/v1/completions", b'{"model": "m", "prompt": [1, "a"]}', AUTH, 400, "invalid_prompt"),
+        ("/generate", b'{"text": "x", "model": "other"}', AUTH, 404, "unknown_model"),
+        (CHAT, b'{"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}',
+         AUTH, 400, "invalid_messages"),
+        (CHAT, b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "top_p": 2}', AUTH,
+         400, "invalid_parameter"),
+        ("/generate", b'{"text": "x", "sampling_params": {"n": 2}}', AUTH, 400,
+         "invalid_parameter"),
+        ("/generate", b'{"text": "x", "lora_path": ["a"]}', AUTH, 400, "invalid_adapter"),
         (CHAT, b"{}", {}, 401, "missing_api_key"),
         (CHAT, b"{}", {"Authorization": "Bearer sk-wrong"}, 401, "invalid_api_key"),
     ],
@@ -84,6 +93,31 @@ async def test_bad_requests_are_refused_with_a_reason(
         error = (await reply.json())["error"]
         assert error["reason"] == reason
         assert error["message"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", b'{"model": "m", "prompt": "x", "max_tokens": 0}', "max_tokens"),
+        ("/generate", b'{"text": "x", "sampling_params": {"temperature": -1}}',
+         "sampling_params.temperature"),
+        (CHAT, b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": 1}',
+         "stream"),
+        ("/v1/completions", b'{"model": "nope", "prompt": "x"}', "model"),
+        ("/v1/completions", b"{not json", None),
+    ],
+)  # fmt: skip
+async def test_a_refused_body_names_the_parameter_at_fault(
+    gateway: RunningGateway, path: str, body: bytes, param: str | None
+) -> None:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(gateway.url + path, data=body, headers=AUTH) as reply,
+    ):
+        error = (await reply.json())["error"]
+    assert error.get("param") == param
+    if param is not None:
+        assert param in error["message"]
 
 
 async def test_an_unreachable_pool_is_an_overload_with_retry_after(

@@ -44,6 +44,28 @@ def test_limits_default_per_api_and_to_the_context_left() -> None:
         )
 
 
+def test_prompts_by_token_ids_are_counted_exactly_and_a_batch_of_one_is_its_prompt() -> None:
+    by_ids = _parse(EngineAPI.COMPLETIONS, {"model": "m", "prompt": [5, 6, 7], "max_tokens": 4.0})
+    assert (by_ids.prompt_ids, by_ids.prompt_tokens, by_ids.max_new_tokens) == ((5, 6, 7), 3, 4)
+    one = _parse(EngineAPI.COMPLETIONS, {"model": "m", "prompt": ["hello"]})
+    assert (one.prompt_text, one.body["prompt"]) == ("hello", "hello")
+    with pytest.raises(GatewayError) as caught:
+        _parse(EngineAPI.COMPLETIONS, {"model": "m", "prompt": [1] * 990, "max_tokens": 20})
+    assert (caught.value.reason, caught.value.param) == ("context_length_exceeded", "prompt")
+
+
+def test_a_header_is_checked_by_the_same_rule_as_its_body_field() -> None:
+    for headers, param in (({"x-weir-priority": "5000"}, "x-weir-priority"),
+                           ({"x-weir-deadline-ms": "-1"}, "x-weir-deadline-ms"),
+                           ({"x-weir-deadline-ms": "soon"}, "x-weir-deadline-ms")):  # fmt: skip
+        with pytest.raises(GatewayError) as caught:
+            _parse(EngineAPI.GENERATE, {"text": "x"}, headers)
+        assert (caught.value.status, caught.value.param) == (400, param)
+    # a valid header wins, and the body field it replaces is not read
+    assert _parse(EngineAPI.GENERATE, {"text": "x", "priority": "?"}, {"x-weir-priority": "-3"}
+                  ).body == {"text": "x", "priority": -3}  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("api", "body", "expected"),
     [
