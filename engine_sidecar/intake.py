@@ -35,9 +35,10 @@ ENGINE_PATH = {
 _MESSAGE_TEMPLATE_TOKENS = 8
 
 
-class RequestError(ValueError):
-    """A request the sidecar refuses before admission, with the HTTP status to answer, the
-    error type of its body, and the shared checks' reason code and parameter."""
+class RequestError(RequestCheckError):
+    """A request the sidecar refuses before admission: a refusal of the shared checks, or
+    of the sidecar's own (arguments in the order its callers use), with the error type
+    (`kind`) its body names."""
 
     def __init__(
         self,
@@ -47,11 +48,8 @@ class RequestError(ValueError):
         reason: str = "invalid_request",
         param: str | None = None,
     ) -> None:
-        super().__init__(message)
-        self.status = status
+        super().__init__(reason, message, param, status)
         self.kind = kind
-        self.reason = reason
-        self.param = param
 
     @classmethod
     def refusing(cls, exc: RequestCheckError) -> RequestError:

@@ -94,8 +94,16 @@ def parse(
             len(checked.prompt_text.encode("utf-8")) / limits.bytes_per_token
         )
         max_new = checked.output_limit(prompt_tokens, limits.context_length)
-        priority = _priority(headers.get(wire.PRIORITY), fields.get("priority"))
-        deadline_s = _deadline(headers.get(wire.DEADLINE_MS), deadline_field)
+        priority = checks.priority(
+            *_weir_field(
+                headers, wire.PRIORITY, fields.get("priority"), "priority", "invalid_priority"
+            )
+        )
+        deadline_s = checks.deadline_s(
+            *_weir_field(
+                headers, wire.DEADLINE_MS, deadline_field, "weir_deadline_ms", "invalid_deadline"
+            )
+        )
     except RequestCheckError as exc:
         raise refused(exc) from None
     if "priority" in fields or priority:
@@ -121,26 +129,15 @@ def resume_body(continuation: Continuation, generated_tokens: int) -> dict[str, 
     return continuation.engine_body(max(1, continuation.max_new_tokens - generated_tokens))
 
 
-def _priority(header: str | None, field: object) -> int:
-    """The header wins over the body field; either is checked by the shared rule."""
-    if header is None:
-        return checks.priority(field)
+def _weir_field(
+    headers: Mapping[str, str], header: str, field: object, field_name: str, reason: str
+) -> tuple[object, str]:
+    """One of Weir's per-request values and where it came from: a header wins over its body
+    field; both are then checked by the same rule."""
+    raw = headers.get(header)
+    if raw is None:
+        return field, field_name
     try:
-        value = int(header)
+        return float(raw), header
     except ValueError:
-        raise RequestCheckError(
-            "invalid_priority", f"{wire.PRIORITY} must be an integer", wire.PRIORITY
-        ) from None
-    return checks.priority(value, wire.PRIORITY)
-
-
-def _deadline(header: str | None, field: object) -> float:
-    if header is None:
-        return checks.deadline_s(field, "weir_deadline_ms")
-    try:
-        value = float(header)
-    except ValueError:
-        raise RequestCheckError(
-            "invalid_deadline", f"{wire.DEADLINE_MS} must be a number", wire.DEADLINE_MS
-        ) from None
-    return checks.deadline_s(value, wire.DEADLINE_MS)
+        raise RequestCheckError(reason, f"{header} must be a number, got {raw!r}", header) from None

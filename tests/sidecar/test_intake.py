@@ -114,45 +114,44 @@ def test_a_continuation_for_another_model_or_with_nothing_left_is_refused() -> N
 # -- over real HTTP: a router in front of a sidecar in front of a reference engine -------
 
 CONTEXT_LENGTH = 4096  # the sidecar fixture's pool policy and engine
-OK = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
-BAD_BODIES: list[tuple[str, bytes, int, str]] = [
-    ("/generate", b"{not json", 400, "malformed_json"),
-    ("/generate", b"[1, 2]", 400, "malformed_json"),
-    ("/generate", b'{"sampling_params": {"max_new_tokens": 5}}', 400, "missing_prompt"),
-    ("/generate", b'{"text": "x", "stream": "yes"}', 400, "invalid_stream"),
-    ("/generate", b'{"text": "x", "model": "other"}', 404, "unknown_model"),
-    ("/generate", b'{"text": "x", "sampling_params": {"max_new_tokens": 1e30}}', 400,
-     "invalid_max_tokens"),
-    ("/generate", b'{"text": "x", "sampling_params": {"temperature": 3}}', 400,
-     "invalid_parameter"),
-    ("/generate", b'{"text": "x", "sampling_params": {"n": 2}}', 400, "invalid_parameter"),
-    ("/generate", b'{"input_ids": [1, -3]}', 400, "invalid_prompt"),
-    ("/generate", b'{"input_ids": [1, 2147483648]}', 400, "invalid_prompt"),
-    ("/generate", b'{"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 4095}}', 400,
-     "context_length_exceeded"),
-    ("/generate", b'{"text": "x", "priority": "high"}', 400, "invalid_priority"),
-    ("/generate", b'{"text": "x", "priority": 5000}', 400, "invalid_priority"),
-    ("/generate", b'{"text": "x", "lora_path": 1}', 400, "invalid_adapter"),
-    ("/v1/chat/completions", b'{"model": "other", "messages": [{"role": "user"}]}', 404,
-     "unknown_model"),
-    ("/v1/chat/completions", b'{"model": "weir/test-model", "messages": []}', 400,
-     "missing_messages"),
-    ("/v1/chat/completions", b'{"model": "weir/test-model", "messages": [{"role": "user", '
-     b'"content": [{"type": "image_url"}]}]}', 400, "invalid_messages"),
-    ("/v1/chat/completions", b'{"model": "weir/test-model", "messages": [{"role": "user", '
-     b'"content": "x"}], "max_tokens": "9"}', 400, "invalid_max_tokens"),
-    ("/v1/chat/completions", b'{"model": "weir/test-model", "messages": [{"role": "user", '
-     b'"content": "x"}], "top_p": NaN}', 400, "malformed_json"),
-    ("/v1/completions", b'{"prompt": "x"}', 400, "missing_model"),
-    ("/v1/completions", b'{"model": "weir/test-model", "prompt": ["a", "b"]}', 400,
-     "missing_prompt"),
-    ("/v1/completions", b'{"model": "weir/test-model", "prompt": "x", "n": 3}', 400,
-     "invalid_parameter"),
-    ("/v1/completions", b'{"model": "weir/test-model", "prompt": "x", "presence_penalty": -9}',
-     400, "invalid_parameter"),
-    ("/v1/completions", b'{"model": "weir/test-model", "prompt": [5, 6], "max_tokens": 4095}',
-     400, "context_length_exceeded"),
-]  # fmt: skip
+CHAT_BODY = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
+PROMPT_BODY = {"model": MODEL, "prompt": "x"}
+# Bad bodies per path, as raw bytes or as an object to encode: (body, status, reason).
+BAD_BODIES: dict[str, list[tuple[bytes | dict[str, Any], int, str]]] = {
+    "/generate": [
+        (b"{not json", 400, "malformed_json"),
+        (b"[1, 2]", 400, "malformed_json"),
+        ({"sampling_params": {"max_new_tokens": 5}}, 400, "missing_prompt"),
+        ({"text": "x", "stream": "yes"}, 400, "invalid_stream"),
+        ({"text": "x", "model": "other"}, 404, "unknown_model"),
+        ({"text": "x", "sampling_params": {"max_new_tokens": 1e30}}, 400, "invalid_max_tokens"),
+        ({"text": "x", "sampling_params": {"temperature": 3}}, 400, "invalid_parameter"),
+        ({"text": "x", "sampling_params": {"n": 2}}, 400, "invalid_parameter"),
+        ({"input_ids": [1, -3]}, 400, "invalid_prompt"),
+        ({"input_ids": [1, 2**31]}, 400, "invalid_prompt"),
+        ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": CONTEXT_LENGTH - 1}}, 400,
+         "context_length_exceeded"),
+        ({"text": "x", "priority": "high"}, 400, "invalid_priority"),
+        ({"text": "x", "priority": 5000}, 400, "invalid_priority"),
+        ({"text": "x", "lora_path": 1}, 400, "invalid_adapter"),
+    ],
+    "/v1/chat/completions": [
+        ({**CHAT_BODY, "model": "other"}, 404, "unknown_model"),
+        ({**CHAT_BODY, "messages": []}, 400, "missing_messages"),
+        ({**CHAT_BODY, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+         "invalid_messages"),
+        ({**CHAT_BODY, "max_tokens": "9"}, 400, "invalid_max_tokens"),
+        (msgspec.json.encode(CHAT_BODY)[:-1] + b', "top_p": NaN}', 400, "malformed_json"),
+    ],
+    "/v1/completions": [
+        ({"prompt": "x"}, 400, "missing_model"),
+        ({**PROMPT_BODY, "prompt": ["a", "b"]}, 400, "missing_prompt"),
+        ({**PROMPT_BODY, "n": 3}, 400, "invalid_parameter"),
+        ({**PROMPT_BODY, "presence_penalty": -9}, 400, "invalid_parameter"),
+        ({**PROMPT_BODY, "prompt": [5, 6], "max_tokens": CONTEXT_LENGTH - 1}, 400,
+         "context_length_exceeded"),
+    ],
+}  # fmt: skip
 
 
 @pytest.fixture
@@ -174,11 +173,14 @@ async def test_router_and_sidecar_answer_the_same_bad_bodies_alike_and_admit_not
     engine: RunningEngine, sidecar: RunningSidecar, router: RunningGateway
 ) -> None:
     async with aiohttp.ClientSession() as http:
-        for path, raw, status, reason in BAD_BODIES:
+        for path, body, status, reason in (
+            (path, *case) for path, cases in BAD_BODIES.items() for case in cases
+        ):
+            raw = body if isinstance(body, bytes) else msgspec.json.encode(body)
             router_status, router_body = await _post(http, router.url + path, raw)
             sidecar_status, sidecar_body = await _post(http, sidecar.url + path, raw)
             at_router, at_sidecar = router_body["error"], sidecar_body["error"]
-            case = (path, raw)
+            case = (path, body)
             assert (router_status, at_router["reason"]) == (status, reason), case
             assert sidecar_status == status, case
             # One checker wrote both: the same rule fired, naming the same parameter.
@@ -191,7 +193,9 @@ async def test_router_and_sidecar_answer_the_same_bad_bodies_alike_and_admit_not
         assert engine.engine.requests_total == 0
         # The same path serves a good body, so the refusals above were the checks' own.
         status, body = await _post(
-            http, router.url + "/v1/chat/completions", msgspec.json.encode(OK)
+            http,
+            router.url + "/v1/chat/completions",
+            msgspec.json.encode({**CHAT_BODY, "max_tokens": 3}),
         )
         assert status == 200, body
         assert body["choices"][0]["finish_reason"] == "length"
