@@ -81,6 +81,9 @@ class EngineRequest:
     retractions: int = 0
     prefill_yields: int = 0
     admitted_at: float = -1.0
+    # Leading history tokens whose KV arrives by transfer from a prefill engine (P/D):
+    # the scheduler allocates their pages without computing them. A retraction drops it.
+    kv_imported: int = 0
     first_token_at: float = -1.0
     finished_at: float = -1.0
 

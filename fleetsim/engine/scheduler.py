@@ -121,6 +121,7 @@ class EngineModel:
         self.requests_total = 0
         self.aborted_total = 0
         self.retracted_total = 0
+        self.imported_tokens_total = 0
         self._last_retracted = 0
         self._tp_window: tuple[float | None, int] = (None, 0)
         self.gen_throughput = 0.0
@@ -139,10 +140,18 @@ class EngineModel:
         stop_token_ids: Iterable[int] = (),
         priority: int = 0,
         cache_salt: str = "",
+        kv_imported: int = 0,
         now: float = 0.0,
     ) -> EngineRequest:
         """A validated request. Raises RequestError with SGLang's message on bad input;
-        `max_new_tokens=None` means "up to the context length"."""
+        `max_new_tokens=None` means "up to the context length".
+
+        `kv_imported` (P/D decode side): the KV of the first `kv_imported` tokens was
+        computed by a prefill engine and arrives by transfer, so admission still needs
+        pages for them but no iteration computes them. At least the last token of the
+        history is computed here, to sample the next one. (With the hash backend, tokens
+        depend only on the history, so an imported request continues exactly as the
+        uninterrupted one; a backend holding real KV content has nothing to import.)"""
         if not input_ids:
             raise RequestError("The input must not be empty.")
         low, high = min(input_ids), max(input_ids)
@@ -172,6 +181,8 @@ class EngineModel:
                 f"for the completion. Please reduce the number of tokens in the input "
                 f"messages or the completion to fit within the limit."
             )
+        if not 0 <= kv_imported < n:
+            raise RequestError(f"kv_imported must be in [0, {n}), got {kv_imported}.")
         if min_new_tokens < 0 or min_new_tokens > max_new_tokens:
             raise RequestError(
                 f"min_new_tokens must be in [0, max_new_tokens={max_new_tokens}], "
@@ -188,6 +199,7 @@ class EngineModel:
             priority=priority,
             cache_salt=cache_salt,
             arrival=now,
+            kv_imported=kv_imported,
         )
 
     def submit(self, req: EngineRequest, now: float) -> bool:
@@ -459,6 +471,10 @@ class EngineModel:
         for req in order:
             if budget <= 0:
                 break
+            if req.kv_imported > req.computed:
+                self._import(req)
+                if req.computed < req.kv_imported:
+                    continue  # not all of the transferred KV has a page yet
             start = req.computed
             end = min(req.total_len, start + int(min(budget, req.total_len - start)))
             if self.time_budget is not None:
@@ -496,6 +512,23 @@ class EngineModel:
                 elif req.computed < req.total_len:
                     req.prefill_yields = 0
         return tokens, pairs, context
+
+    def _import(self, req: EngineRequest) -> None:
+        """Place transferred KV: pages for the imported tokens, no compute, as many as
+        the free pages hold."""
+        kv, ps = self.kv, self.page_size
+        held = req.tree_len // ps + len(req.pages)
+        end = min(req.kv_imported, (held + kv.available_pages) * ps)
+        if end <= req.computed:
+            return
+        need = -(-end // ps) - held
+        if need > 0:
+            pages = kv.allocate(need)
+            assert pages is not None
+            req.pages.extend(pages)
+        self.imported_tokens_total += end - req.computed
+        req.computed = end
+        self._cache_full_pages(req)
 
     def _fit_time(self, start: int, end: int, tokens: int, pairs: int, context: int) -> int:
         """The largest chunk end ≤ `end` whose iteration, with the chunks already chosen,
@@ -647,6 +680,7 @@ class EngineModel:
     def _retract(self, req: EngineRequest) -> None:
         self._release(req)
         req.computed = 0
+        req.kv_imported = 0  # the transferred KV is gone: a recompute computes it all
         req.retractions += 1
         req.phase = Phase.WAITING
 
