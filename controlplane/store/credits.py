@@ -66,7 +66,7 @@ class CreditStore:
         self, decode_class: str, kv_bytes: int, ttl_s: float, credit_id: str = ""
     ) -> HandoffCredit | CreditRefusal:
         """Promise `kv_bytes` on `decode_class` for `ttl_s`. Issuing again under the same
-        `credit_id` returns the same credit (a retried call promises nothing twice)."""
+        `credit_id` returns the credit already held (a retried call promises nothing twice)."""
         check_name("decode class", decode_class)
         _positive_int("kv_bytes", kv_bytes)
         lifetime_ms = ttl_ms("credit", ttl_s, max_s=3600)
@@ -80,8 +80,8 @@ class CreditStore:
             return HandoffCredit(
                 credit_id=credit_id,
                 pool=self.pool,
-                decode_class=decode_class,
-                kv_bytes=kv_bytes,
+                decode_class=as_text(reply[2]),
+                kv_bytes=int(reply[3]),
                 expires_at=int(reply[1]) / 1000,
             )
         wait = int(reply[2]) if len(reply) > 2 else -1

@@ -107,8 +107,8 @@ async def test_pure_credit_rules_match_the_lua(client: Redis, seed: int) -> None
         cap = rng.choice((1000, 2500))
         await store.set_budget(decode_class, cap)
         ledger.set_budget(decode_class, cap)
-    # A retried issue repeats its class and bytes (see the xfail test below for one that
-    # does not).
+    # Ids are retried with their own class and bytes here; a retry naming others is the
+    # test below.
     ids = {
         f"c{i}": (rng.choice(("decode-a", "decode-a", "decode-b", "unknown")),
                   rng.choice((100, 400, 900, 1200)))
@@ -150,11 +150,6 @@ async def test_pure_credit_rules_match_the_lua(client: Redis, seed: int) -> None
     assert {"credit", "insufficient", "unknown_class", "unknown", "count"} <= outcomes
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="CreditStore.issue answers a retried id with the caller's class and bytes, not "
-    "the credit's: credit_issue.lua returns only the expiry of an existing credit",
-)
 async def test_a_retried_issue_reports_the_credit_it_holds(client: Redis) -> None:
     store = CreditStore(client, POOL)
     await store.set_budget("decode-a", 1000)

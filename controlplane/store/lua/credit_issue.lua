@@ -2,15 +2,16 @@
 -- KEYS[1] credits  KEYS[2] credit expiry  KEYS[3] credit budget   (see _credit.lua)
 -- ARGV[1] credit id  ARGV[2] decode class  ARGV[3] KV bytes  ARGV[4] ttl, ms
 -- ARGV[5] most expired credits swept first
--- returns {1, expires_ms} when issued (or already issued under this id: idempotent),
+-- returns {1, expires_ms, class, bytes} when issued, or already issued under this id
+--   (idempotent: the credit held, whatever class and bytes the retry names),
 --   {0, 'unknown_class'} when the class has no budget, {0, 'insufficient', retry_after_ms}
 --   when the class's budget is promised (retry_after_ms: until the next credit expires).
 local now = server_ms()
 expire_credits(KEYS[1], KEYS[2], KEYS[3], now, tonumber(ARGV[5]))
 local existing = redis.call('HGET', KEYS[1], ARGV[1])
 if existing then
-  local _, _, expires = string.match(existing, '^(%S+) (%d+) (%d+)$')
-  return {1, tonumber(expires)}
+  local class, bytes, expires = string.match(existing, '^(%S+) (%d+) (%d+)$')
+  return {1, tonumber(expires), class, tonumber(bytes)}
 end
 local cap = redis.call('HGET', KEYS[3], 'cap:' .. ARGV[2])
 if not cap then
@@ -30,4 +31,4 @@ local expires = now + tonumber(ARGV[4])
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2] .. ' ' .. ARGV[3] .. ' ' .. fmt(expires))
 redis.call('ZADD', KEYS[2], expires, ARGV[1])
 redis.call('HINCRBY', KEYS[3], 'out:' .. ARGV[2], bytes)
-return {1, expires}
+return {1, expires, ARGV[2], bytes}
