@@ -5,11 +5,20 @@ own scheduler (SGLang's: admit on estimated growth, retract on decode OOM). They
 what their namesakes see (`fleetsim.baselines.view`): their own in-flight counts, exact;
 engine queue and KV figures as of the last scrape. When an engine dies its requests are
 lost: a stock router has nothing to resume them from.
+
+P/D: a baseline routes a request's prefill with its policy over the prefill engines and,
+once the KV has moved, its decode with a second instance of the same policy over the
+decode engines — SGLang's router in PD mode (`--pd-disaggregation`, one policy applied to
+each worker list), llm-d's prefill and decode scheduling profiles, and a plain load
+balancer in front of each pool all work this way. No baseline checks that decode can take
+the request before it prefills: the KV waits on the decode engine's queue.
 """
 
 from __future__ import annotations
 
-from controlplane.contract import FinishReason
+import copy
+
+from controlplane.contract import FinishReason, Role
 from fleetsim.baselines import BaselineRouter, NoHealthyWorkerError, WorkerView
 from fleetsim.baselines.reservation import MaxTokensReservation
 from fleetsim.engine import EngineConfig
@@ -23,6 +32,7 @@ class BaselinePolicy:
         self, router: BaselineRouter, *, reserve_max_tokens: bool = False, name: str = ""
     ) -> None:
         self.router = router
+        self.decode_router = router
         self.reserve = reserve_max_tokens
         self.name = name or router.name
         self._sim: Simulation | None = None
@@ -46,6 +56,8 @@ class BaselinePolicy:
         self._outstanding = [0] * n
         self._scraped = [(0, 0.0)] * n
         self._ledgers = [MaxTokensReservation(e.capacity_tokens) for e in sim.engines]
+        if sim.config.disaggregated:
+            self.decode_router = copy.deepcopy(self.router)  # a fresh one, its own state
         sim.every(sim.config.staleness.scrape_period_s, self._scrape)
 
     def _scrape(self, now: float) -> None:
@@ -54,7 +66,7 @@ class BaselinePolicy:
         ]
         self._scraped_at = now
 
-    def _views(self) -> list[WorkerView]:
+    def _views(self, role: Role) -> list[WorkerView]:
         return [
             WorkerView(
                 e.index,
@@ -65,15 +77,21 @@ class BaselinePolicy:
                 self._scraped_at,
             )
             for e in self.sim.engines
+            if e.role is role
         ]
 
     def arrive(self, flight: Flight, now: float) -> None:
-        self._dispatch(flight, now)
+        role = Role.PREFILL if self.sim.config.disaggregated else Role.MIXED
+        self._dispatch(flight, now, self.router, role)
 
-    def _dispatch(self, flight: Flight, now: float) -> None:
+    def handoff(self, flight: Flight, prefill_engine: int, now: float) -> None:
+        self._leave(flight, now)
+        self._dispatch(flight, now, self.decode_router, Role.DECODE)
+
+    def _dispatch(self, flight: Flight, now: float, router: BaselineRouter, role: Role) -> None:
         sim = self.sim
         try:
-            engine = self.router.route(flight.spec, self._views(), now)
+            engine = router.route(flight.spec, self._views(role), now)
         except NoHealthyWorkerError:
             sim.end(flight, FinishReason.OVERLOAD, now, "no healthy worker")
             return
@@ -83,7 +101,8 @@ class BaselinePolicy:
             sim.submit(flight, engine, now)
             return
         ledger = self._ledgers[engine]
-        cost = flight.spec.input_tokens + flight.spec.max_tokens
+        wanted = 1 if role is Role.PREFILL else flight.spec.max_tokens
+        cost = flight.spec.input_tokens + wanted
         if not ledger.fits_ever(cost):
             sim.end(flight, FinishReason.OVERLOAD, now, "max_tokens reservation never fits")
             return
@@ -105,6 +124,10 @@ class BaselinePolicy:
         return None
 
     def ended(self, flight: Flight, now: float) -> None:
+        self._leave(flight, now)
+
+    def _leave(self, flight: Flight, now: float) -> None:
+        """The flight is done with the engine it was assigned to."""
         engine = self._assigned.pop(flight.rid, -1)
         if engine < 0:
             return
@@ -117,6 +140,8 @@ class BaselinePolicy:
 
     def engine_failed(self, engine: int, flights: list[Flight], now: float) -> None:
         self.router.forget(engine)
+        if self.decode_router is not self.router:
+            self.decode_router.forget(engine)
         ledger = self._ledgers[engine]
         queued = [item for item, _ in ledger.queue]
         for flight in [*flights, *queued]:

@@ -42,6 +42,14 @@ class Flight:
     recomputed_tokens: int = 0
     queued_since: float = -1.0
     queue_time_s: float = 0.0
+    # P/D: prompt tokens whose KV a prefill engine computed and handed off, waiting to be
+    # imported by the decode engine this flight goes to next; and time spent moving KV.
+    kv_ready: int = 0
+    transfer_s: float = 0.0
+    handoff_from: float = -1.0
+    handoff_s: float = 0.0  # first token on prefill to the next one on decode
+    # Refusals (429/503) a patient client retried after.
+    retries: int = 0
 
     @property
     def rid(self) -> str:

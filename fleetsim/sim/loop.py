@@ -7,6 +7,11 @@ heartbeats, scrapes, cancellations, deadlines, engine failures) is a timed callb
 heap, ordered by time and then by insertion, so a run is a pure function of its inputs
 and seed.
 
+P/D: on a disaggregated fleet a request is first sent to a prefill engine for its prompt
+and first token only; its prompt's KV then travels to a decode engine (the transfer takes
+KV bytes / link bandwidth), and the policy's `handoff` places it there, where the engine
+imports the KV instead of computing it again.
+
 The engine never learns how long an answer will be. It is asked for up to the client's
 `max_tokens` (so its own admission sees what SGLang would see) and the simulator ends the
 request when its natural length is reached, as the model's end-of-sequence token would.
@@ -21,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from controlplane.contract import FinishReason
+from controlplane.contract import FinishReason, Role
 from fleetsim.engine import EngineConfig, EngineModel, EngineRequest, RequestError
 from fleetsim.sim.config import FleetConfig
 from fleetsim.sim.flight import Flight, Stage
@@ -55,11 +60,16 @@ class FleetPolicy(Protocol):
     def engine_failed(self, engine: int, flights: list[Flight], now: float) -> None:
         """The engine died with these flights on it."""
 
+    def handoff(self, flight: Flight, prefill_engine: int, now: float) -> None:
+        """P/D: the flight's prompt KV has reached the decode side (`flight.kv_ready`
+        tokens of it); place it on a decode engine."""
+
 
 @dataclass(slots=True)
 class EngineSlot:
     index: int
     model: EngineModel
+    role: Role = Role.MIXED
     alive: bool = True
     scheduled: bool = False
     pending: list[EngineRequest] = field(default_factory=list)
@@ -121,9 +131,7 @@ class Simulation:
         self.engine_config = policy.tune(
             engine_config or engine_config_for(self.config), self.config
         )
-        self.engines = [
-            EngineSlot(i, EngineModel(self.engine_config)) for i in range(self.config.engines)
-        ]
+        self.engines = [self._engine(i) for i in range(self.config.engines)]
         self.now = 0.0
         self._heap: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
@@ -136,6 +144,19 @@ class Simulation:
         for failure in failures:
             if failure.engine < len(self.engines):
                 self.at(failure.at_s, functools.partial(self._fail, failure.engine))
+
+    def _engine(self, index: int) -> EngineSlot:
+        config = self.config
+        if not config.disaggregated:
+            return EngineSlot(index, EngineModel(self.engine_config))
+        if index < config.prefill_engines:
+            return EngineSlot(index, EngineModel(self.engine_config), Role.PREFILL)
+        tokens = int(self.engine_config.total_tokens * config.decode_kv_factor)
+        decode = self.engine_config.replace(max_total_tokens=max(config.page_size, tokens))
+        return EngineSlot(index, EngineModel(decode), Role.DECODE)
+
+    def role_engines(self, role: Role) -> list[EngineSlot]:
+        return [e for e in self.engines if e.role is role]
 
     # -- the clock -----------------------------------------------------------------------
     def at(self, when: float, action: Callable[[], None]) -> None:
@@ -188,7 +209,10 @@ class Simulation:
 
     def submit(self, flight: Flight, engine: int, now: float, priority: int = 0) -> bool:
         """Send a flight (or its continuation) to an engine. False, with the flight ended
-        as `error`, when the engine refuses it outright (too long for its context)."""
+        as `error`, when the engine refuses it outright (too long for its context).
+
+        A prefill engine is asked for the first token only; a flight whose prompt KV was
+        handed off (`kv_ready`) imports it."""
         slot = self.engines[engine]
         if not slot.alive:
             raise RuntimeError(f"engine {engine} is down")
@@ -198,19 +222,22 @@ class Simulation:
         if flight.output_ids:
             ids.extend(flight.output_ids)
         model = slot.model
+        wanted = 1 if slot.role is Role.PREFILL else spec.max_tokens - flight.generated
         try:
             req = model.make_request(
                 flight.engine_rid,
                 ids,
-                spec.max_tokens - flight.generated,
+                wanted,
                 ignore_eos=True,
                 priority=priority,
+                kv_imported=flight.kv_ready,
                 now=now,
             )
         except RequestError as exc:
             self.end(flight, FinishReason.ERROR, now, f"engine refused: {exc}")
             return False
         model.submit(req, now)
+        flight.kv_ready = 0
         slot.flights[req.rid] = flight
         flight.stage = Stage.ENGINE
         flight.engine = engine
@@ -320,6 +347,9 @@ class Simulation:
                 flight.cached_tokens += req.cached_tokens
             if flight.first_token_at < 0:
                 flight.first_token_at = now
+            elif flight.handoff_from >= 0:
+                flight.handoff_s = now - flight.handoff_from
+                flight.handoff_from = -1.0
             flight.last_token_at = now
             if flight.remaining <= 0:
                 reason = (
@@ -328,6 +358,8 @@ class Simulation:
                     else FinishReason.STOP
                 )
                 self.end(flight, reason, now)
+            elif slot.role is Role.PREFILL:
+                self._transfer(slot, flight, now)
         for req in slot.pending_finished:
             flight = flights.get(req.rid)
             if flight is None or flight.done:
@@ -341,6 +373,24 @@ class Simulation:
         slot.pending = []
         slot.pending_finished = []
         slot.pending_retracted = []
+
+    def _transfer(self, slot: EngineSlot, flight: Flight, now: float) -> None:
+        """The prefill engine streamed the first token: its request is over there (the
+        engine finishes it at its one-token limit) and the prompt's KV starts moving."""
+        slot.flights.pop(flight.engine_rid, None)
+        flight.leave_engine()
+        flight.handoff_from = now
+        kv_tokens = flight.spec.input_tokens
+        kv_bytes = kv_tokens * self.engine_config.timing.model.kv_bytes_per_token
+        took = kv_bytes / self.config.kv_link_bytes_per_s
+        flight.transfer_s += took
+
+        def arrived() -> None:
+            if not flight.done:
+                flight.kv_ready = kv_tokens
+                self.policy.handoff(flight, slot.index, self.now)
+
+        self.at(now + took, arrived)
 
     def _sample(self, now: float) -> None:
         alive = self.alive()

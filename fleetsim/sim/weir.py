@@ -16,13 +16,25 @@ watermarks with hysteresis (`classify`) published with every heartbeat and at on
 change; and the relief ladder (`plan_relief`): at exhaustion, victims are migrated (a
 continuation re-routed by the router, excluding this endpoint) or recomputed in place.
 
+Router gate (`fleetsim.sim.gate`): tenant quotas, when the pool policy declares tenants,
+and on a disaggregated fleet a decode handoff credit before a prefill is admitted, both
+by the control plane's pure rules (`controlplane.contract.quota_rules`, `credit_rules`)
+and refused as the gateway refuses (429 with the limit as reason and Retry-After). A
+client with a maximum wait of its own retries after Retry-After while that wait lasts; an
+interactive one takes the refusal.
+
+P/D: sidecars publish their engine's role; the prefill is routed over the prefill
+endpoints, and when its KV has moved, the decode over the decode endpoints, by the same
+profile (its role filter and transfer term). The decode class's credit budget is the
+free KV (capacity − used − reserved growth) the decode sidecars last published; the
+decode side consumes a credit when the handoff arrives.
+
 Engines run with Weir's engine flags (priority scheduling with aging, prefill yielding at
 chunk boundaries, mixed prefill/decode iterations with a prefill time budget), as the
 operator renders them from the pool spec. When an engine dies,
 the router, which holds every stream, re-routes what it had in flight as continuations.
 
-Not modelled: tenant quotas charged in Redis (no quota is configured in these
-scenarios), P/D handoff credits, offload/swap.
+Not modelled: KV token-second quotas (the sidecar's charge), offload/swap.
 """
 
 from __future__ import annotations
@@ -36,6 +48,7 @@ from controlplane.contract import (
     EndpointState,
     FinishReason,
     PoolPolicy,
+    Role,
     WatermarkState,
 )
 from controlplane.ownership import Membership, OwnershipRing, prefix_key
@@ -71,6 +84,7 @@ from engine_sidecar.policy import (
 from fleetsim.engine import EngineConfig
 from fleetsim.sim.config import MODEL, FleetConfig
 from fleetsim.sim.flight import Flight, Stage
+from fleetsim.sim.gate import HOLDER_TTL_MS, Refusal, RouterGate
 from fleetsim.sim.loop import Simulation
 from fleetsim.workloads import BLOCK_TOKENS, prompt_token_ids
 
@@ -83,6 +97,11 @@ PREFILL_TIME_BUDGET_S = 0.05
 LONG_PROMPT_TOKENS = 4096
 # A continuation (already streaming) waits for a new endpoint at most this long.
 CONTINUATION_MAX_WAIT_S = 600.0
+# A patient client retries a 503 without Retry-After after this long.
+CLIENT_BACKOFF_S = 1.0
+# The router renews its quota holder lease at a third of its time to live, as
+# `QuotaGate.keep_lease` does.
+HOLDER_RENEW_S = HOLDER_TTL_MS / 3000
 
 
 @dataclass(slots=True)
@@ -100,6 +119,7 @@ class Sidecar:
     endpoint_id: str
     capacity_tokens: int
     policy: PoolPolicy
+    role: Role = Role.MIXED
     predictor: OutputLengthPredictor = field(default_factory=OutputLengthPredictor)
     queue: dict[str, tuple[QueuedRequest, Flight]] = field(default_factory=dict)
     held: dict[str, _Held] = field(default_factory=dict)
@@ -162,11 +182,17 @@ class WeirPolicy:
         self._queued: dict[str, Flight] = {}
         self.ring = OwnershipRing(Membership.of(0, ()))
         self._owner_cache: dict[str, tuple[int, tuple[str, ...]]] = {}
+        self._gate: RouterGate | None = None
 
     @property
     def sim(self) -> Simulation:
         assert self._sim is not None, "start() first"
         return self._sim
+
+    @property
+    def gate(self) -> RouterGate:
+        assert self._gate is not None, "start() first"
+        return self._gate
 
     def tune(self, config: EngineConfig, fleet: FleetConfig) -> EngineConfig:
         """Weir's engine flags: priority scheduling with aging, prefill yielding, mixed
@@ -200,11 +226,17 @@ class WeirPolicy:
             "prefill_tokens_per_s": 1.0 / per_token_s,
             "kv_bytes_per_token": timing.model.kv_bytes_per_token,
             "ttft_slo_s": sim.config.slo.ttft_s,
+            "transfer_bytes_per_s": sim.config.kv_link_bytes_per_s,
         }
         self.profile = profile_from_config(config)
         self.sidecars = [
-            Sidecar(e.index, f"engine-{e.index}", e.capacity_tokens, policy) for e in sim.engines
+            Sidecar(e.index, f"engine-{e.index}", e.capacity_tokens, policy, e.role)
+            for e in sim.engines
         ]
+        self._gate = RouterGate(
+            policy, timing.model.kv_bytes_per_token, credits=sim.config.disaggregated
+        )
+        sim.every(HOLDER_RENEW_S, self.gate.renew)
         self._dispatches = [deque() for _ in sim.engines]
         self.ring = OwnershipRing(Membership.of(1, (s.endpoint_id for s in self.sidecars)))
         period = sim.config.staleness.heartbeat_period_s
@@ -242,6 +274,7 @@ class WeirPolicy:
             epoch=1,
             version=sidecar.version,
             watermark=sidecar.watermark,
+            role=sidecar.role,
             page_size=slot.model.page_size,
             kv_capacity_tokens=sidecar.capacity_tokens,
             kv_used_tokens=sidecar.used_tokens,
@@ -261,6 +294,16 @@ class WeirPolicy:
     def _publish(self, index: int, state: EndpointState, lease: float, taken_at: float) -> None:
         self._states[index] = state
         self._leases[index] = lease
+        if state.role is Role.DECODE:
+            # The decode class's credit budget: the free KV its sidecars last published.
+            free = sum(
+                max(0, s.kv_capacity_tokens - s.kv_used_tokens - s.kv_reserved_growth_tokens)
+                for s in self._states.values()
+                if s.role is Role.DECODE
+            )
+            self.gate.set_decode_budget(
+                free * self.sim.engine_config.timing.model.kv_bytes_per_token
+            )
         dispatched = self._dispatches[index]
         while dispatched and dispatched[0] <= taken_at:
             dispatched.popleft()
@@ -280,12 +323,42 @@ class WeirPolicy:
 
     # -- the router -------------------------------------------------------------------------
     def arrive(self, flight: Flight, now: float) -> None:
+        refusal = self.gate.admit(flight, now)
+        if refusal is not None:
+            self._refused(flight, refusal, now)
+            return
+        self._dispatch(flight, now)
+
+    def _dispatch(self, flight: Flight, now: float) -> None:
         if self.queue.waiting_at_or_above(flight.spec.priority):
             self._enqueue(flight, now)  # never jump the queue of one's own class
             self._drain(now)
             return
         if not self._route(flight, now, frozenset()):
             self._enqueue(flight, now)
+
+    def _refused(self, flight: Flight, refusal: Refusal, now: float) -> None:
+        """The gateway's answer reaches the client: a patient one (its own maximum wait)
+        sends the request again after Retry-After while that wait lasts."""
+        spec = flight.spec
+        delay = refusal.retry_after_s if refusal.retry_after_s is not None else CLIENT_BACKOFF_S
+        if refusal.retryable and now + delay < spec.arrival_s + spec.max_wait_s:
+            flight.retries += 1
+            self.sim.at(now + delay, lambda: self._retry(flight))
+            return
+        ending = FinishReason.OVERLOAD if refusal.retryable else FinishReason.ERROR
+        self.sim.end(flight, ending, now, f"router: {refusal.status} {refusal.reason}")
+
+    def _retry(self, flight: Flight) -> None:
+        if not flight.done:
+            self.arrive(flight, self.sim.now)
+
+    def _role(self, flight: Flight) -> Role:
+        """Where the flight goes next: a fresh request prefills on a P/D fleet's prefill
+        side; a handed-off one, or a continuation, goes to the decode side."""
+        if not self.sim.config.disaggregated:
+            return Role.MIXED
+        return Role.DECODE if flight.kv_ready or flight.generated else Role.PREFILL
 
     def _route(self, flight: Flight, now: float, exclude: frozenset[str]) -> bool:
         spec = flight.spec
@@ -300,6 +373,7 @@ class WeirPolicy:
             prompt_tokens=spec.input_tokens + flight.generated,
             max_new_tokens=spec.max_tokens - flight.generated,
             tenant=spec.tenant,
+            role=self._role(flight),
             priority=spec.priority,
             deadline_s=deadline,
             waited_s=now - spec.arrival_s,
@@ -503,6 +577,11 @@ class WeirPolicy:
     def _relieve(self, sidecar: Sidecar, now: float) -> None:
         policy = self._policy()
         horizon = policy.kv.growth_horizon_steps
+        # A victim can migrate only to another live endpoint of the same role.
+        migratable = any(
+            other is not sidecar and other.role is sidecar.role and slot.alive
+            for other, slot in zip(self.sidecars, self.sim.engines, strict=True)
+        )
         candidates = []
         for held in sidecar.held.values():
             flight = held.flight
@@ -522,7 +601,7 @@ class WeirPolicy:
                     deadline_at=spec.arrival_s + spec.deadline_s if spec.deadline_s else 0.0,
                     preemptions=sum(flight.preemptions.values()),
                     recomputable=True,
-                    migratable=len(self.sidecars) > 1,
+                    migratable=migratable,
                 )
             )
         plan = plan_relief(sidecar.usage(), sidecar.watermark, candidates, policy, now)
@@ -549,6 +628,7 @@ class WeirPolicy:
 
     # -- endings and failures -------------------------------------------------------------
     def ended(self, flight: Flight, now: float) -> None:
+        self.gate.release(flight, now)
         self.queue.remove(flight.rid)
         self._queued.pop(flight.rid, None)
         self._excluded.pop(flight.rid, None)
@@ -562,6 +642,16 @@ class WeirPolicy:
             sidecar.predictor.observe(LengthKey(flight.spec.tenant, MODEL), flight.generated)
         if self.sim.engines[index].alive:
             sidecar.account()
+
+    def handoff(self, flight: Flight, prefill_engine: int, now: float) -> None:
+        """The prompt's KV reached the decode side: the prefill sidecar lets go of it, the
+        credit is consumed, and the decode is routed like a continuation."""
+        sidecar = self.sidecars[prefill_engine]
+        self._release(sidecar, flight)
+        sidecar.account()
+        self.gate.handed_off(flight, now)
+        if not self._route(flight, now, frozenset()):
+            self._enqueue(flight, now)
 
     def engine_failed(self, engine: int, flights: list[Flight], now: float) -> None:
         sidecar = self.sidecars[engine]

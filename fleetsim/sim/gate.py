@@ -1,0 +1,122 @@
+"""Weir's router gate in the simulator: tenant quotas and handoff credits, decided by the
+control plane's pure rules and refused the way the gateway refuses.
+
+The live router (`controlplane.gateway.app`) charges a request's tenant quota — one unit
+of concurrency, the prompt's input tokens and its `max_tokens` of output tokens — before
+anything else, then on a prefill pool takes a decode handoff credit for the prompt's KV
+bytes; a credit refusal hands the quota charge back unused. Both decisions are Lua
+scripts in Redis; here they are `QuotaLedger` and `CreditLedger`, the same rules as pure
+Python (checked against the scripts by the control plane's differential tests), on the
+simulator's clock in milliseconds. Refusals carry the gateway's status, reason and
+Retry-After (`controlplane.gateway.quotas`, `controlplane.gateway.credits`). When the
+request ends its charge is released with what it used, so unused output tokens flow back.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from controlplane.contract import PoolPolicy
+from controlplane.contract.credit_rules import CreditLedger
+from controlplane.contract.quota_rules import QuotaLedger
+from fleetsim.sim.flight import Flight
+
+HOLDER = "router-sim"
+# The gateway's defaults: the quota holder's lease (renewed at a third of it) and a
+# handoff credit's time to live.
+HOLDER_TTL_MS = 15_000
+CREDIT_TTL_MS = 30_000
+DECODE_CLASS = "decode"
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """An HTTP refusal as the gateway answers it: 429/503 are retryable (after
+    `retry_after_s`, None when the answer gives none); 400/403 are final."""
+
+    status: int
+    reason: str
+    retry_after_s: float | None
+
+    @property
+    def retryable(self) -> bool:
+        return self.status in (429, 503)
+
+
+def _ms(now: float) -> int:
+    return round(now * 1000)
+
+
+class RouterGate:
+    """Quota charges (when the pool policy declares tenants) and, on a disaggregated
+    fleet, decode handoff credits."""
+
+    def __init__(self, policy: PoolPolicy, kv_bytes_per_token: int, credits: bool) -> None:
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.quotas: QuotaLedger | None = None
+        if policy.tenants:
+            self.quotas = QuotaLedger()
+            for quota in policy.tenants:
+                self.quotas.set_quota(quota)
+        self.credits = CreditLedger() if credits else None
+        self._charged: set[str] = set()
+
+    def renew(self, now: float) -> None:
+        """The router's holder lease (the simulated router never dies)."""
+        if self.quotas is not None:
+            self.quotas.renew(HOLDER, HOLDER_TTL_MS, _ms(now))
+
+    def set_decode_budget(self, kv_bytes: int) -> None:
+        if self.credits is not None:
+            self.credits.set_budget(DECODE_CLASS, kv_bytes)
+
+    def admit(self, flight: Flight, now: float) -> Refusal | None:
+        """Charge the quota, then take the handoff credit; None when both granted."""
+        spec, now_ms = flight.spec, _ms(now)
+        if self.quotas is not None:
+            charge = functools.partial(
+                self.quotas.charge,
+                spec.tenant,
+                HOLDER,
+                spec.request_id,
+                now_ms,
+                concurrency=1,
+                input_tokens=spec.input_tokens,
+                output_tokens=spec.max_tokens,
+            )
+            decision = charge()
+            if decision.reason == "holder_expired":  # as QuotaGate: renew, charge again
+                self.renew(now)
+                decision = charge()
+            if not decision.granted:
+                if decision.reason == "unknown_tenant":
+                    return Refusal(403, "unknown_tenant", None)
+                if decision.retry_after_s is None:
+                    return Refusal(400, "exceeds_quota", None)
+                return Refusal(429, decision.reason, decision.retry_after_s)
+            self._charged.add(spec.request_id)
+        if self.credits is not None:
+            kv_bytes = max(1, spec.input_tokens) * self.kv_bytes_per_token
+            credit = self.credits.issue(
+                spec.request_id, DECODE_CLASS, kv_bytes, CREDIT_TTL_MS, now_ms
+            )
+            if not credit.granted:
+                self.release(flight, now, unused=True)
+                if credit.retry_after_ms < 0:
+                    return Refusal(503, "no_decode_capacity", None)
+                return Refusal(429, "decode_credit", credit.retry_after_ms / 1000)
+        return None
+
+    def handed_off(self, flight: Flight, now: float) -> None:
+        """The decode side consumes the credit when the handoff arrives."""
+        if self.credits is not None:
+            self.credits.consume(flight.rid, _ms(now))
+
+    def release(self, flight: Flight, now: float, *, unused: bool = False) -> None:
+        """Return the quota charge with what the request used (nothing, if `unused`)."""
+        if self.quotas is None or flight.rid not in self._charged:
+            return
+        self._charged.discard(flight.rid)
+        used = (0, 0, 0) if unused else (flight.spec.input_tokens, flight.generated, 0)
+        self.quotas.release(HOLDER, flight.rid, _ms(now), used)
