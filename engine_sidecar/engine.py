@@ -22,10 +22,12 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import aiohttp
 import msgspec
 
+from controlplane.transport import HTTPClient, Response, SSEEvent, TransportError
+
 _json_decode = msgspec.json.Decoder().decode
+_JSON = {"Content-Type": "application/json"}
 
 
 class EngineError(RuntimeError):
@@ -56,17 +58,9 @@ class EngineLoad:
     sampled_at: float  # time.monotonic() when the question was sent
 
 
-@dataclass(frozen=True, slots=True)
-class StreamEvent:
-    """One SSE `data:` event: the frame as received (ending in a blank line) and its data.
-    The data is not parsed here: the reader decodes only what it needs."""
-
-    raw: bytes
-    data: bytes
-
-    @property
-    def done(self) -> bool:
-        return self.data == b"[DONE]"
+# One SSE `data:` event: the frame as received (ending in a blank line) and its data, not
+# parsed here: the reader decodes only what it needs.
+StreamEvent = SSEEvent
 
 
 class EngineStream(Protocol):
@@ -96,43 +90,27 @@ class EngineAdapter(Protocol):
 
 
 class _HTTPStream:
-    def __init__(self, response: aiohttp.ClientResponse) -> None:
+    def __init__(self, url: str, response: Response) -> None:
+        self._url = url
         self._response = response
         self.status = response.status
 
     async def batches(self) -> AsyncIterator[list[StreamEvent]]:
-        pending = b""
-        chunks = self._response.content.iter_any()
+        events = self._response.events()
         while True:
             try:
-                chunk = await anext(chunks)
+                batch = await anext(events)
             except StopAsyncIteration:
                 return
-            except (aiohttp.ClientError, OSError) as exc:
-                raise EngineError(f"{self._response.url}: the stream broke: {exc}") from exc
-            buf = pending + chunk if pending else chunk
-            batch = []
-            start = 0
-            # Frames are found by index, so a read's worth of events costs one scan and
-            # one slice per event; a one-line frame (SGLang's) is forwarded as it came.
-            while (end := buf.find(b"\n\n", start)) >= 0:
-                if buf.startswith(b"data:", start) and buf.find(b"\n", start, end) < 0:
-                    batch.append(StreamEvent(buf[start : end + 2], buf[start + 5 : end].strip()))
-                else:
-                    for line in buf[start:end].split(b"\n"):
-                        if line.startswith(b"data:"):
-                            data = line[5:].strip()
-                            batch.append(StreamEvent(b"data: " + data + b"\n\n", data))
-                start = end + 2
-            pending = buf[start:]
-            if batch:
-                yield batch
+            except TransportError as exc:
+                raise EngineError(f"{self._url}: the stream broke: {exc}") from exc
+            yield batch
 
     async def body(self) -> bytes:
         try:
             return await self._response.read()
-        except (aiohttp.ClientError, OSError) as exc:
-            raise EngineError(f"{self._response.url}: the answer broke: {exc}") from exc
+        except TransportError as exc:
+            raise EngineError(f"{self._url}: the answer broke: {exc}") from exc
 
 
 def _int(value: object, default: int = 0) -> int:
@@ -144,39 +122,26 @@ class SGLangEngine:
 
     def __init__(self, url: str, timeout_s: float = 600.0) -> None:
         self.url = url.rstrip("/")
-        self._session: aiohttp.ClientSession | None = None
-        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=5.0, sock_read=timeout_s)
+        self._http = HTTPClient(connect_timeout_s=5.0, read_timeout_s=timeout_s)
         self._info: EngineInfo | None = None
-
-    @property
-    def session(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                timeout=self._timeout,
-                connector=aiohttp.TCPConnector(limit=0, force_close=False),
-                json_serialize=lambda obj: msgspec.json.encode(obj).decode(),
-            )
-        return self._session
 
     async def _get(self, path: str) -> tuple[int, Any]:
         try:
-            async with self.session.get(self.url + path) as resp:
+            async with await self._http.request("GET", self.url + path) as resp:
                 raw = await resp.read()
                 if resp.status != 200:
                     return resp.status, None
                 return resp.status, _json_decode(raw) if raw else None
-        except (aiohttp.ClientError, OSError, msgspec.DecodeError) as exc:
+        except (TransportError, msgspec.DecodeError) as exc:
             raise EngineError(f"GET {self.url}{path}: {exc}") from exc
 
     async def _post(self, path: str, body: dict[str, Any] | None) -> int:
         try:
-            kwargs: dict[str, Any] = {} if body is None else {"data": msgspec.json.encode(body)}
-            async with self.session.post(
-                self.url + path, headers={"content-type": "application/json"}, **kwargs
-            ) as resp:
+            data = b"" if body is None else msgspec.json.encode(body)
+            async with await self._http.request("POST", self.url + path, data, _JSON) as resp:
                 await resp.read()
                 return resp.status
-        except (aiohttp.ClientError, OSError) as exc:
+        except TransportError as exc:
             raise EngineError(f"POST {self.url}{path}: {exc}") from exc
 
     async def server_info(self) -> EngineInfo:
@@ -229,23 +194,15 @@ class SGLangEngine:
 
     @asynccontextmanager
     async def open(self, path: str, body: dict[str, Any]) -> AsyncIterator[_HTTPStream]:
-        url, data = self.url + path, msgspec.json.encode(body)
-        headers = {"content-type": "application/json"}
-        for attempt in (1, 2):
-            try:
-                response = await self.session.post(url, data=data, headers=headers)
-                break
-            except aiohttp.ClientOSError as exc:
-                # Writing to a pooled keep-alive connection the engine had just closed: the
-                # request never left, so one retry on a fresh connection is safe.
-                if attempt == 2:
-                    raise EngineError(f"POST {url}: {exc}") from exc
-            except (aiohttp.ClientError, OSError) as exc:
-                raise EngineError(f"POST {url}: {exc}") from exc
+        url = self.url + path
+        try:
+            response = await self._http.request("POST", url, msgspec.json.encode(body), _JSON)
+        except TransportError as exc:
+            raise EngineError(f"POST {url}: {exc}") from exc
         # Errors inside the block are the caller's (a client that went away, say): only
         # reading the engine's answer turns into EngineError, in _HTTPStream.
         async with response:
-            yield _HTTPStream(response)
+            yield _HTTPStream(url, response)
 
     async def abort(self, rid: str) -> None:
         status = await self._post("/abort_request", {"rid": rid, "abort_all": False})
@@ -265,5 +222,4 @@ class SGLangEngine:
             raise EngineError(f"{self.url}: continue_generation answered HTTP {status}")
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        await self._http.close()

@@ -47,14 +47,7 @@ from controlplane.gateway.errors import GatewayError, overload, unavailable
 from controlplane.gateway.metrics import RouterMetrics, length_bucket
 from controlplane.gateway.pool import PoolView
 from controlplane.gateway.quotas import QuotaGate
-from controlplane.gateway.relay import (
-    DONE,
-    PREEMPTED_EVENT,
-    Received,
-    Splicer,
-    split_events,
-    sse,
-)
+from controlplane.gateway.relay import PREEMPTED_EVENT, Received, Splicer, sse
 from controlplane.gateway.requests import ClientRequest, Limits, decode_body, parse, resume_body
 from controlplane.gateway.tenants import TENANT_HEADER, TenantKeys
 from controlplane.ownership import block_hashes, prefix_key
@@ -70,6 +63,7 @@ from controlplane.routing import (
     default_config,
     profile_from_config,
 )
+from controlplane.transport import DONE, HTTPClient, Response, TransportError
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +71,7 @@ log = logging.getLogger(__name__)
 # candidate waits in the fair queue; any other refusal means nothing could serve it.
 SATURATION = frozenset({"bounded-load", "watermark-below-critical"})
 MAX_HASHED_BLOCKS = 256
+_JSON = {"Content-Type": "application/json"}
 _API_PATHS = {
     EngineAPI.GENERATE: "/generate",
     EngineAPI.COMPLETIONS: "/v1/completions",
@@ -182,7 +177,7 @@ class Gateway:
         )
         self.inflight: dict[str, int] = {}
         self.inflight_total = 0
-        self._session: aiohttp.ClientSession | None = None
+        self._http: HTTPClient | None = None
         self._background: set[asyncio.Task[None]] = set()
         self._served = self._models_of(view.snapshot)
         view.on_change(self._snapshot_changed)
@@ -203,21 +198,16 @@ class Gateway:
         return app
 
     async def _start(self, _app: web.Application) -> None:
-        self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
-            timeout=aiohttp.ClientTimeout(
-                total=None,
-                sock_connect=self.config.connect_timeout_s,
-                sock_read=self.config.chunk_timeout_s,
-            ),
-            auto_decompress=False,
+        self._http = HTTPClient(
+            connect_timeout_s=self.config.connect_timeout_s,
+            read_timeout_s=self.config.chunk_timeout_s,
         )
 
     async def _stop(self, _app: web.Application) -> None:
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
-        if self._session is not None:
-            await self._session.close()
+        if self._http is not None:
+            await self._http.close()
 
     # -- routing ---------------------------------------------------------------------
 
@@ -525,7 +515,7 @@ class Gateway:
         view = self.view.snapshot.by_id.get(endpoint_id)
         if view is None:  # it left the pool since the decision
             return ("refused" if ex.response is None else "broken"), None
-        assert self._session is not None
+        assert self._http is not None
         ex.endpoint, ex.address = endpoint_id, view.state.address
         ex.upstream_rid = uuid.uuid4().hex
         client = ex.client
@@ -546,7 +536,7 @@ class Gateway:
         url = view.state.address + _API_PATHS[client.api]
         pool = self.config.pool
         try:
-            async with self._session.post(url, data=payload, headers=headers) as upstream:
+            async with await self._http.request("POST", url, payload, headers) as upstream:
                 if upstream.status in (429, 503):
                     ex.retry_after_s = max(ex.retry_after_s, _retry_after(upstream))
                     self.metrics.retries.labels(pool, f"upstream_{upstream.status}").inc()
@@ -572,7 +562,7 @@ class Gateway:
                         status=upstream.status, body=raw, content_type=upstream.content_type
                     )
                 return await self._relay(request, ex, upstream)
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except TransportError as exc:
             log.info("endpoint %s failed: %s", endpoint_id, exc)
             if ex.response is None:
                 self.metrics.retries.labels(pool, "connect_error").inc()
@@ -580,7 +570,7 @@ class Gateway:
             return "broken", None
 
     async def _relay(
-        self, request: web.Request, ex: _Exchange, upstream: aiohttp.ClientResponse
+        self, request: web.Request, ex: _Exchange, upstream: Response
     ) -> tuple[str, web.StreamResponse | None]:
         if ex.response is None:
             stream = _EventStream(
@@ -594,11 +584,9 @@ class Gateway:
             ex.response = stream
         response = ex.response
         received = ex.received
-        buffer = bytearray()
-        async for chunk in upstream.content.iter_any():
-            buffer += chunk
+        async for events in upstream.events():
             out = bytearray()  # the events of one upstream read go out in one write
-            for event in split_events(buffer):
+            for event in events:
                 if event.event == PREEMPTED_EVENT:
                     if out:
                         await _write(response, bytes(out))
@@ -645,15 +633,16 @@ class Gateway:
 
     def _abort_upstream(self, ex: _Exchange) -> None:
         """Tell the engine the client left: its rid is aborted at once."""
-        if not ex.address or self._session is None:
+        if not ex.address or self._http is None:
             return
-        session, url, rid = self._session, ex.address + "/abort_request", ex.upstream_rid
+        http, url, rid = self._http, ex.address + "/abort_request", ex.upstream_rid
+        body = msgspec.json.encode({"rid": rid})
 
         async def abort() -> None:
             try:
-                async with session.post(url, json={"rid": rid}) as reply:
+                async with await http.request("POST", url, body, _JSON) as reply:
                     await reply.read()
-            except (aiohttp.ClientError, TimeoutError) as exc:
+            except TransportError as exc:
                 log.info("abort of %s at %s failed: %s", rid, url, exc)
 
         self._spawn(abort())
@@ -804,8 +793,8 @@ async def _write(response: web.StreamResponse, data: bytes) -> None:
         raise _ClientGoneError() from exc
 
 
-def _retry_after(upstream: aiohttp.ClientResponse) -> float:
+def _retry_after(upstream: Response) -> float:
     try:
-        return float(upstream.headers.get("Retry-After", "1"))
+        return float(upstream.headers.get("retry-after", "1"))
     except ValueError:
         return 1.0

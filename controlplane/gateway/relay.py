@@ -19,7 +19,6 @@ import msgspec
 
 from controlplane.contract import EngineAPI
 
-DONE = b"[DONE]"
 PREEMPTED_EVENT = b"weir.preempted"
 
 
@@ -34,31 +33,6 @@ class Received:
     response_id: str = ""
     finish_reason: str = ""
     prompt_tokens: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class Event:
-    raw: bytes
-    event: bytes
-    data: bytes
-
-
-def split_events(buffer: bytearray) -> list[Event]:
-    """Take the complete events (ended by a blank line) out of `buffer`."""
-    events: list[Event] = []
-    while True:
-        end = buffer.find(b"\n\n")
-        if end < 0:
-            return events
-        raw = bytes(buffer[: end + 2])
-        del buffer[: end + 2]
-        name, data = b"", []
-        for line in raw.split(b"\n"):
-            if line.startswith(b"data:"):
-                data.append(line[5:].strip())
-            elif line.startswith(b"event:"):
-                name = line[6:].strip()
-        events.append(Event(raw, name, b"\n".join(data)))
 
 
 class Splicer:

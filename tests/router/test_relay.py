@@ -10,7 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from controlplane.contract import EngineAPI
-from controlplane.gateway.relay import Received, Splicer, split_events
+from controlplane.gateway.relay import Received, Splicer
+from controlplane.transport import SSEFramer
 
 EVENTS = [
     b'data: {"text": "a"}\n\n',
@@ -24,15 +25,13 @@ EVENTS = [
 def test_events_are_the_same_however_the_stream_is_cut(cuts: list[int]) -> None:
     stream = b"".join(EVENTS)
     bounds = [0, *sorted(set(cuts)), len(stream)]
-    buffer = bytearray()
+    framer = SSEFramer()
     seen = []
     for start, end in itertools.pairwise(bounds):
-        buffer += stream[start:end]
-        seen.extend(split_events(buffer))
+        seen.extend(framer.feed(stream[start:end]))
     assert [e.raw for e in seen] == EVENTS
     assert [e.event for e in seen] == [b"", b"weir.preempted", b"", b""]
     assert seen[-1].data == b"[DONE]"
-    assert not buffer
 
 
 def test_a_resumed_generate_stream_continues_cumulative_fields() -> None:

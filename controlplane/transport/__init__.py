@@ -1,0 +1,13 @@
+"""The wire under the request path: a lean HTTP/1.1 client for engine streams and the
+server-sent-event framing of their bodies, shared by the router and the sidecar.
+
+`HTTPClient().request(method, url, body, headers)` returns a `Response` once its head has
+arrived (`status`, `headers` with lower-case names, `content_type`); its body is read once,
+with `read()`, `chunks()` or `events()` (lists of `SSEEvent`, a network read's worth at a
+time), inside `async with response:`. Failures on the wire are `TransportError`.
+"""
+
+from controlplane.transport.http import HTTPClient, Response, TransportError
+from controlplane.transport.sse import DONE, SSEEvent, SSEFramer
+
+__all__ = ["DONE", "HTTPClient", "Response", "SSEEvent", "SSEFramer", "TransportError"]

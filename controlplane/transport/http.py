@@ -1,0 +1,464 @@
+"""A lean HTTP/1.1 client for engine streams, on asyncio protocols.
+
+The request path relays every streamed token; a general-purpose client (stream readers,
+per-read timers, tracing hooks) costs more per chunk than the rest of the relay. This one
+does only what engine traffic needs:
+
+- a keep-alive pool of connections per origin (host, port), most recently used first;
+- one write per request (head and body together);
+- response framing by Content-Length, chunked transfer coding, or the connection's end,
+  decoded inside the protocol's `data_received`, so a consumer wakes once per network read
+  with all the body bytes it carried;
+- a read timeout per connection, checked by one re-armed timer rather than one per read.
+
+Errors are `TransportError` (an `OSError`): connection refused or timed out, a connection
+that broke or ended mid-response, a malformed response. A request on a pooled connection
+that the peer had already closed (nothing came back, so the request never reached it) is
+sent once more on a fresh connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import AsyncIterator, Mapping
+from types import TracebackType
+from typing import cast
+from urllib.parse import urlsplit
+
+from controlplane.transport.sse import SSEEvent, SSEFramer
+
+_MAX_HEAD = 64 * 1024
+_PAUSE_AT = 1 << 20  # unread body bytes at which reading from the socket pauses
+
+
+class TransportError(OSError):
+    """The request failed on the wire: no connection, a broken or malformed response."""
+
+
+# Parser states.
+_HEAD, _LENGTH, _UNTIL_CLOSE, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_END, _TRAILER, _DONE = range(8)
+
+
+class _Connection(asyncio.Protocol):
+    """One HTTP/1.1 connection; parses one response at a time."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, read_timeout_s: float) -> None:
+        self._loop = loop
+        self._read_timeout_s = read_timeout_s
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.idle_since = 0.0
+        self._reset()
+
+    def _reset(self) -> None:
+        self._state = _HEAD
+        self._head = b""
+        self._tail = b""  # an incomplete chunk-size line or chunk end
+        self._remaining = 0
+        self._body: list[bytes] = []
+        self._body_bytes = 0
+        self._paused = False
+        self._waiter: asyncio.Future[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._last_read = 0.0
+        self.error: TransportError | None = None
+        self.received_any = False
+        self.status = 0
+        self.headers: dict[str, str] = {}
+        self.keep_alive = True
+
+    # -- protocol callbacks -------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self._state == _UNTIL_CLOSE:
+            self._state = _DONE
+        elif self._state != _DONE and self.error is None:
+            where = "mid-response" if self.received_any else "before a response"
+            self.error = TransportError(f"the connection closed {where}: {exc or 'EOF'}")
+        self._wake()
+
+    def data_received(self, data: bytes) -> None:
+        self.received_any = True
+        self._last_read = self._loop.time()
+        try:
+            if self._state == _HEAD:
+                data = self._parse_head(data)
+            if data:
+                self._feed_body(data)
+        except (ValueError, IndexError) as exc:
+            self.error = TransportError(f"malformed HTTP response: {exc}")
+            self._close()
+        if self._body_bytes > _PAUSE_AT and not self._paused and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def eof_received(self) -> bool:
+        return False  # close the transport: connection_lost decides what the end means
+
+    # -- parsing --------------------------------------------------------------------------
+
+    def _parse_head(self, data: bytes) -> bytes:
+        buf = self._head + data if self._head else data
+        end = buf.find(b"\r\n\r\n")
+        if end < 0:
+            if len(buf) > _MAX_HEAD:
+                raise ValueError("response head too large")
+            self._head = buf
+            return b""
+        self._head = b""
+        lines = buf[:end].decode("latin-1").split("\r\n")
+        version, status, *_ = lines[0].split(" ", 2)
+        if not version.startswith("HTTP/1."):
+            raise ValueError(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
+        self.status = int(status)
+        headers: dict[str, str] = {}
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            name, value = name.strip().lower(), value.strip()
+            headers[name] = f"{headers[name]}, {value}" if name in headers else value
+        self.headers = headers
+        connection = headers.get("connection", "").lower()
+        self.keep_alive = "close" not in connection and (
+            version == "HTTP/1.1" or "keep-alive" in connection
+        )
+        if "chunked" in headers.get("transfer-encoding", "").lower():
+            self._state = _CHUNK_SIZE
+        elif "content-length" in headers:
+            self._remaining = int(headers["content-length"])
+            self._state = _LENGTH if self._remaining else _DONE
+        elif self.status in (204, 304) or self.status < 200:
+            self._state = _DONE
+        else:
+            self._state, self.keep_alive = _UNTIL_CLOSE, False
+        return buf[end + 4 :]
+
+    def _feed_body(self, data: bytes) -> None:
+        state = self._state
+        if state == _LENGTH:
+            if len(data) >= self._remaining:
+                data, self._state = data[: self._remaining], _DONE
+            self._remaining -= len(data)
+            self._take(data)
+        elif state == _UNTIL_CLOSE:
+            self._take(data)
+        elif state != _DONE:
+            self._feed_chunked(data)
+
+    def _feed_chunked(self, data: bytes) -> None:
+        if self._tail:
+            data, self._tail = self._tail + data, b""
+        pos, size = 0, len(data)
+        while pos < size:
+            state = self._state
+            if state == _CHUNK_DATA:
+                take = min(self._remaining, size - pos)
+                self._take(data[pos : pos + take] if take < size else data)
+                pos += take
+                self._remaining -= take
+                if not self._remaining:
+                    self._state = _CHUNK_END
+            elif state == _CHUNK_END:
+                if size - pos < 2:
+                    self._tail = data[pos:]
+                    return
+                if data[pos : pos + 2] != b"\r\n":
+                    raise ValueError("chunk not followed by CRLF")
+                pos += 2
+                self._state = _CHUNK_SIZE
+            elif state == _DONE:
+                return  # bytes after the response: ignored, and the connection not reused
+            else:  # a chunk-size line, or a trailer line after the last chunk
+                end = data.find(b"\r\n", pos)
+                if end < 0:
+                    if size - pos > _MAX_HEAD:
+                        raise ValueError("chunk-size line too long")
+                    self._tail = data[pos:]
+                    return
+                line = data[pos:end]
+                pos = end + 2
+                if state == _TRAILER:
+                    if not line:
+                        self._state = _DONE
+                        self.keep_alive = self.keep_alive and pos == size
+                    continue
+                chunk = int(line.split(b";", 1)[0], 16)
+                if chunk < 0:
+                    raise ValueError("negative chunk size")
+                self._remaining = chunk
+                self._state = _CHUNK_DATA if chunk else _TRAILER
+
+    def _take(self, data: bytes) -> None:
+        if data:
+            self._body.append(data)
+            self._body_bytes += len(data)
+
+    # -- waiting ------------------------------------------------------------------------
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def _wait(self) -> None:
+        if self.error is not None:
+            raise self.error
+        self._waiter = waiter = self._loop.create_future()
+        if self._timer is None:
+            self._last_read = self._loop.time()
+            self._timer = self._loop.call_at(self._last_read + self._read_timeout_s, self._check)
+        await waiter
+        if self.error is not None:
+            raise self.error
+
+    def _check(self) -> None:
+        """The read timer: fails a wait that has seen no byte for the whole timeout."""
+        self._timer = None
+        if self._waiter is None or self._state == _DONE:
+            return
+        due = self._last_read + self._read_timeout_s
+        if self._loop.time() >= due:
+            self.error = TransportError(f"no data for {self._read_timeout_s:g}s")
+            self._close()
+            self._wake()
+        else:
+            self._timer = self._loop.call_at(due, self._check)
+
+    async def head(self) -> None:
+        while self._state == _HEAD:
+            await self._wait()
+
+    async def body_chunk(self) -> bytes:
+        """The body bytes received since the last call; b"" at the end of the body."""
+        while not self._body:
+            if self._state == _DONE:
+                return b""
+            await self._wait()
+        body = self._body
+        data = body[0] if len(body) == 1 else b"".join(body)
+        body.clear()
+        self._body_bytes = 0
+        if self._paused and self.transport is not None:
+            self._paused = False
+            self.transport.resume_reading()
+        return data
+
+    @property
+    def complete(self) -> bool:
+        return self._state == _DONE and not self._body
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def send(self, request: bytes) -> None:
+        assert self.transport is not None
+        self.transport.write(request)
+
+    def reuse(self) -> None:
+        """Ready for the next request (the last response was read to its end)."""
+        if self._timer is not None:
+            self._timer.cancel()
+        self._reset()
+
+    def _close(self) -> None:
+        self.closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self.transport is not None:
+            self.transport.close()
+
+    def abort(self) -> None:
+        self._close()
+
+
+class Response:
+    """A response whose head has arrived. Read its body once — `read()`, `chunks()` or
+    `events()` — and close it (`async with`): a fully read response returns its connection
+    to the pool; one closed early closes its connection."""
+
+    def __init__(self, client: HTTPClient, origin: tuple[str, int], conn: _Connection) -> None:
+        self._client = client
+        self._origin = origin
+        self._conn: _Connection | None = conn
+        self.status = conn.status
+        self.headers = conn.headers
+
+    @property
+    def content_type(self) -> str:
+        return self.headers.get("content-type", "application/octet-stream").split(";")[0]
+
+    async def read(self) -> bytes:
+        parts = [chunk async for chunk in self.chunks()]
+        return b"".join(parts)
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """The body as it arrives: every call gives all the bytes that came since."""
+        conn = self._conn
+        if conn is None:
+            return
+        while chunk := await conn.body_chunk():
+            yield chunk
+
+    async def events(self) -> AsyncIterator[list[SSEEvent]]:
+        """The body as server-sent events, a network read's worth at a time."""
+        conn = self._conn
+        if conn is None:
+            return
+        framer = SSEFramer()
+        while chunk := await conn.body_chunk():
+            if batch := framer.feed(chunk):
+                yield batch
+
+    def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        if conn.complete and conn.keep_alive and not conn.closed:
+            self._client._release(self._origin, conn)
+        else:
+            conn.abort()
+
+    async def __aenter__(self) -> Response:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class HTTPClient:
+    """Requests to any number of origins, over pooled keep-alive connections."""
+
+    def __init__(
+        self,
+        *,
+        connect_timeout_s: float = 5.0,
+        read_timeout_s: float = 600.0,
+        idle_timeout_s: float = 30.0,
+        max_idle_per_origin: int = 256,
+    ) -> None:
+        self.connect_timeout_s = connect_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self.max_idle_per_origin = max_idle_per_origin
+        self._idle: dict[tuple[str, int], list[_Connection]] = {}
+        self._urls: dict[str, tuple[tuple[str, int], str, bytes]] = {}
+        self._closed = False
+
+    def _target(self, url: str) -> tuple[tuple[str, int], str, bytes]:
+        """(origin, path, Host header line) of an http:// URL, cached per URL."""
+        target = self._urls.get(url)
+        if target is None:
+            parts = urlsplit(url)
+            if parts.scheme != "http" or not parts.hostname:
+                raise TransportError(f"not an http:// URL: {url!r}")
+            path = parts.path or "/"
+            if parts.query:
+                path += "?" + parts.query
+            target = (
+                (parts.hostname, parts.port or 80),
+                path,
+                f"Host: {parts.netloc}\r\n".encode(),
+            )
+            if len(self._urls) < 4096:
+                self._urls[url] = target
+        return target
+
+    async def request(
+        self,
+        method: str,
+        url: str,
+        body: bytes = b"",
+        headers: Mapping[str, str] | None = None,
+    ) -> Response:
+        """Send a request and wait for its response head."""
+        if self._closed:
+            raise TransportError("the client is closed")
+        origin, path, host = self._target(url)
+        head = [f"{method} {path} HTTP/1.1\r\n".encode(), host]
+        if headers:
+            lines = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+            if lines.count("\n") != len(headers) or lines.count("\r") != len(headers):
+                raise TransportError("a header name or value holds a line break")
+            head.append(lines.encode("latin-1"))
+        if body or method in ("POST", "PUT", "PATCH"):
+            head.append(b"Content-Length: %d\r\n" % len(body))
+        head.append(b"\r\n")
+        head.append(body)
+        message = b"".join(head)
+        while True:
+            conn, reused = self._pooled(origin), True
+            if conn is None:
+                conn, reused = await self._connect(origin), False
+            conn.send(message)
+            try:
+                await conn.head()
+            except TransportError:
+                conn.abort()
+                if reused and not conn.received_any:
+                    continue  # the peer closed it while idle: the request never arrived
+                raise
+            except BaseException:
+                conn.abort()
+                raise
+            return Response(self, origin, conn)
+
+    def _pooled(self, origin: tuple[str, int]) -> _Connection | None:
+        idle = self._idle.get(origin)
+        if not idle:
+            return None
+        stale = time.monotonic() - self.idle_timeout_s
+        while idle:
+            conn = idle.pop()
+            if not conn.closed and conn.idle_since > stale:
+                return conn
+            conn.abort()
+        return None
+
+    async def _connect(self, origin: tuple[str, int]) -> _Connection:
+        loop = asyncio.get_running_loop()
+        host, port = origin
+        try:
+            _, conn = await asyncio.wait_for(
+                loop.create_connection(lambda: _Connection(loop, self.read_timeout_s), host, port),
+                self.connect_timeout_s,
+            )
+        except TimeoutError:
+            raise TransportError(f"connect to {host}:{port} timed out") from None
+        except OSError as exc:
+            if isinstance(exc, TransportError):
+                raise
+            raise TransportError(f"connect to {host}:{port}: {exc}") from exc
+        return conn
+
+    def _release(self, origin: tuple[str, int], conn: _Connection) -> None:
+        idle = self._idle.setdefault(origin, [])
+        if self._closed or len(idle) >= self.max_idle_per_origin:
+            conn.abort()
+            return
+        conn.reuse()
+        conn.idle_since = time.monotonic()
+        idle.append(conn)
+
+    async def close(self) -> None:
+        """Close every idle connection; responses still open close their own."""
+        self._closed = True
+        for idle in self._idle.values():
+            for conn in idle:
+                conn.abort()
+        self._idle.clear()

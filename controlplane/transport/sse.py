@@ -1,0 +1,64 @@
+"""Server-sent event framing for engine streams.
+
+`SSEFramer.feed(chunk)` returns the complete events of the bytes received so far; a
+partial event waits for the next chunk. Frames are found by index, so a read's worth of
+events costs one scan and one slice per event, and a one-line `data:` frame (what SGLang
+and OpenAI servers write) is kept as it came, for a proxy to forward unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DONE = b"[DONE]"
+
+
+@dataclass(frozen=True, slots=True)
+class SSEEvent:
+    """One event: its frame as received (ending in a blank line), its `event:` name (empty
+    when none) and its data (the `data:` lines joined by newlines)."""
+
+    raw: bytes
+    data: bytes
+    event: bytes = b""
+
+    @property
+    def done(self) -> bool:
+        return self.data == DONE
+
+
+class SSEFramer:
+    """Cuts a byte stream into events. Frames without data or a name (comments,
+    keep-alives) are dropped."""
+
+    __slots__ = ("_pending",)
+
+    def __init__(self) -> None:
+        self._pending = b""
+
+    def feed(self, chunk: bytes) -> list[SSEEvent]:
+        buf = self._pending + chunk if self._pending else chunk
+        events: list[SSEEvent] = []
+        start = 0
+        while (end := buf.find(b"\n\n", start)) >= 0:
+            if buf.startswith(b"data:", start) and buf.find(b"\n", start, end) < 0:
+                events.append(SSEEvent(buf[start : end + 2], buf[start + 5 : end].strip()))
+            else:
+                event = _parse(buf[start : end + 2])
+                if event is not None:
+                    events.append(event)
+            start = end + 2
+        self._pending = buf[start:]
+        return events
+
+
+def _parse(raw: bytes) -> SSEEvent | None:
+    name, data = b"", []
+    for line in raw[:-2].split(b"\n"):
+        if line.startswith(b"data:"):
+            data.append(line[5:].strip())
+        elif line.startswith(b"event:"):
+            name = line[6:].strip()
+    if not data and not name:
+        return None
+    return SSEEvent(raw, b"\n".join(data), name)

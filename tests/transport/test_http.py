@@ -1,0 +1,241 @@
+"""The engine-stream HTTP client against the real reference engine (and, where an engine
+cannot be made to misbehave on cue, a plain TCP server that does exactly one wrong thing)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import msgspec
+import pytest
+
+from controlplane.transport import HTTPClient, TransportError
+from controlplane.transport.http import _Connection
+from fleetsim.engine import EngineConfig
+from fleetsim.server import serve_engine
+
+CONFIG = EngineConfig(model="m", max_total_tokens=8192, context_length=4096, speed_factor=200.0)
+JSON = {"Content-Type": "application/json"}
+
+
+def generate(tokens: int, rid: str = "") -> bytes:
+    body: dict[str, object] = {
+        "text": "transport",
+        "sampling_params": {"max_new_tokens": tokens, "ignore_eos": True},
+        "stream": True,
+    }
+    if rid:
+        body["rid"] = rid
+    return msgspec.json.encode(body)
+
+
+async def raw_exchange(host: str, port: int, request: bytes) -> bytes:
+    """The engine's whole answer as bytes on the wire (it closes after `Connection: close`)."""
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(request)
+    data = await reader.read()
+    writer.close()
+    await writer.wait_closed()
+    return data
+
+
+def parse(pieces: list[bytes]) -> tuple[int, bytes, bool]:
+    """(status, body, complete) of a response fed to the parser in `pieces`."""
+    conn = _Connection(asyncio.get_running_loop(), 10.0)
+    for piece in pieces:
+        conn.data_received(piece)
+    assert conn.error is None
+    body = b"".join(conn._body)
+    conn._body.clear()
+    return conn.status, body, conn.complete
+
+
+async def test_a_chunked_stream_parses_the_same_however_its_bytes_are_cut() -> None:
+    async with serve_engine(CONFIG) as engine:
+        host, port = engine.url.removeprefix("http://").split(":")
+        body = generate(6)
+        request = (
+            f"POST /generate HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        ).encode() + body
+        wire = await raw_exchange(host, int(port), request)
+    assert b"transfer-encoding: chunked" in wire.lower()
+    status, whole, complete = parse([wire])
+    assert status == 200
+    assert complete
+    assert whole.endswith(b"data: [DONE]\n\n")
+    assert b"\r\n" not in whole
+    for cut in range(1, len(wire)):
+        assert parse([wire[:cut], wire[cut:]]) == (200, whole, True), cut
+    assert parse([wire[i : i + 1] for i in range(len(wire))]) == (200, whole, True)
+
+
+async def test_streams_and_plain_answers_reuse_one_connection() -> None:
+    async with serve_engine(CONFIG) as engine:
+        client = HTTPClient()
+        try:
+            for _ in range(3):
+                async with await client.request(
+                    "POST", engine.url + "/generate", generate(5), JSON
+                ) as resp:
+                    assert resp.status == 200
+                    events = [e async for batch in resp.events() for e in batch]
+                assert events[-1].done
+                last = msgspec.json.decode(events[-2].data)
+                assert last["meta_info"]["completion_tokens"] == 5
+                async with await client.request("GET", engine.url + "/server_info") as resp:
+                    info = msgspec.json.decode(await resp.read())
+                assert resp.status == 200
+                assert info["max_total_num_tokens"] == 8192
+            idle = [conn for pool in client._idle.values() for conn in pool]
+            assert len(idle) == 1  # six requests, one after the other, on one connection
+        finally:
+            await client.close()
+
+
+async def test_a_response_left_unread_closes_its_connection() -> None:
+    async with serve_engine(CONFIG) as engine:
+        client = HTTPClient()
+        try:
+            async with await client.request(
+                "POST", engine.url + "/generate", generate(500, "transport-unread-rid-000001"), JSON
+            ) as resp:
+                await anext(resp.events())
+            assert not any(client._idle.values())
+            async with await client.request(
+                "POST", engine.url + "/generate", generate(2), JSON
+            ) as r:
+                assert r.status == 200
+                assert (await r.read()).endswith(b"[DONE]\n\n")
+        finally:
+            await client.close()
+
+
+async def test_an_engine_killed_mid_stream_is_a_transport_error() -> None:
+    async with serve_engine(CONFIG) as engine:
+        client = HTTPClient()
+        try:
+            async with await client.request(
+                "POST", engine.url + "/generate", generate(3000), JSON
+            ) as resp:
+                assert resp.status == 200
+                events = resp.events()
+                assert await anext(events)
+                await engine.kill()
+                with pytest.raises(TransportError, match="mid-response"):
+                    async for _ in events:
+                        pass
+            with pytest.raises(TransportError, match="connect"):
+                await client.request("GET", engine.url + "/server_info")
+        finally:
+            await client.close()
+
+
+@asynccontextmanager
+async def tcp_server(
+    handle: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]],
+) -> AsyncIterator[str]:
+    """Serves `handle` per connection; at the end, waits for every handler to finish."""
+    handlers: list[asyncio.Task[None]] = []
+
+    async def tracked(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        handlers.append(asyncio.current_task())  # type: ignore[arg-type]
+        try:
+            await handle(reader, writer)
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(tracked, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await asyncio.wait_for(asyncio.gather(*handlers), 5.0)
+        server.close()
+        await server.wait_closed()
+
+
+OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+
+
+async def test_a_pooled_connection_the_peer_closed_is_retried_once_on_a_fresh_one() -> None:
+    connections = 0
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        first = connections == 1
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(OK)
+        await writer.drain()
+        if first:  # keep-alive promised, but the next request finds it closing
+            await reader.readuntil(b"\r\n\r\n")
+
+    async with tcp_server(handle) as url:
+        client = HTTPClient()
+        try:
+            for _ in range(2):
+                async with await client.request("GET", url + "/x") as resp:
+                    assert (resp.status, await resp.read()) == (200, b"ok")
+            assert connections == 2
+        finally:
+            await client.close()
+
+
+async def test_a_fresh_connection_that_closes_before_answering_is_not_retried() -> None:
+    connections = 0
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        await reader.readuntil(b"\r\n\r\n")
+
+    async with tcp_server(handle) as url:
+        client = HTTPClient()
+        try:
+            with pytest.raises(TransportError, match="before a response"):
+                await client.request("GET", url + "/x")
+            assert connections == 1
+        finally:
+            await client.close()
+
+
+async def test_silence_past_the_read_timeout_is_a_transport_error() -> None:
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n")
+        await writer.drain()
+        await reader.read()  # then nothing, until the client gives up
+
+    async with tcp_server(handle) as url:
+        client = HTTPClient(read_timeout_s=0.2)
+        try:
+            async with await client.request("GET", url + "/x") as resp:
+                chunks = resp.chunks()
+                assert await anext(chunks) == b"hello"
+                with pytest.raises(TransportError, match="no data"):
+                    await anext(chunks)
+        finally:
+            await client.close()
+
+
+async def test_malformed_answers_and_requests_are_transport_errors() -> None:
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n")
+        await writer.drain()
+        await reader.read()
+
+    async with tcp_server(handle) as url:
+        client = HTTPClient()
+        try:
+            with pytest.raises(TransportError, match="malformed"):
+                async with await client.request("GET", url + "/x") as resp:
+                    await resp.read()
+            with pytest.raises(TransportError, match="line break"):
+                await client.request("GET", url + "/x", headers={"X-Evil": "a\r\nHost: b"})
+            with pytest.raises(TransportError, match="http://"):
+                await client.request("GET", "https://127.0.0.1/x")
+        finally:
+            await client.close()
