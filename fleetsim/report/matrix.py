@@ -10,9 +10,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from fleetsim.report.metrics import summarize
 from fleetsim.sim import FleetConfig, Simulation, engine_config_for, policies
@@ -45,6 +47,22 @@ class Cell:
     kv_max: list[tuple[float, float]] = field(default_factory=list)
 
 
+def fleet_config(spec: CellSpec) -> FleetConfig:
+    """The fleet of a cell: a scenario's P/D split and its tenant quotas in Weir's pool
+    policy (a trace runs on a colocated fleet without quotas)."""
+    config = FleetConfig(engines=spec.engines, kv_scale=spec.kv_scale, drain_s=spec.drain_s)
+    if spec.scenario == TRACE:
+        return config
+    s = scenario(spec.scenario)
+    prefill = round(spec.engines * s.prefill_share) if s.prefill_share else 0
+    return replace(
+        config,
+        prefill_engines=min(spec.engines - 1, max(1, prefill)) if prefill else 0,
+        decode_kv_factor=s.decode_kv_factor,
+        policy=msgspec.structs.replace(config.policy, tenants=s.tenant_quotas),
+    )
+
+
 def workload(spec: CellSpec, config: FleetConfig) -> tuple[list[RequestSpec], float, Any]:
     """The requests of a cell, the fleet's nominal capacity for them, and fleet events."""
     engine = engine_config_for(config)
@@ -60,7 +78,7 @@ def workload(spec: CellSpec, config: FleetConfig) -> tuple[list[RequestSpec], fl
 
 
 def run_cell(spec: CellSpec) -> Cell:
-    config = FleetConfig(engines=spec.engines, kv_scale=spec.kv_scale, drain_s=spec.drain_s)
+    config = fleet_config(spec)
     specs, capacity, failures = workload(spec, config)
     policy = policies(spec.seed)[spec.policy]()
     sim = Simulation(specs, policy, config, failures=failures)

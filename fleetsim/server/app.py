@@ -59,6 +59,13 @@ def _openai_error(message: str, status: int) -> web.Response:
     )
 
 
+class _EventStream(web.StreamResponse):
+    """A stream whose headers leave with its first event, as a real server's first write
+    does: one send, and one wake-up of the client, on the way to the first token."""
+
+    _send_headers_immediately = False
+
+
 class EngineServer:
     """Routes and handlers; the step loop lives in `EngineDriver`."""
 
@@ -163,7 +170,7 @@ class EngineServer:
         stream: Stream,
         chunks: Callable[[Stream, bool], list[object]],
     ) -> web.StreamResponse:
-        response = web.StreamResponse(headers=_SSE_HEADERS)
+        response = _EventStream(headers=_SSE_HEADERS)
         await response.prepare(request)
         try:
             async for last in self._follow(stream):

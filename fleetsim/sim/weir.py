@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import functools
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from controlplane.contract import (
@@ -64,6 +65,7 @@ from controlplane.routing import (
     profile_from_config,
 )
 from controlplane.routing.snapshot import EndpointView
+from engine_sidecar.ledger import Ledger
 from engine_sidecar.policy import (
     AdmissionVerdict,
     KVUsage,
@@ -119,8 +121,12 @@ class Sidecar:
     endpoint_id: str
     capacity_tokens: int
     policy: PoolPolicy
+    clock: Callable[[], float]
     role: Role = Role.MIXED
-    predictor: OutputLengthPredictor = field(default_factory=OutputLengthPredictor)
+    # The live sidecar's ledger, for its output-length predictor and its TPOT estimate
+    # (smoothed over finished requests, published as `predicted_tpot_s`); the simulator
+    # keeps its own KV account below, on the virtual clock.
+    ledger: Ledger = field(init=False)
     queue: dict[str, tuple[QueuedRequest, Flight]] = field(default_factory=dict)
     held: dict[str, _Held] = field(default_factory=dict)
     watermark: WatermarkState = WatermarkState.NORMAL
@@ -129,6 +135,13 @@ class Sidecar:
     reserved_tokens: int = 0
     accounted_at: float = -1e9
     version: int = 0
+
+    def __post_init__(self) -> None:
+        self.ledger = Ledger(self.policy, self.capacity_tokens, self.clock)
+
+    @property
+    def predictor(self) -> OutputLengthPredictor:
+        return self.ledger.predictor
 
     def predicted_total(self, flight: Flight) -> int:
         spec = flight.spec
@@ -230,7 +243,9 @@ class WeirPolicy:
         }
         self.profile = profile_from_config(config)
         self.sidecars = [
-            Sidecar(e.index, f"engine-{e.index}", e.capacity_tokens, policy, e.role)
+            Sidecar(
+                e.index, f"engine-{e.index}", e.capacity_tokens, policy, lambda: sim.now, e.role
+            )
             for e in sim.engines
         ]
         self._gate = RouterGate(
@@ -277,6 +292,7 @@ class WeirPolicy:
             role=sidecar.role,
             page_size=slot.model.page_size,
             kv_capacity_tokens=sidecar.capacity_tokens,
+            predicted_tpot_s=sidecar.ledger.tpot_s,
             kv_used_tokens=sidecar.used_tokens,
             kv_reserved_growth_tokens=sidecar.reserved_tokens,
             waiting_prefill_tokens=waiting,
@@ -640,6 +656,8 @@ class WeirPolicy:
         sidecar.queue.pop(flight.rid, None)
         if sidecar.held.pop(flight.rid, None) is not None and flight.completed:
             sidecar.predictor.observe(LengthKey(flight.spec.tenant, MODEL), flight.generated)
+            if flight.generated > 1:
+                sidecar.ledger.observe_tpot(flight.tpot_s)
         if self.sim.engines[index].alive:
             sidecar.account()
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from controlplane.contract import TenantQuota
 from fleetsim.workloads.misprediction import with_output_hints
 from fleetsim.workloads.request import BLOCK_TOKENS, RequestSpec
 
@@ -98,6 +99,8 @@ class Scenario:
     given (1.0 exact, < 1 systematically under-predicted, > 1 over-predicted; 0 no hint).
     `prefill_share` > 0 splits the fleet into that fraction of prefill engines and the
     rest decode engines (P/D), with `decode_kv_factor` scaling the decode side's KV.
+    `tenant_quotas` are what an operator would configure for this traffic in Weir's pool
+    policy (baselines have no quotas).
     """
 
     name: str
@@ -109,6 +112,7 @@ class Scenario:
     prefill_share: float = 0.0
     decode_kv_factor: float = 1.0
     mixed_long_short: bool = False
+    tenant_quotas: tuple[TenantQuota, ...] = ()
     notes: str = ""
 
     def generate(self, rate_rps: float, seed: int) -> list[RequestSpec]:
@@ -328,6 +332,13 @@ SCENARIOS: dict[str, Scenario] = {
                 ),
             ),
             mixed_long_short=True,
+            # One long request per engine of the matrix's 16-engine fleet for the bulk
+            # tenant; the interactive tenants are listed without limits (a pool that
+            # declares quotas refuses tenants it does not know).
+            tenant_quotas=(
+                TenantQuota(name="bulk", priority_class="batch", max_concurrency=16),
+                *(TenantQuota(name=t) for t in _INTERACTIVE),
+            ),
         ),
         Scenario(
             name="hot_prefix_high_water",
@@ -354,10 +365,12 @@ SCENARIOS: dict[str, Scenario] = {
                 _short(0.6),
                 _long("long_in", 0.4, _LONG_IN, _LONG_OUT),
             ),
+            # A quarter of the engines prefill; three quarters decode, on the same GPUs.
+            # (Decode engines with half the KV cannot hold these 8K–28K prompts at the
+            # bench's quarter-KV scale: every policy lost them at the engine.)
             prefill_share=0.25,
-            decode_kv_factor=0.5,
             mixed_long_short=True,
-            notes="prefill engines hand finished prompts to decode engines with half the KV",
+            notes="prefill engines hand finished prompts to decode engines",
         ),
         Scenario(
             name="preemption_crossing",
