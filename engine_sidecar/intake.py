@@ -57,7 +57,7 @@ class RequestError(RequestCheckError):
         return cls(exc.message, exc.status, kind, exc.reason, exc.param)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a frozen init costs 1.3 us per request; none writes it
 class Intake:
     api: EngineAPI
     body: dict[str, Any]  # as the engine will get it, without `rid` and `stream`

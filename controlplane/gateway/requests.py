@@ -14,17 +14,17 @@ headers or, equivalently, body fields (a header wins when both are given):
 
 Served replies carry `x-weir-endpoint`, the endpoint that served them (the first one, when
 a stream was resumed elsewhere). `priority` is SGLang's own field and is forwarded;
-`weir_deadline_ms` is removed before the body goes upstream. Prompt tokens are estimated from UTF-8 bytes (`bytes_per_token`; the
-reference engine's tokens are bytes) for routing, prefix hashing and the context check:
-the router never runs a tokenizer on the hot path.
+`weir_deadline_ms` is removed before the body goes upstream. Prompt tokens are estimated
+from UTF-8 bytes (`bytes_per_token`; the reference engine's tokens are bytes) for routing,
+prefix hashing and the context check: the router never runs a tokenizer on the hot path.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from controlplane.contract import Continuation, EngineAPI
 from controlplane.contract import headers as wire
@@ -32,8 +32,10 @@ from controlplane.contract import request_checks as checks
 from controlplane.contract.request_checks import RequestCheckError
 from controlplane.gateway.errors import refused
 
+_T = TypeVar("_T")
 
-@dataclass(frozen=True, slots=True)
+
+@dataclass(slots=True)  # not frozen: a frozen init costs 1.5 us per request; none writes it
 class ClientRequest:
     """One validated request. `body` is what goes upstream (without `stream`, `rid` and
     Weir's own fields); `prompt_text` is what prefix hashing and token estimates see."""
@@ -89,21 +91,17 @@ def parse(
             context_length=limits.context_length,
         )  # fmt: skip
         fields = checked.body
-        deadline_field = fields.pop("weir_deadline_ms", None)
         prompt_tokens = len(checked.prompt_ids) or math.ceil(
             len(checked.prompt_text.encode("utf-8")) / limits.bytes_per_token
         )
         max_new = checked.output_limit(prompt_tokens, limits.context_length)
-        priority = checks.priority(
-            *_weir_field(
-                headers, wire.PRIORITY, fields.get("priority"), "priority", "invalid_priority"
-            )
+        priority = _weir_value(
+            headers, wire.PRIORITY, int, checks.priority, fields.get("priority"), "priority"
         )
-        deadline_s = checks.deadline_s(
-            *_weir_field(
-                headers, wire.DEADLINE_MS, deadline_field, "weir_deadline_ms", "invalid_deadline"
-            )
-        )
+        deadline_s = _weir_value(
+            headers, wire.DEADLINE_MS, float, checks.deadline_s,
+            fields.pop("weir_deadline_ms", None), "weir_deadline_ms",
+        )  # fmt: skip
     except RequestCheckError as exc:
         raise refused(exc) from None
     if "priority" in fields or priority:
@@ -129,15 +127,21 @@ def resume_body(continuation: Continuation, generated_tokens: int) -> dict[str, 
     return continuation.engine_body(max(1, continuation.max_new_tokens - generated_tokens))
 
 
-def _weir_field(
-    headers: Mapping[str, str], header: str, field: object, field_name: str, reason: str
-) -> tuple[object, str]:
-    """One of Weir's per-request values and where it came from: a header wins over its body
-    field; both are then checked by the same rule."""
+def _weir_value(
+    headers: Mapping[str, str],
+    header: str,
+    convert: Callable[[str], float],
+    rule: Callable[[object, str], _T],
+    value: object,
+    field: str,
+) -> _T:
+    """One of Weir's per-request values: a header wins over its body field, and either is
+    checked by the same rule, which names the one it refuses."""
     raw = headers.get(header)
     if raw is None:
-        return field, field_name
+        return rule(value, field)
     try:
-        return float(raw), header
+        number = convert(raw)
     except ValueError:
-        raise RequestCheckError(reason, f"{header} must be a number, got {raw!r}", header) from None
+        return rule(raw, header)  # not a number: the rule refuses it
+    return rule(number, header)
