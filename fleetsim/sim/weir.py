@@ -185,16 +185,18 @@ class WeirPolicy:
         self.sidecars: list[Sidecar] = []
         self.profile: Profile | None = None
         self.index = PrefixIndex()
-        self.queue: FairQueue[Flight] = FairQueue(max_wait_s=CONTINUATION_MAX_WAIT_S)
+        # One router per pool: a P/D fleet is a prefill pool and a decode pool, each with
+        # its own snapshot, ownership ring and queue (a colocated fleet has one, MIXED).
+        self.queues: dict[Role, FairQueue[Flight]] = {}
+        self.rings: dict[Role, OwnershipRing] = {}
+        self._snapshots: dict[Role, PoolSnapshot] = {}
         self._states: dict[int, EndpointState] = {}
         self._leases: dict[int, float] = {}
         self._dispatches: list[deque[float]] = []
-        self._snapshot: PoolSnapshot | None = None
         self._where: dict[str, int] = {}
         self._excluded: dict[str, set[str]] = {}
         self._queued: dict[str, Flight] = {}
-        self.ring = OwnershipRing(Membership.of(0, ()))
-        self._owner_cache: dict[str, tuple[int, tuple[str, ...]]] = {}
+        self._owner_cache: dict[str, tuple[Role, int, tuple[str, ...]]] = {}
         self._gate: RouterGate | None = None
 
     @property
@@ -253,7 +255,10 @@ class WeirPolicy:
         )
         sim.every(HOLDER_RENEW_S, self.gate.renew)
         self._dispatches = [deque() for _ in sim.engines]
-        self.ring = OwnershipRing(Membership.of(1, (s.endpoint_id for s in self.sidecars)))
+        for role in dict.fromkeys(s.role for s in self.sidecars):
+            self.queues[role] = FairQueue(max_wait_s=CONTINUATION_MAX_WAIT_S)
+            members = (s.endpoint_id for s in self.sidecars if s.role is role)
+            self.rings[role] = OwnershipRing(Membership.of(1, members))
         period = sim.config.staleness.heartbeat_period_s
         for sidecar in self.sidecars:
             self._heartbeat(sidecar, 0.0, registered=True)
@@ -323,19 +328,27 @@ class WeirPolicy:
         dispatched = self._dispatches[index]
         while dispatched and dispatched[0] <= taken_at:
             dispatched.popleft()
-        self._snapshot = None
+        self._snapshots.clear()
         self._drain(self.sim.now)
 
-    def _context(self, now: float) -> RoutingContext:
-        if self._snapshot is None:
+    def _context(self, now: float, role: Role) -> RoutingContext:
+        """What the router of `role`'s pool sees."""
+        snapshot = self._snapshots.get(role)
+        if snapshot is None:
             views = tuple(
-                EndpointView(state, self._leases[i]) for i, state in sorted(self._states.items())
+                EndpointView(state, self._leases[i])
+                for i, state in sorted(self._states.items())
+                if state.role is role
             )
-            self._snapshot = PoolSnapshot(self._policy().pool, views, taken_at=now)
+            snapshot = self._snapshots[role] = PoolSnapshot(
+                self._policy().pool, views, taken_at=now
+            )
         inflight = {
-            self.sidecars[i].endpoint_id: len(d) for i, d in enumerate(self._dispatches) if d
+            sidecar.endpoint_id: len(d)
+            for sidecar, d in zip(self.sidecars, self._dispatches, strict=True)
+            if d and sidecar.role is role
         }
-        return RoutingContext(self._snapshot, now, inflight, sum(inflight.values()), self.index)
+        return RoutingContext(snapshot, now, inflight, sum(inflight.values()), self.index)
 
     # -- the router -------------------------------------------------------------------------
     def arrive(self, flight: Flight, now: float) -> None:
@@ -346,7 +359,7 @@ class WeirPolicy:
         self._dispatch(flight, now)
 
     def _dispatch(self, flight: Flight, now: float) -> None:
-        if self.queue.waiting_at_or_above(flight.spec.priority):
+        if self.queues[self._role(flight)].waiting_at_or_above(flight.spec.priority):
             self._enqueue(flight, now)  # never jump the queue of one's own class
             self._drain(now)
             return
@@ -380,6 +393,7 @@ class WeirPolicy:
         spec = flight.spec
         assert self.profile is not None
         full = spec.input_tokens // BLOCK_TOKENS
+        role = self._role(flight)
         deadline = 0.0
         if spec.deadline_s > 0:
             deadline = max(1e-3, spec.arrival_s + spec.deadline_s - now)
@@ -389,16 +403,16 @@ class WeirPolicy:
             prompt_tokens=spec.input_tokens + flight.generated,
             max_new_tokens=spec.max_tokens - flight.generated,
             tenant=spec.tenant,
-            role=self._role(flight),
+            role=role,
             priority=spec.priority,
             deadline_s=deadline,
             waited_s=now - spec.arrival_s,
             block_hashes=spec.block_ids[:full],
-            owners=self._owners(flight),
+            owners=self._owners(flight, role),
             exclude=exclude,
         )
         while True:
-            decision = self.profile.decide(request, self._context(now))
+            decision = self.profile.decide(request, self._context(now, role))
             if not decision.endpoint_id:
                 return False
             index = int(decision.endpoint_id.rsplit("-", 1)[1])
@@ -412,13 +426,13 @@ class WeirPolicy:
         self._offer(self.sidecars[index], flight, now)
         return True
 
-    def _owners(self, flight: Flight) -> tuple[str, ...]:
-        """Primary and secondary owner of the prompt's prefix key on the current ring,
-        keyed from the prompt's first tokens exactly as the gateway keys it."""
-        rid = flight.rid
+    def _owners(self, flight: Flight, role: Role) -> tuple[str, ...]:
+        """Primary and secondary owner of the prompt's prefix key on the current ring of
+        the pool, keyed from the prompt's first tokens exactly as the gateway keys it."""
+        rid, ring = flight.rid, self.rings[role]
         cached = self._owner_cache.get(rid)
-        if cached is not None and cached[0] == self.ring.version:
-            return cached[1]
+        if cached is not None and cached[:2] == (role, ring.version):
+            return cached[2]
         routing = self._policy().routing
         head = prompt_token_ids(flight.spec)[: routing.prefix_blocks_for_owner * BLOCK_TOKENS]
         key = prefix_key(
@@ -427,19 +441,24 @@ class WeirPolicy:
             routing.prefix_block_tokens,
             routing.prefix_blocks_for_owner,
         )
-        owners = tuple(o for o in self.ring.owners(key) if o)
-        self._owner_cache[rid] = (self.ring.version, owners)
+        owners = tuple(o for o in ring.owners(key) if o)
+        self._owner_cache[rid] = (role, ring.version, owners)
         return owners
 
     def _membership_changed(self, now: float) -> None:
-        """A lapsed lease (a dead engine) leaves the ring: a new membership version."""
-        live = [s.endpoint_id for s in self.sidecars if self.sim.engines[s.index].alive]
-        self.ring = OwnershipRing(Membership.of(self.ring.version + 1, live))
+        """A lapsed lease (a dead engine) leaves its pool's ring: a new membership version."""
+        for role, ring in self.rings.items():
+            live = [
+                s.endpoint_id
+                for s in self.sidecars
+                if s.role is role and self.sim.engines[s.index].alive
+            ]
+            self.rings[role] = OwnershipRing(Membership.of(ring.version + 1, live))
 
     def _enqueue(self, flight: Flight, now: float) -> None:
         spec = flight.spec
         try:
-            self.queue.offer(
+            self.queues[self._role(flight)].offer(
                 spec.request_id,
                 spec.tenant,
                 spec.priority,
@@ -468,25 +487,27 @@ class WeirPolicy:
         sim = self.sim
         for flight in [f for f in self._queued.values() if self.give_up_at(f) <= now]:
             sim.end(flight, FinishReason.OVERLOAD, now, "router queue wait exceeded")
-        for expired in self.queue.expire(now):
-            detail = "continuation found no endpoint"
-            sim.end(expired.payload, FinishReason.ABORTED, now, detail)
-        while (entry := self.queue.peek()) is not None:
-            flight = entry.payload
-            exclude = frozenset(self._excluded.get(flight.rid, ()))
-            if not self._route(flight, now, exclude):
-                return
-            # Dispatched (it may even have ended already): out of the queue, and its
-            # tenant is charged for the service, as `FairQueue.pop` would.
-            self.queue.remove(entry.key)
-            self._queued.pop(entry.key, None)
-            self.queue.charge(entry.tenant, entry.cost)
+        for queue in self.queues.values():
+            for expired in queue.expire(now):
+                detail = "continuation found no endpoint"
+                sim.end(expired.payload, FinishReason.ABORTED, now, detail)
+            while (entry := queue.peek()) is not None:
+                flight = entry.payload
+                exclude = frozenset(self._excluded.get(flight.rid, ()))
+                if not self._route(flight, now, exclude):
+                    break
+                # Dispatched (it may even have ended already): out of the queue, and its
+                # tenant is charged for the service, as `FairQueue.pop` would.
+                queue.remove(entry.key)
+                self._queued.pop(entry.key, None)
+                queue.charge(entry.tenant, entry.cost)
 
     def _reroute(self, flight: Flight, away_from: int, now: float) -> None:
         """A continuation (migration or failover): anywhere but where it was."""
         excluded = self._excluded.setdefault(flight.rid, set())
         excluded.add(self.sidecars[away_from].endpoint_id)
-        if len(excluded) >= len(self.sidecars):
+        role = self._role(flight)
+        if len(excluded) >= sum(1 for s in self.sidecars if s.role is role):
             excluded.clear()
             excluded.add(self.sidecars[away_from].endpoint_id)
         if not self._route(flight, now, frozenset(excluded)):
@@ -645,7 +666,8 @@ class WeirPolicy:
     # -- endings and failures -------------------------------------------------------------
     def ended(self, flight: Flight, now: float) -> None:
         self.gate.release(flight, now)
-        self.queue.remove(flight.rid)
+        for queue in self.queues.values():
+            queue.remove(flight.rid)
         self._queued.pop(flight.rid, None)
         self._excluded.pop(flight.rid, None)
         self._owner_cache.pop(flight.rid, None)
