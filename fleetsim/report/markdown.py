@@ -24,6 +24,8 @@ _COLUMNS = (
     ("TPOT p50/p99 ms", lambda s: _q(s["tpot_s"], "p50", "p99", 1000)),
     ("E2E p50/p99 s", lambda s: _q(s["e2e_s"], "p50", "p99")),
     ("queue p99 s", lambda s: _f(s["queue_s"]["p99"])),
+    ("P/D handoff p50/p99 s", lambda s: _q(s["handoff_s"], "p50", "p99")),
+    ("client retries", lambda s: str(s["client_retries"])),
     ("KV ≥ high", lambda s: _pct(s["kv_high_water_share"])),
     ("KV exhausted", lambda s: str(s["kv_exhaustion_events"])),
     ("preemptions", lambda s: _modes(s["preemptions"])),

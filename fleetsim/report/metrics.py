@@ -13,6 +13,10 @@ Definitions (the report and docs/fleet-simulation.md use exactly these):
 - KV high water: engine-seconds spent with the engine's KV at or above the policy's high
   watermark; exhaustion events: iterations in which an engine had to retract running
   requests because decode found no free page.
+- P/D handoff: from a request's first token on its prefill engine to its next one on a
+  decode engine (KV transfer plus waiting for the decode side). client retries: 429/503
+  refusals (Weir's tenant quotas and handoff credits) that a patient client sent again
+  after Retry-After.
 - starvation: over low-priority requests (priority 0), the share that completed, the
   share whose first token came within their `max_wait_s`, and the longest wait for a first
   token (or until the request ended without one). Requests their clients cancelled are
@@ -121,6 +125,8 @@ def summarize(result: SimResult, slo: SLO, prefill_s_per_token: float) -> dict[s
         "e2e_by_input": _by_bucket(completed, "input", "e2e"),
         "e2e_by_output": _by_bucket(completed, "output", "e2e"),
         "queue_s": quantiles(f.queue_time_s for f in flights if f.accepted),
+        "handoff_s": quantiles(f.handoff_s for f in flights if f.handoff_s > 0),
+        "client_retries": sum(f.retries for f in flights),
         "kv_high_water_engine_s": result.high_water_s,
         "kv_high_water_share": result.high_water_s / max(1e-9, result.end_s * result.engines),
         "kv_exhaustion_events": result.exhaustion_events,
