@@ -16,7 +16,8 @@ here is forwarded as it is to whichever engine serves it:
 - a prompt is one non-empty string or list of token ids in [0, 2**31); a batch of one is
   that one prompt, larger batches are refused; chat content is text (a string or text
   parts), since nothing else can be sized before the engine sees it;
-- integers may be written as integral floats (`5.0`), as SGLang's request models accept;
+- an integral float (`5.0`) counts as an integer, as SGLang's request models and the
+  reference engine read it; a boolean or a string does not;
 - `max_tokens` (chat: `max_completion_tokens` first; `/generate`: `max_new_tokens`) is in
   [1, context]; without one, OpenAI's completions default 16, SGLang's `/generate` 128, chat
   whatever the context leaves;
@@ -157,7 +158,7 @@ def check(
     return CheckedBody(api, fields, stream, model, prompt_param, prompt_text, prompt_ids, max_new)
 
 
-def integer(value: object, name: str, low: int, high: int, reason: str) -> int:
+def _integer(value: object, name: str, low: int, high: int, reason: str) -> int:
     """`value` as an integer in [low, high] (an integral float counts; a boolean does not)."""
     if type(value) is int and low <= value <= high:  # the common case, first
         return value
@@ -174,7 +175,7 @@ def priority(value: object, name: str = "priority") -> int:
     """A request's priority, 0 when absent."""
     if value is None:
         return 0
-    return integer(value, name, *PRIORITY_RANGE, "invalid_priority")
+    return _integer(value, name, *PRIORITY_RANGE, "invalid_priority")
 
 
 def deadline_s(value: object, name: str) -> float:
@@ -272,7 +273,7 @@ def _max_tokens(params: Mapping[str, Any], api: EngineAPI, prefix: str, context_
     for name in _LIMIT_FIELDS[api]:
         value = params.get(name)
         if value is not None:
-            return integer(value, prefix + name, 1, context_length, "invalid_max_tokens")
+            return _integer(value, prefix + name, 1, context_length, "invalid_max_tokens")
     return DEFAULT_MAX_NEW_TOKENS[api]
 
 
