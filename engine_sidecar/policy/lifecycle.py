@@ -18,7 +18,7 @@ reason as final.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from controlplane.contract import FinishReason
 
@@ -141,14 +141,14 @@ class RequestRecord:
         computed = self.computed_prompt_tokens
         if to is _S.DECODE_READY or to is _S.FINISHED:
             computed = self.prompt_tokens
-        return replace(
-            self,
-            state=to,
-            state_since=now,
-            service_s=service,
-            preemptions=self.preemptions + (1 if preempted else 0),
-            computed_prompt_tokens=computed,
-            finish_reason=finish_reason,
+        return self._evolve(
+            to,
+            now,
+            service,
+            self.preemptions + (1 if preempted else 0),
+            computed,
+            self.generated_tokens,
+            finish_reason,
         )
 
     def with_generated(self, generated_tokens: int) -> RequestRecord:
@@ -158,4 +158,46 @@ class RequestRecord:
                 f"{self.rid}: generated tokens cannot shrink ({self.generated_tokens} → "
                 f"{generated_tokens})"
             )
-        return replace(self, generated_tokens=generated_tokens)
+        return self._evolve(
+            self.state,
+            self.state_since,
+            self.service_s,
+            self.preemptions,
+            self.computed_prompt_tokens,
+            generated_tokens,
+            self.finish_reason,
+        )
+
+    def _evolve(
+        self,
+        state: RequestState,
+        state_since: float,
+        service_s: float,
+        preemptions: int,
+        computed_prompt_tokens: int,
+        generated_tokens: int,
+        finish_reason: FinishReason | None,
+    ) -> RequestRecord:
+        """A copy with the fields a request's life changes. Spelled out rather than
+        `dataclasses.replace`, which inspects every field on each call: this runs on each
+        transition, several times on every request's way to its first token."""
+        return RequestRecord(
+            rid=self.rid,
+            tenant=self.tenant,
+            model=self.model,
+            prompt_tokens=self.prompt_tokens,
+            max_new_tokens=self.max_new_tokens,
+            arrived_at=self.arrived_at,
+            state=state,
+            state_since=state_since,
+            computed_prompt_tokens=computed_prompt_tokens,
+            generated_tokens=generated_tokens,
+            deadline_at=self.deadline_at,
+            priority=self.priority,
+            preemptions=preemptions,
+            service_s=service_s,
+            recomputable=self.recomputable,
+            migratable=self.migratable,
+            client_connected=self.client_connected,
+            finish_reason=finish_reason,
+        )

@@ -96,3 +96,39 @@ def test_generated_tokens_never_shrink() -> None:
     r = _record().with_generated(3)
     with pytest.raises(ValueError, match="shrink"):
         r.with_generated(2)
+
+
+def test_a_transition_keeps_every_field_it_does_not_change() -> None:
+    values = {
+        "rid": "r-keep",
+        "tenant": "t",
+        "model": "m",
+        "prompt_tokens": 11,
+        "max_new_tokens": 22,
+        "arrived_at": 3.0,
+        "state": RequestState.DECODING,
+        "state_since": 4.0,
+        "computed_prompt_tokens": 11,
+        "generated_tokens": 5,
+        "deadline_at": 9.0,
+        "priority": 2,
+        "preemptions": 1,
+        "service_s": 0.5,
+        "recomputable": False,
+        "migratable": True,
+        "client_connected": False,
+        "finish_reason": None,
+    }
+    assert set(values) == set(RequestRecord.__dataclass_fields__)
+    record = RequestRecord(**values)  # type: ignore[arg-type]
+    moved = record.transition(RequestState.DECODE_PREEMPTED, 6.0).with_generated(7)
+    changed = {"state", "state_since", "service_s", "preemptions", "generated_tokens"}
+    for name, value in values.items():
+        if name not in changed:
+            assert getattr(moved, name) == value, name
+    assert (moved.state, moved.state_since, moved.preemptions) == (
+        RequestState.DECODE_PREEMPTED,
+        6.0,
+        2,
+    )
+    assert (moved.service_s, moved.generated_tokens) == (2.5, 7)
