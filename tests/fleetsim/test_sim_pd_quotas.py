@@ -120,3 +120,25 @@ def test_an_interactive_client_takes_the_quota_refusal() -> None:
     assert {f.detail for f in result.flights if f.reason is FinishReason.OVERLOAD} == {
         "router: 429 concurrency"
     }
+
+
+@pytest.mark.parametrize("name", ["least_outstanding", "weir"])
+def test_pd_and_quota_runs_are_deterministic_for_a_seed(name: str) -> None:
+    specs = scenario("pd_no_decode_credit").with_duration(6.0).generate(4.0, seed=2)
+    policy = msgspec.structs.replace(
+        default_pool_policy(),
+        tenants=(
+            TenantQuota(name="batch", max_concurrency=2),
+            *(TenantQuota(name=f"chat-{c}") for c in "abcd"),
+        ),
+    )
+    config = pd_config(policy=policy)
+    runs = [Simulation(specs, policies(seed=1)[name](), config).run() for _ in range(2)]
+    outcomes = [
+        [
+            (f.rid, f.reason, f.first_token_at, f.finished_at, f.retries, f.handoff_s)
+            for f in r.flights
+        ]
+        for r in runs
+    ]
+    assert outcomes[0] == outcomes[1]
