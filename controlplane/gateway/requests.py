@@ -30,7 +30,7 @@ from controlplane.contract import Continuation, EngineAPI
 from controlplane.contract import headers as wire
 from controlplane.contract import request_checks as checks
 from controlplane.contract.request_checks import RequestCheckError
-from controlplane.gateway.errors import refused
+from controlplane.gateway.errors import refused, unavailable
 
 _T = TypeVar("_T")
 
@@ -123,7 +123,15 @@ def parse(
 
 def resume_body(continuation: Continuation, generated_tokens: int) -> dict[str, Any]:
     """The engine request that resumes `continuation` after the client received
-    `generated_tokens` (counted here because OpenAI streams carry text, not token ids)."""
+    `generated_tokens` (counted here because OpenAI streams carry text, not token ids).
+
+    A completion prompted by token ids has no such request: its prompt cannot be extended
+    by the text the client received. That raises `GatewayError` (503 `not_resumable`)
+    rather than resume from a prompt that is not the client's."""
+    if continuation.api is EngineAPI.COMPLETIONS and continuation.prompt_ids:
+        raise unavailable(
+            "not_resumable", "a completion prompted by token ids cannot resume from its text"
+        )
     return continuation.engine_body(max(1, continuation.max_new_tokens - generated_tokens))
 
 

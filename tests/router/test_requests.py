@@ -99,3 +99,14 @@ def test_a_generate_continuation_by_ids_appends_the_generated_ids() -> None:
         "input_ids": [1, 2, 7, 8],
         "sampling_params": {"max_new_tokens": 3},
     }
+
+
+def test_a_completion_prompted_by_token_ids_is_not_resumed_from_its_text() -> None:
+    request = _parse(EngineAPI.COMPLETIONS, {"model": "m", "prompt": [1, 2], "max_tokens": 5})
+    continuation = Continuation(
+        request_id="r", model="m", api=EngineAPI.COMPLETIONS, body=request.body,
+        prompt_ids=request.prompt_ids, generated_text="ab", max_new_tokens=5,
+    )  # fmt: skip
+    with pytest.raises(GatewayError) as caught:
+        resume_body(continuation, generated_tokens=2)
+    assert (caught.value.status, caught.value.reason) == (503, "not_resumable")
