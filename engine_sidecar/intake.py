@@ -36,9 +36,8 @@ _MESSAGE_TEMPLATE_TOKENS = 8
 
 
 class RequestError(RequestCheckError):
-    """A request the sidecar refuses before admission: a refusal of the shared checks, or
-    of the sidecar's own (arguments in the order its callers use), with the error type
-    (`kind`) its body names."""
+    """A request the sidecar refuses before admission, with the error type (`kind`) its
+    body names: a refusal of the shared checks (`refusing`), or one of the sidecar's own."""
 
     def __init__(
         self,
