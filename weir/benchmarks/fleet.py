@@ -181,6 +181,13 @@ _GOALS: tuple[tuple[str, str, str, str, Callable[[float], bool]], ...] = (
     ("goodput_ratio", "goodput vs best baseline", "x", ">= 1.5", lambda v: v >= 1.5),
     ("short_ttft_p99_ratio", "short p99 TTFT vs best", "x", "<= 0.5", lambda v: v <= 0.5),
     ("kv_exhaustion_events", "KV exhaustion events", "events", "0", lambda v: v == 0),
+    (
+        "low_priority_within_max_wait",
+        "low-pri first token in max wait",
+        "share",
+        "1",
+        lambda v: v >= 1.0,
+    ),
     ("lost", "accepted requests lost", "requests", "0", lambda v: v == 0),
 )
 
