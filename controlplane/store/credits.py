@@ -36,6 +36,12 @@ def _positive_int(name: str, value: int) -> int:
     return value
 
 
+def _non_negative_int(name: str, value: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**62:
+        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+    return value
+
+
 class CreditStore:
     """One pool's handoff credits and the decode classes' budgets."""
 
@@ -49,12 +55,24 @@ class CreditStore:
     def _keys(self) -> tuple[str, str, str]:
         return (self.keys.credits, self.keys.credit_expiry, self.keys.credit_budget)
 
-    async def set_budget(self, decode_class: str, kv_bytes: int) -> None:
-        """How many KV bytes outstanding credits may promise on `decode_class`."""
+    async def set_budget(
+        self, decode_class: str, kv_bytes: int, largest_bytes: int | None = None
+    ) -> None:
+        """How many KV bytes outstanding credits may promise on `decode_class`, and the
+        most one credit may promise: the room of the class's largest endpoint, since a
+        handoff lands on one engine (None: no such bound). Both are set at once."""
         check_name("decode class", decode_class)
-        if not isinstance(kv_bytes, int) or kv_bytes < 0:
-            raise ValueError(f"kv_bytes must be a non-negative integer, got {kv_bytes!r}")
-        await self.redis.hset(self.keys.credit_budget, f"cap:{decode_class}", kv_bytes)
+        _non_negative_int("kv_bytes", kv_bytes)
+        if largest_bytes is not None:
+            _non_negative_int("largest_bytes", largest_bytes)
+        key = self.keys.credit_budget
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(key, f"cap:{decode_class}", kv_bytes)
+            if largest_bytes is None:
+                pipe.hdel(key, f"max:{decode_class}")
+            else:
+                pipe.hset(key, f"max:{decode_class}", largest_bytes)
+            await pipe.execute()
 
     async def outstanding(self, decode_class: str) -> int:
         raw = await self.redis.hget(

@@ -67,9 +67,9 @@ class RouterGate:
         if self.quotas is not None:
             self.quotas.renew(HOLDER, HOLDER_TTL_MS, _ms(now))
 
-    def set_decode_budget(self, kv_bytes: int) -> None:
+    def set_decode_budget(self, kv_bytes: int, largest_bytes: int) -> None:
         if self.credits is not None:
-            self.credits.set_budget(DECODE_CLASS, kv_bytes)
+            self.credits.set_budget(DECODE_CLASS, kv_bytes, largest_bytes)
 
     def admit(self, flight: Flight, now: float) -> Refusal | None:
         """Charge the quota, then take the handoff credit; None when both granted."""

@@ -25,9 +25,11 @@ interactive one takes the refusal.
 
 P/D: sidecars publish their engine's role; the prefill is routed over the prefill
 endpoints, and when its KV has moved, the decode over the decode endpoints, by the same
-profile (its role filter and transfer term). The decode class's credit budget is the
-free KV (capacity − used − reserved growth) the decode sidecars last published; the
-decode side consumes a credit when the handoff arrives.
+profile (its role filter and transfer term). The decode class's credit budget comes from
+what the decode sidecars last published (`credit_rules.decode_budget`): the room each
+routable endpoint's sidecar would admit, summed for the class cap, and the largest one
+as the bound on a single credit (a handoff lands on one engine); the decode side
+consumes a credit when the handoff arrives.
 
 Engines run with Weir's engine flags (priority scheduling with aging, prefill yielding at
 chunk boundaries, mixed prefill/decode iterations with a prefill time budget), as the
@@ -52,6 +54,7 @@ from controlplane.contract import (
     Role,
     WatermarkState,
 )
+from controlplane.contract.credit_rules import decode_budget
 from controlplane.ownership import Membership, OwnershipRing, prefix_key
 from controlplane.routing import (
     FairQueue,
@@ -315,24 +318,25 @@ class WeirPolicy:
     def _publish(self, index: int, state: EndpointState, lease: float, taken_at: float) -> None:
         self._states[index] = state
         self._leases[index] = lease
-        if state.role is Role.DECODE:
-            # The decode class's credit budget: the free KV its sidecars last published.
-            free = sum(
-                max(0, s.kv_capacity_tokens - s.kv_used_tokens - s.kv_reserved_growth_tokens)
-                for s in self._states.values()
-                if s.role is Role.DECODE
-            )
-            self.gate.set_decode_budget(
-                free * self.sim.engine_config.timing.model.kv_bytes_per_token
-            )
         dispatched = self._dispatches[index]
         while dispatched and dispatched[0] <= taken_at:
             dispatched.popleft()
         self._snapshots.clear()
-        self._drain(self.sim.now)
+        now = self.sim.now
+        if state.role is Role.DECODE:
+            # The decode class's credit budget, from what its sidecars last published.
+            self.gate.set_decode_budget(
+                *decode_budget(
+                    self._snapshot(now, Role.DECODE),
+                    now,
+                    self._policy().kv,
+                    self.sim.engine_config.timing.model.kv_bytes_per_token,
+                )
+            )
+        self._drain(now)
 
-    def _context(self, now: float, role: Role) -> RoutingContext:
-        """What the router of `role`'s pool sees."""
+    def _snapshot(self, now: float, role: Role) -> PoolSnapshot:
+        """`role`'s pool as the router sees it."""
         snapshot = self._snapshots.get(role)
         if snapshot is None:
             views = tuple(
@@ -343,6 +347,11 @@ class WeirPolicy:
             snapshot = self._snapshots[role] = PoolSnapshot(
                 self._policy().pool, views, taken_at=now
             )
+        return snapshot
+
+    def _context(self, now: float, role: Role) -> RoutingContext:
+        """What the router of `role`'s pool sees."""
+        snapshot = self._snapshot(now, role)
         inflight = {
             sidecar.endpoint_id: len(d)
             for sidecar, d in zip(self.sidecars, self._dispatches, strict=True)
@@ -689,6 +698,9 @@ class WeirPolicy:
         sidecar = self.sidecars[prefill_engine]
         self._release(sidecar, flight)
         sidecar.account()
+        # The transfer ends after the engine let the request go, so no iteration of an
+        # engine left idle would look at the queue the freed KV can now admit from.
+        self._admit(sidecar, now)
         self.gate.handed_off(flight, now)
         if not self._route(flight, now, frozenset()):
             self._enqueue(flight, now)

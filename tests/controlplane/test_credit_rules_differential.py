@@ -1,5 +1,6 @@
 """The pure handoff-credit rules against the real Lua: the same seeded random sequences
-of budgets, issues (retried ids included), consumes, sweeps and lapses, applied to a real
+of budgets (with and without a largest-endpoint bound), issues (retried ids included),
+consumes, sweeps and lapses, applied to a real
 redis-server through `CreditStore` and to `CreditLedger`, must give identical outcomes
 (issued or refused, reason, expiry, Retry-After) and identical state (credits, expiry
 index, budgets and outstanding bytes).
@@ -62,6 +63,7 @@ async def redis_state(store: CreditStore) -> dict[str, Any]:
 
 def pure_state(ledger: CreditLedger) -> dict[str, Any]:
     budget = {f"cap:{c}": n for c, n in ledger.budgets.items()}
+    budget.update({f"max:{c}": n for c, n in ledger.largest.items()})
     budget.update({f"out:{c}": n for c, n in ledger.outstanding.items()})
     return {
         "credits": {
@@ -103,10 +105,12 @@ async def test_pure_credit_rules_match_the_lua(client: Redis, seed: int) -> None
             f"Lua: {got!r} {state!r}\npure at {after}: {expected!r} {pure_state(candidate)!r}"
         )
 
-    for decode_class in ("decode-a", "decode-b"):
+    # decode-a's largest endpoint has room for 1000 bytes; decode-b's budget is set the
+    # old way, without that bound.
+    for decode_class, largest in (("decode-a", 1000), ("decode-b", None)):
         cap = rng.choice((1000, 2500))
-        await store.set_budget(decode_class, cap)
-        ledger.set_budget(decode_class, cap)
+        await store.set_budget(decode_class, cap, largest)
+        ledger.set_budget(decode_class, cap, largest)
     # Ids are retried with their own class and bytes here; a retry naming others is the
     # test below.
     ids = {
@@ -140,14 +144,25 @@ async def test_pure_credit_rules_match_the_lua(client: Redis, seed: int) -> None
         elif op < 0.88:
             decode_class = rng.choice(("decode-a", "decode-b"))
             cap = rng.choice((500, 1000, 2500))
+            largest = rng.choice((None, 1000))  # None: the old call, no bound
             await step(
-                f"budget {decode_class} {cap}",
-                lambda c=decode_class, n=cap: store.set_budget(c, n),
-                lambda led, now, c=decode_class, n=cap: ("count", led.set_budget(c, n)),
+                f"budget {decode_class} {cap} {largest}",
+                lambda c=decode_class, n=cap, m=largest: store.set_budget(c, n, m),
+                lambda led, now, c=decode_class, n=cap, m=largest: (
+                    "count",
+                    led.set_budget(c, n, m),
+                ),
             )
         else:
             await asyncio.sleep(rng.choice((0.005, 0.02, 0.04)))
-    assert {"credit", "insufficient", "unknown_class", "unknown", "count"} <= outcomes
+    assert {
+        "credit",
+        "insufficient",
+        "too_large_for_any_endpoint",
+        "unknown_class",
+        "unknown",
+        "count",
+    } <= outcomes
 
 
 async def test_a_retried_issue_reports_the_credit_it_holds(client: Redis) -> None:

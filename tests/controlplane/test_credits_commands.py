@@ -8,9 +8,21 @@ import msgspec
 import pytest
 from redis.asyncio import Redis
 
-from controlplane.contract import SCHEMA_VERSION, Command, CommandKind, HandoffCredit, SchemaError
+from controlplane.contract import (
+    SCHEMA_VERSION,
+    Command,
+    CommandKind,
+    HandoffCredit,
+    KVPolicy,
+    Lifecycle,
+    SchemaError,
+    WatermarkState,
+)
+from controlplane.contract.credit_rules import decode_budget
+from controlplane.routing import PoolSnapshot
+from controlplane.routing.snapshot import EndpointView
 from controlplane.store import CommandChannel, CreditRefusal, CreditStore
-from tests.controlplane.records import POOL
+from tests.controlplane.records import POOL, endpoint
 
 pytestmark = pytest.mark.redis
 
@@ -35,6 +47,31 @@ async def test_credits_are_bounded_by_the_class_budget(credits: CreditStore) -> 
     assert await credits.outstanding("h100-decode") == 600
     unknown = await credits.issue("a100-decode", 1, ttl_s=30)
     assert unknown == CreditRefusal("unknown_class", None)
+
+
+async def test_a_credit_must_fit_one_decode_endpoint(client: Redis) -> None:
+    # Capacity 1000 tokens each; the sidecar keeps 5 % above the emergency watermark.
+    live = [
+        endpoint("d1", kv_used_tokens=500, kv_reserved_growth_tokens=100),  # room 350
+        endpoint("d2", kv_used_tokens=200),  # room 750
+        endpoint("d3", kv_used_tokens=900, watermark=WatermarkState.CRITICAL),  # admits none
+        endpoint("d4", lifecycle=Lifecycle.DRAINING),  # takes nothing new
+    ]
+    lapsed = EndpointView(endpoint("d5"), lease_deadline=10.0)
+    snapshot = PoolSnapshot(POOL, (*(EndpointView(s, 100.0) for s in live), lapsed))
+    cap, largest = decode_budget(snapshot, 50.0, KVPolicy(), kv_bytes_per_token=2)
+    assert (cap, largest) == (2 * (350 + 750), 2 * 750)
+
+    store = CreditStore(client, POOL)
+    await store.set_budget("decode", cap, largest)
+    assert isinstance(await store.issue("decode", 200, ttl_s=30), HandoffCredit)
+    # 800 tokens: the class has room for them in total, no engine has it alone.
+    refused = await store.issue("decode", 1600, ttl_s=30)
+    assert isinstance(refused, CreditRefusal)
+    assert refused.reason == "too_large_for_any_endpoint"
+    assert refused.retry_after_s is not None  # retryable, like 'insufficient'
+    await store.set_budget("decode", cap)  # the old call: no bound per endpoint
+    assert isinstance(await store.issue("decode", 1600, ttl_s=30), HandoffCredit)
 
 
 async def test_a_credit_is_consumed_once(credits: CreditStore) -> None:
@@ -64,6 +101,9 @@ async def test_bad_credit_input_is_refused(credits: CreditStore) -> None:
     for bytes_ in (0, -1):
         with pytest.raises(ValueError, match="kv_bytes"):
             await credits.issue("h100-decode", bytes_, ttl_s=1)
+    for cap, largest in ((-1, None), (1, -1), (True, None)):
+        with pytest.raises(ValueError, match="bytes"):
+            await credits.set_budget("h100-decode", cap, largest)
     for ttl in (0, float("nan"), 1e9):
         with pytest.raises(ValueError, match="ttl"):
             await credits.issue("h100-decode", 1, ttl_s=ttl)

@@ -69,6 +69,36 @@ def test_without_decode_credit_weir_does_not_prefill() -> None:
     assert handoff["weir"] < handoff["round_robin"] / 4
 
 
+def test_weir_prefills_only_what_one_decode_engine_can_take() -> None:
+    """Two decode engines each hold one 12K-token answer in flight; their free KV adds up
+    to another 12K prompt, but no engine alone has it. Round robin prefills the third
+    prompt, whose KV then waits for a decode engine; Weir's credit is refused as too
+    large for any endpoint (the client retries) and, once granted, hands off at once.
+    The prefill engine, idle by then, admits what queued behind a handed-off prompt."""
+    specs = [
+        RequestSpec(
+            f"r{i}",
+            arrival,
+            "batch",
+            0,
+            24 * BLOCK_TOKENS,
+            2000,
+            2048,
+            tuple(range(1000 * i, 1000 * i + 24)),
+            max_wait_s=300.0,
+        )
+        for i, arrival in enumerate((0.0, 0.05, 15.0))
+    ]
+    config = pd_config(engines=3, kv_tokens=20_000)
+    third = {}
+    for name in ("round_robin", "weir"):
+        result = Simulation(specs, policies()[name](), config).run()
+        assert all(f.completed for f in result.flights), name
+        third[name] = next(f for f in result.flights if f.rid == "r2")
+    assert third["weir"].retries > 0
+    assert third["weir"].handoff_s < third["round_robin"].handoff_s / 10
+
+
 def test_a_tenant_quota_caps_its_concurrency_and_releases_with_usage() -> None:
     specs = [
         RequestSpec(

@@ -3,6 +3,8 @@
 -- weir:{pool}:credits      credit id -> 'decode_class kv_bytes expires_ms'
 -- weir:{pool}:creditexp    credit id -> expiry, server ms
 -- weir:{pool}:creditbudget 'cap:<class>' KV bytes a decode class may have promised at once,
+--                          'max:<class>' KV bytes one credit may promise (the room of the
+--                          class's largest endpoint; absent: no such bound),
 --                          'out:<class>' KV bytes promised by outstanding credits
 
 -- Drop one credit and give its bytes back to its class's budget.
