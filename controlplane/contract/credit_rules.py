@@ -38,8 +38,8 @@ class Credit:
 @dataclass(frozen=True, slots=True)
 class CreditDecision:
     """Issued (`credit` set) or refused: `reason` 'unknown_class',
-    'too_large_for_any_endpoint' or 'insufficient' for an issue, 'unknown' or 'expired' for a consume; `retry_after_ms` -1 when waiting
-    cannot help."""
+    'too_large_for_any_endpoint' or 'insufficient' for an issue, 'unknown' or 'expired'
+    for a consume; `retry_after_ms` -1 when waiting cannot help."""
 
     credit: Credit | None
     reason: str = ""
