@@ -131,13 +131,11 @@ def endpoint_headroom_tokens(
     kv: KVPolicy,
 ) -> int:
     """The longest prompt an endpoint's sidecar would admit now: none at critical or
-    worse (it admits nothing new), else capacity less its safety margin (the band above
-    the emergency watermark and the absolute headroom, as `engine_sidecar.policy.
-    safety_tokens`) less what is used and reserved for growth."""
+    worse (it admits nothing new), else capacity less its safety margin
+    (`KVPolicy.safety_tokens`) less what is used and reserved for growth."""
     if watermark.rank >= WatermarkState.CRITICAL.rank:
         return 0
-    safety = int(capacity_tokens * (1.0 - kv.emergency_watermark)) + kv.headroom_tokens
-    return max(0, capacity_tokens - safety - committed_tokens)
+    return max(0, capacity_tokens - kv.safety_tokens(capacity_tokens) - committed_tokens)
 
 
 def decode_budget(

@@ -32,6 +32,11 @@ class KVPolicy(msgspec.Struct, frozen=True, kw_only=True):
     growth_horizon_steps: int = 256
     growth_quantile: float = 0.9
 
+    def safety_tokens(self, capacity_tokens: int) -> int:
+        """The KV a sidecar never admits into: the band above the emergency watermark plus
+        the absolute headroom."""
+        return int(capacity_tokens * (1.0 - self.emergency_watermark)) + self.headroom_tokens
+
 
 class SchedulingPolicy(msgspec.Struct, frozen=True, kw_only=True):
     chunked_prefill_size: int = 8192

@@ -11,7 +11,6 @@ from engine_sidecar.policy.admission import (
     SequenceOutlook,
     decide_admission,
     growth_reserve,
-    safety_tokens,
     total_growth_reserve,
 )
 from engine_sidecar.policy.lifecycle import (
@@ -69,7 +68,6 @@ __all__ = [
     "queue_order",
     "reconcile_used",
     "retry_after_s",
-    "safety_tokens",
     "score_victim",
     "total_growth_reserve",
 ]

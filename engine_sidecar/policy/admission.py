@@ -42,10 +42,6 @@ def total_growth_reserve(sequences: Iterable[SequenceOutlook], horizon_steps: in
     return sum(growth_reserve(seq, horizon_steps) for seq in sequences)
 
 
-def safety_tokens(capacity_tokens: int, policy: KVPolicy) -> int:
-    return int(capacity_tokens * (1.0 - policy.emergency_watermark)) + policy.headroom_tokens
-
-
 class AdmissionVerdict(enum.StrEnum):
     ADMIT = "admit"
     WAIT = "wait"  # fits in principle, not now: queue it
@@ -76,7 +72,7 @@ def decide_admission(
 ) -> AdmissionDecision:
     """Whether a request with `prompt_tokens` and growth prospects `candidate` fits now."""
     needed = prompt_tokens + growth_reserve(candidate, policy.growth_horizon_steps)
-    safety = safety_tokens(pool.capacity_tokens, policy)
+    safety = policy.safety_tokens(pool.capacity_tokens)
     available = max(
         0, pool.capacity_tokens - pool.used_tokens - pool.reserved_growth_tokens - safety
     )

@@ -14,7 +14,6 @@ from engine_sidecar.policy import (
     growth_reserve,
     queue_order,
     retry_after_s,
-    safety_tokens,
     total_growth_reserve,
 )
 
@@ -35,7 +34,7 @@ def _pool(used: int, reserved: int = 0, **kw: object) -> PoolOutlook:
 
 
 def test_admits_what_fits_with_reserve_and_safety() -> None:
-    assert safety_tokens(1000, POLICY) == 60
+    assert POLICY.safety_tokens(1000) == 60
     cand = SequenceOutlook(0, 500, 100)
     fits = decide_admission(cand, 100, _pool(500, 140), POLICY)
     assert fits.verdict is AdmissionVerdict.ADMIT
