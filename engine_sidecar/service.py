@@ -499,6 +499,7 @@ class SidecarService:
                 return "deadline"
             out: list[bytes] = []
             ended = False
+            prompt = 0
             last = len(batch) - 1
             for i, event in enumerate(batch):
                 if event.done:
@@ -509,8 +510,7 @@ class SidecarService:
                     continue
                 step = reader.read(event.raw, event.data)
                 if step.prompt_tokens and not reader.prompt_tokens and base == 0:
-                    self.ledger.set_prompt_tokens(flight, step.prompt_tokens)
-                    reader.prompt_tokens = step.prompt_tokens
+                    prompt = reader.prompt_tokens = step.prompt_tokens
                 if step.finish == "abort" and flight.preempt_mode:
                     reader.forget_last()
                     finish, ended = "abort", True
@@ -521,8 +521,11 @@ class SidecarService:
                     finish = step.finish
             if out:
                 await response.write(out[0] if len(out) == 1 else b"".join(out))
-            # The events of one read arrived together: the ledger takes their total once,
-            # after the client has them (off the path to the first token).
+            # The events of one read arrived together: the ledger takes their total (and
+            # the engine's prompt size, from the first) once, after the client has them
+            # (off the path to the first token).
+            if prompt:
+                self.ledger.set_prompt_tokens(flight, prompt)
             self._note_tokens(flight, reader.generated - base)
             if ended:
                 break

@@ -542,7 +542,11 @@ class Gateway:
                     self.metrics.retries.labels(pool, f"upstream_{upstream.status}").inc()
                     return ("refused" if ex.response is None else "broken"), None
                 if ex.route.block_hashes:
-                    self.prefix_index.record(endpoint_id, ex.route.block_hashes)
+                    # Indexed once this task next waits: a long prompt's blocks are not
+                    # worth delaying its first byte for.
+                    asyncio.get_running_loop().call_soon(
+                        self.prefix_index.record, endpoint_id, ex.route.block_hashes
+                    )
                 if not client.stream:
                     raw = await upstream.read()
                     ex.finish = "stop" if upstream.status == 200 else "error"

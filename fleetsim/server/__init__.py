@@ -62,13 +62,16 @@ class RunningEngine:
         if self._closed:
             return
         self._closed = True
-        await self.driver.stop()
+        # The listener closes first, before anything here waits: no connection is
+        # accepted while the engine dies. One accepted just before gets its transport in
+        # one loop iteration and registers its handler in the next; without these pauses
+        # it would escape the reset and linger as an unclosed socket.
         await self._site.stop()
         http = self._runner.server
-        # A connection accepted in this loop iteration registers on the next one; without
-        # this pause it would escape the reset and linger as an unclosed socket.
-        await asyncio.sleep(0)
+        for _ in range(3):
+            await asyncio.sleep(0)
         self._reset_connections(http)
+        await self.driver.stop()
         await self._runner.cleanup()
         self._reset_connections(http)
 

@@ -19,7 +19,7 @@ import random
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from weir.benchmarks._report import Figure, Report, add_output_flags, median_p99
 
@@ -118,8 +118,10 @@ def _decisions(report: Report, args: argparse.Namespace) -> None:
     decide, clock, cpu_clock = profile.decide, time.perf_counter_ns, time.thread_time_ns
     for request in requests:  # warm-up
         decide(request, ctx)
+    loops = _calibrate(lambda: [decide(r, ctx) for r in requests], len(requests))
     wall: list[float] = []
     cpu: list[float] = []
+    fixed: list[float] = []
     rates: list[float] = []
     n = len(requests)
     for _ in range(args.runs):
@@ -137,6 +139,10 @@ def _decisions(report: Report, args: argparse.Namespace) -> None:
             started = cpu_clock()
             decide(request, ctx)
             cpu.append((cpu_clock() - started) / 1000.0)
+            # Baseline, interleaved: fixed work of a decision's median cost, timed alike.
+            started = cpu_clock()
+            _fixed_work(loops)
+            fixed.append((cpu_clock() - started) / 1000.0)
     median, p99 = median_p99(cpu)
     report.add(
         Figure(
@@ -146,6 +152,17 @@ def _decisions(report: Report, args: argparse.Namespace) -> None:
             p99=p99,
             goal="p99 <= 50 µs",
             met=p99 <= 50.0,
+        )
+    )
+    base_median, base_p99 = median_p99(fixed)
+    report.add(
+        Figure(
+            "baseline: fixed work of the same median (CPU)",
+            base_median,
+            "µs",
+            p99=base_p99,
+            note=f"p99/median {base_p99 / base_median:.2f} (decisions: {p99 / median:.2f}): "
+            "the tail this machine adds to any work of this size",
         )
     )
     median, p99 = median_p99(wall)
@@ -167,6 +184,24 @@ def _decisions(report: Report, args: argparse.Namespace) -> None:
             p99=min(rates),
         )
     )
+
+
+def _fixed_work(loops: int) -> float:
+    total = 0.0
+    for i in range(loops):
+        total += i * 0.5
+    return total
+
+
+def _calibrate(work: Callable[[], object], items: int) -> int:
+    """Loops of `_fixed_work` that cost what one of the `items` in `work` costs."""
+    started = time.thread_time_ns()
+    work()
+    per_item = (time.thread_time_ns() - started) / items
+    started = time.thread_time_ns()
+    _fixed_work(100_000)
+    per_loop = (time.thread_time_ns() - started) / 100_000
+    return max(1, round(per_item / per_loop))
 
 
 @contextlib.contextmanager
