@@ -401,17 +401,21 @@ class HTTPClient:
         head.append(b"\r\n")
         head.append(body)
         message = b"".join(head)
+        conn = self._pooled(origin)
+        retry = conn is not None
         while True:
-            conn, reused = self._pooled(origin), True
             if conn is None:
-                conn, reused = await self._connect(origin), False
+                conn = await self._connect(origin)
             conn.send(message)
             try:
                 await conn.head()
             except TransportError:
                 conn.abort()
-                if reused and not conn.received_any:
-                    continue  # the peer closed it while idle: the request never arrived
+                if retry and not conn.received_any:
+                    # The peer closed the pooled connection while it idled: the request
+                    # never arrived. Once more, on a fresh connection.
+                    conn, retry = None, False
+                    continue
                 raise
             except BaseException:
                 conn.abort()

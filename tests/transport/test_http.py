@@ -183,6 +183,30 @@ async def test_a_pooled_connection_the_peer_closed_is_retried_once_on_a_fresh_on
             await client.close()
 
 
+async def test_a_request_is_retried_once_only() -> None:
+    connections = 0
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        if connections == 1:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(OK)
+            await writer.drain()
+        await reader.readuntil(b"\r\n\r\n")  # then close without an answer
+
+    async with tcp_server(handle) as url:
+        client = HTTPClient()
+        try:
+            async with await client.request("GET", url + "/x") as resp:
+                assert await resp.read() == b"ok"
+            with pytest.raises(TransportError, match="before a response"):
+                await client.request("GET", url + "/x")
+            assert connections == 2  # the pooled one, then one fresh retry
+        finally:
+            await client.close()
+
+
 async def test_a_fresh_connection_that_closes_before_answering_is_not_retried() -> None:
     connections = 0
 
