@@ -33,6 +33,7 @@ class Received:
     response_id: str = ""
     finish_reason: str = ""
     prompt_tokens: int = 0
+    text_bytes: int = 0  # len(text) in UTF-8, kept as text grows (OpenAI deltas)
 
 
 class Splicer:
@@ -111,7 +112,8 @@ class Splicer:
                 # OpenAI chunks carry text, one or more tokens of it: count by bytes
                 # (exact for byte-token engines, an estimate for real tokenizers).
                 r.text += piece
-                r.tokens = round(len(r.text.encode("utf-8")) / self.bytes_per_token)
+                r.text_bytes += len(piece.encode("utf-8"))
+                r.tokens = round(r.text_bytes / self.bytes_per_token)
             if isinstance(choice.get("finish_reason"), str):
                 r.finish_reason = choice["finish_reason"]
             if base is not None and isinstance(delta, dict):
