@@ -49,6 +49,7 @@ class _Connection(asyncio.Protocol):
         self._read_timeout_s = read_timeout_s
         self.transport: asyncio.Transport | None = None
         self.closed = False
+        self.in_use = False  # a request was sent and its response is not read to the end
         self.idle_since = 0.0
         self._reset()
 
@@ -87,6 +88,9 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     def data_received(self, data: bytes) -> None:
+        if not self.in_use:  # bytes nobody asked for (a server's 408 on an idle connection)
+            self._close()
+            return
         self.received_any = True
         self._last_read = self._loop.time()
         try:
@@ -146,6 +150,8 @@ class _Connection(asyncio.Protocol):
         state = self._state
         if state == _LENGTH:
             if len(data) >= self._remaining:
+                # Bytes past the end (nobody asked for them) retire the connection.
+                self.keep_alive = self.keep_alive and len(data) == self._remaining
                 data, self._state = data[: self._remaining], _DONE
             self._remaining -= len(data)
             self._take(data)
@@ -153,6 +159,8 @@ class _Connection(asyncio.Protocol):
             self._take(data)
         elif state != _DONE:
             self._feed_chunked(data)
+        else:
+            self.keep_alive = False
 
     def _feed_chunked(self, data: bytes) -> None:
         if self._tail:
@@ -176,7 +184,8 @@ class _Connection(asyncio.Protocol):
                 pos += 2
                 self._state = _CHUNK_SIZE
             elif state == _DONE:
-                return  # bytes after the response: ignored, and the connection not reused
+                self.keep_alive = False  # bytes after the response: the connection retires
+                return
             else:  # a chunk-size line, or a trailer line after the last chunk
                 end = data.find(b"\r\n", pos)
                 if end < 0:
@@ -189,7 +198,6 @@ class _Connection(asyncio.Protocol):
                 if state == _TRAILER:
                     if not line:
                         self._state = _DONE
-                        self.keep_alive = self.keep_alive and pos == size
                     continue
                 chunk = int(line.split(b";", 1)[0], 16)
                 if chunk < 0:
@@ -262,6 +270,7 @@ class _Connection(asyncio.Protocol):
 
     def send(self, request: bytes) -> None:
         assert self.transport is not None
+        self.in_use = True
         self.transport.write(request)
 
     def reuse(self) -> None:
@@ -269,6 +278,7 @@ class _Connection(asyncio.Protocol):
         if self._timer is not None:
             self._timer.cancel()
         self._reset()
+        self.in_use = False
 
     def _close(self) -> None:
         self.closed = True

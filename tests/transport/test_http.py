@@ -43,6 +43,7 @@ async def raw_exchange(host: str, port: int, request: bytes) -> bytes:
 def parse(pieces: list[bytes]) -> tuple[int, bytes, bool]:
     """(status, body, complete) of a response fed to the parser in `pieces`."""
     conn = _Connection(asyncio.get_running_loop(), 10.0)
+    conn.in_use = True  # as if its request had been sent
     for piece in pieces:
         conn.data_received(piece)
     assert conn.error is None
@@ -178,6 +179,34 @@ async def test_a_pooled_connection_the_peer_closed_is_retried_once_on_a_fresh_on
             for _ in range(2):
                 async with await client.request("GET", url + "/x") as resp:
                     assert (resp.status, await resp.read()) == (200, b"ok")
+            assert connections == 2
+        finally:
+            await client.close()
+
+
+@pytest.mark.parametrize("gap_s", [0.0, 0.02])
+async def test_bytes_after_a_response_retire_its_connection(gap_s: float) -> None:
+    connections = 0
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(OK)
+        if connections == 1:  # then, unasked, what some servers send before closing
+            await asyncio.sleep(gap_s)
+            writer.write(b"HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    async with tcp_server(handle) as url:
+        client = HTTPClient()
+        try:
+            async with await client.request("GET", url + "/x") as resp:
+                assert await resp.read() == b"ok"
+            await asyncio.sleep(0.05)
+            async with await client.request("GET", url + "/x") as resp:
+                assert (resp.status, await resp.read()) == (200, b"ok")
             assert connections == 2
         finally:
             await client.close()
