@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from types import TracebackType
 from typing import cast
 from urllib.parse import urlsplit
@@ -31,6 +31,7 @@ from controlplane.transport.sse import SSEEvent, SSEFramer
 
 _MAX_HEAD = 64 * 1024
 _PAUSE_AT = 1 << 20  # unread body bytes at which reading from the socket pauses
+_END_GRACE_S = 1.0  # how long a finished reader's connection waits for its body's end
 
 
 class TransportError(OSError):
@@ -64,6 +65,7 @@ class _Connection(asyncio.Protocol):
         self._waiter: asyncio.Future[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._last_read = 0.0
+        self._on_end: Callable[[], None] | None = None  # see release_at_end
         self.error: TransportError | None = None
         self.received_any = False
         self.status = 0
@@ -101,7 +103,9 @@ class _Connection(asyncio.Protocol):
         except (ValueError, IndexError) as exc:
             self.error = TransportError(f"malformed HTTP response: {exc}")
             self._close()
-        if self._body_bytes > _PAUSE_AT and not self._paused and self.transport is not None:
+        if self._on_end is not None:
+            self._ended()
+        elif self._body_bytes > _PAUSE_AT and not self._paused and self.transport is not None:
             self._paused = True
             self.transport.pause_reading()
         self._wake()
@@ -273,6 +277,24 @@ class _Connection(asyncio.Protocol):
         self.in_use = True
         self.transport.write(request)
 
+    def release_at_end(self, release: Callable[[], None]) -> None:
+        """The reader is done, but the body's last bytes (a chunked body's terminator, say)
+        are still on the way: `release` once they arrive, unless anything else comes or
+        they take longer than a grace period."""
+        self._on_end = release
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self._loop.call_later(_END_GRACE_S, self._close)
+        self._ended()
+
+    def _ended(self) -> None:
+        if self._body or self.error is not None or self.closed:
+            self._close()  # more than the end came: nobody will read it
+        elif self._state == _DONE:
+            release, self._on_end = self._on_end, None
+            if release is not None:
+                release()
+
     def reuse(self) -> None:
         """Ready for the next request (the last response was read to its end)."""
         if self._timer is not None:
@@ -301,6 +323,7 @@ class Response:
         self._client = client
         self._origin = origin
         self._conn: _Connection | None = conn
+        self._saw_done = False  # the last event read was `[DONE]`
         self.status = conn.status
         self.headers = conn.headers
 
@@ -328,14 +351,21 @@ class Response:
         framer = SSEFramer()
         while chunk := await conn.body_chunk():
             if batch := framer.feed(chunk):
+                self._saw_done = batch[-1].done
                 yield batch
 
     def close(self) -> None:
         conn, self._conn = self._conn, None
         if conn is None:
             return
-        if conn.complete and conn.keep_alive and not conn.closed:
+        healthy = conn.keep_alive and not conn.closed
+        if healthy and conn.complete:
             self._client._release(self._origin, conn)
+        elif healthy and self._saw_done:
+            # A reader that stops at `[DONE]` often beats the chunked body's terminator,
+            # which the server sends in a write of its own: keep the connection for that.
+            origin = self._origin
+            conn.release_at_end(lambda: self._client._release(origin, conn))
         else:
             conn.abort()
 

@@ -184,6 +184,48 @@ async def test_a_pooled_connection_the_peer_closed_is_retried_once_on_a_fresh_on
             await client.close()
 
 
+SSE_HEAD = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+)
+DONE_CHUNK = b"e\r\ndata: [DONE]\n\n\r\n"
+
+
+@pytest.mark.parametrize(("after_done", "reused"), [(b"0\r\n\r\n", True), (b"3\r\nxyz\r\n", False)])
+async def test_a_reader_that_stops_at_done_keeps_its_connection_for_the_body_end(
+    after_done: bytes, reused: bool
+) -> None:
+    connections = 0
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        while not reader.at_eof():
+            try:
+                await reader.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError:
+                return  # the client closed the connection
+            writer.write(SSE_HEAD + DONE_CHUNK)
+            await writer.drain()
+            await asyncio.sleep(0.05)  # the end comes in a write of its own, later
+            writer.write(after_done)
+            if not reused:
+                writer.write(b"0\r\n\r\n")
+            await writer.drain()
+
+    async with tcp_server(handle) as url:
+        client = HTTPClient()
+        try:
+            for _ in range(2):
+                async with await client.request("GET", url + "/events") as resp:
+                    async for batch in resp.events():
+                        if batch[-1].done:
+                            break
+                await asyncio.sleep(0.1)
+            assert connections == (1 if reused else 2)
+        finally:
+            await client.close()
+
+
 @pytest.mark.parametrize("gap_s", [0.0, 0.02])
 async def test_bytes_after_a_response_retire_its_connection(gap_s: float) -> None:
     connections = 0
