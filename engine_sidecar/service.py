@@ -89,8 +89,11 @@ def overload_response(reason: str, retry_after_s: int, message: str) -> web.Resp
 
 
 def _bad(exc: RequestError) -> web.Response:
+    extra = {"reason": exc.reason, **({"param": exc.param} if exc.param else {})}
     return web.Response(
-        status=exc.status, body=error_body(exc.kind, str(exc)), content_type="application/json"
+        status=exc.status,
+        body=error_body(exc.kind, str(exc), **extra),
+        content_type="application/json",
     )
 
 

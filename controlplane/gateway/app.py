@@ -453,7 +453,10 @@ class Gateway:
                 resumes += 1
                 reserved = next_decision.endpoint_id
                 self.metrics.resumes.labels(self.config.pool, outcome).inc()
-                body = resume_body(self._continuation(ex), ex.received.tokens)
+                try:
+                    body = resume_body(self._continuation(ex), ex.received.tokens)
+                except GatewayError as exc:  # e.g. a prompt the router cannot rebuild
+                    return await self._end_stream(ex, complete=False, refusal=exc)
                 ex.splicer.resumed()
         except (asyncio.CancelledError, _ClientGoneError):
             ex.finish = "cancelled"
@@ -609,17 +612,24 @@ class Gateway:
                 await _write(response, bytes(out))
         return "broken", None
 
-    async def _end_stream(self, ex: _Exchange, *, complete: bool) -> web.StreamResponse:
+    async def _end_stream(
+        self, ex: _Exchange, *, complete: bool, refusal: GatewayError | None = None
+    ) -> web.StreamResponse:
         """Close a stream that cannot continue: `[DONE]` when the last event already
-        carried a finish reason, else an error event naming why."""
+        carried a finish reason, else an error event naming why (`refusal`: the resume
+        itself was refused)."""
         response = ex.response
         assert response is not None
         if complete:
             ex.finish = ex.received.finish_reason or "stop"
         else:
             ex.finish = "error"
-            error = {"error": {"type": "unavailable", "reason": "resume_failed",
-                               "message": "the engine failed and no endpoint could resume"}}  # fmt: skip
+            reason, message = (
+                (refusal.reason, str(refusal))
+                if refusal is not None
+                else ("resume_failed", "the engine failed and no endpoint could resume")
+            )
+            error = {"error": {"type": "unavailable", "reason": reason, "message": message}}
             await _write(response, sse(msgspec.json.encode(error)))
         await _write(response, sse(DONE))
         await response.write_eof()

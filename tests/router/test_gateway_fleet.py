@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
+import msgspec
 import pytest
 from openai import AsyncOpenAI, AsyncStream
 
@@ -170,6 +171,32 @@ async def test_killing_the_engine_mid_stream_resumes_with_exactly_the_same_token
             "weir_router_resumes_total", {"pool": gateway.config.pool, "reason": "broken"}
         )
         assert resumes == 1
+
+
+async def test_a_completion_prompted_by_token_ids_ends_with_an_error_event_when_its_engine_dies(
+    redis_url: str,
+) -> None:
+    """Its prompt cannot be rebuilt from the text the client holds, so the router does not
+    resume it from a prompt that is not the client's: the stream ends with a reason."""
+    async with make_fleet(redis_url, engines=2, speed_factor=2.0) as fleet:
+        body = {
+            "model": MODEL, "stream": True, "max_tokens": 150, "ignore_eos": True,
+            "prompt": list(range(5, 40)),
+        }  # fmt: skip
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(fleet.url + "/v1/completions", json=body) as reply,
+        ):
+            assert reply.status == 200
+            events: list[bytes] = []
+            async for line in reply.content:
+                if line.startswith(b"data: "):
+                    events.append(line[6:].strip())
+                    if len(events) == 5:
+                        await fleet.engines[reply.headers["x-weir-endpoint"]].kill()
+    assert events[-1] == b"[DONE]"
+    error = msgspec.json.decode(events[-2])["error"]
+    assert (error["type"], error["reason"]) == ("unavailable", "not_resumable")
 
 
 def _long_request(api: str) -> tuple[str, dict[str, object]]:
