@@ -17,9 +17,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections.abc import Sequence
 
 from redis.exceptions import RedisError
 
+from controlplane.contract import TenantQuota
 from controlplane.gateway.errors import GatewayError, bad_request, overload, unavailable
 from controlplane.store import Amounts, QuotaStore
 
@@ -27,11 +29,24 @@ log = logging.getLogger(__name__)
 
 
 class QuotaGate:
-    def __init__(self, store: QuotaStore, lease_ttl_s: float = 15.0) -> None:
+    """`policy`: the tenants' quotas this router enforces. It publishes them at start and
+    again whenever the control plane has lost them (a Redis restarted without persistence
+    answers `unknown_tenant` for a declared tenant)."""
+
+    def __init__(
+        self, store: QuotaStore, policy: Sequence[TenantQuota] = (), lease_ttl_s: float = 15.0
+    ) -> None:
         self.store = store
+        self.policy = {quota.name: quota for quota in policy}
         self.holder = f"router-{uuid.uuid4().hex[:12]}"
         self.lease_ttl_s = lease_ttl_s
         self.tenants: set[str] = set()
+
+    async def publish(self) -> None:
+        """Write the policy's quotas. Every replica publishes the same policy; the last
+        write wins, and charges already made stay."""
+        for quota in self.policy.values():
+            await self.store.set_quota(quota)
 
     async def keep_lease(self) -> None:
         """Renew the holder lease at a third of its time to live, for as long as it runs,
@@ -51,8 +66,15 @@ class QuotaGate:
         amounts = Amounts(concurrency=1, input_tokens=input_tokens, output_tokens=output_tokens)
         try:
             result = await self.store.charge(tenant, self.holder, request_id, amounts)
-            if result.reason == "holder_expired":  # e.g. after Redis lost its data
-                await self.store.renew_holder(self.holder, self.lease_ttl_s)
+            # After Redis lost its data: the holder lease, or the quotas themselves.
+            if result.reason == "holder_expired" or (
+                result.reason == "unknown_tenant" and tenant in self.policy
+            ):
+                if result.reason == "holder_expired":
+                    await self.store.renew_holder(self.holder, self.lease_ttl_s)
+                else:
+                    log.warning("the control plane lost tenant quotas; publishing them again")
+                    await self.publish()
                 result = await self.store.charge(tenant, self.holder, request_id, amounts)
         except (RedisError, OSError) as exc:
             raise unavailable(

@@ -79,11 +79,8 @@ async def serve_gateway(
         owners = RingOwners(config.routing.virtual_nodes)
         feed = StoreFeed(follower, view, clock, owners_for=owners)
         if config.enforce_quotas:
-            quotas = QuotaGate(QuotaStore(redis, config.pool))
-            # Every replica publishes the same policy; the last write wins, and charges
-            # already made stay.
-            for quota in config.tenants:
-                await quotas.store.set_quota(quota)
+            quotas = QuotaGate(QuotaStore(redis, config.pool), config.tenants)
+            await quotas.publish()
             await quotas.store.renew_holder(quotas.holder, quotas.lease_ttl_s)
         if config.role is Role.PREFILL:
             # The decode pool keeps the budget; its name is the credit class.

@@ -121,3 +121,30 @@ async def test_a_prefill_pool_admits_only_with_a_decode_handoff_credit(redis_url
 
         # The unconsumed credits expire and their bytes come back.
         await eventually(admitted, "a credit to expire")
+
+
+async def test_quotas_the_control_plane_lost_are_published_again_from_the_policy(
+    redis_url: str,
+) -> None:
+    """A Redis restarted without persistence forgets the quotas; the router's policy still
+    declares them, so the first charge against the empty store publishes them again
+    (instead of refusing every tenant as unknown) and they hold from then on."""
+    policy = (TenantQuota(name="team-a", max_concurrency=1),)
+    async with (
+        make_fleet(
+            redis_url, engines=1, speed_factor=1.0, keys=KEYS, enforce_quotas=True, tenants=policy
+        ) as fleet,
+        aiohttp.ClientSession() as session,
+    ):
+        store = QuotaStore(fleet.registry.redis, POOL)
+        assert await store.get_quota("team-a") == policy[0]
+        await fleet.registry.redis.delete(store.keys.quotas, store.keys.quota_records)
+        assert await store.get_quota("team-a") is None
+        stream = await _open_stream(session, fleet.url, "sk-a")
+        assert await store.get_quota("team-a") == policy[0]
+        status, _, body = await _short(session, fleet.url, "sk-a")
+        assert (status, body["error"]["reason"]) == (429, "concurrency")
+        stream.close()
+        # A tenant the policy does not declare is still unknown.
+        status, _, body = await _short(session, fleet.url, "sk-x")
+        assert (status, body["error"]["reason"]) == (403, "unknown_tenant")
