@@ -45,9 +45,15 @@ _HEAD, _LENGTH, _UNTIL_CLOSE, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_END, _TRAILER, _D
 class _Connection(asyncio.Protocol):
     """One HTTP/1.1 connection; parses one response at a time."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, read_timeout_s: float) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        read_timeout_s: float,
+        forget: Callable[[_Connection], None],
+    ) -> None:
         self._loop = loop
         self._read_timeout_s = read_timeout_s
+        self._forget = forget  # the client stops tracking a connection once it is lost
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.in_use = False  # a request was sent and its response is not read to the end
@@ -82,6 +88,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self._forget(self)
         if self._state == _UNTIL_CLOSE:
             self._state = _DONE
         elif self._state != _DONE and self.error is None:
@@ -398,6 +405,8 @@ class HTTPClient:
         self.max_idle_per_origin = max_idle_per_origin
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
         self._urls: dict[str, tuple[tuple[str, int], str, bytes]] = {}
+        # Every connection not yet lost: idle, in use, or waiting for a body's last bytes.
+        self._open: set[_Connection] = set()
         self._closed = False
 
     def _target(self, url: str) -> tuple[tuple[str, int], str, bytes]:
@@ -479,7 +488,9 @@ class HTTPClient:
         host, port = origin
         try:
             _, conn = await asyncio.wait_for(
-                loop.create_connection(lambda: _Connection(loop, self.read_timeout_s), host, port),
+                loop.create_connection(
+                    lambda: _Connection(loop, self.read_timeout_s, self._open.discard), host, port
+                ),
                 self.connect_timeout_s,
             )
         except TimeoutError:
@@ -488,6 +499,7 @@ class HTTPClient:
             if isinstance(exc, TransportError):
                 raise
             raise TransportError(f"connect to {host}:{port}: {exc}") from exc
+        self._open.add(conn)
         return conn
 
     def _release(self, origin: tuple[str, int], conn: _Connection) -> None:
@@ -500,9 +512,10 @@ class HTTPClient:
         idle.append(conn)
 
     async def close(self) -> None:
-        """Close every idle connection; responses still open close their own."""
+        """Close every connection, idle or not (a response still being read then ends
+        with TransportError), and let their sockets close before returning."""
         self._closed = True
-        for idle in self._idle.values():
-            for conn in idle:
-                conn.abort()
         self._idle.clear()
+        for conn in list(self._open):
+            conn.abort()
+        await asyncio.sleep(0)  # the transports close their sockets on the next loop turn

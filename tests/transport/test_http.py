@@ -42,7 +42,7 @@ async def raw_exchange(host: str, port: int, request: bytes) -> bytes:
 
 def parse(pieces: list[bytes]) -> tuple[int, bytes, bool]:
     """(status, body, complete) of a response fed to the parser in `pieces`."""
-    conn = _Connection(asyncio.get_running_loop(), 10.0)
+    conn = _Connection(asyncio.get_running_loop(), 10.0, forget=lambda _: None)
     conn.in_use = True  # as if its request had been sent
     for piece in pieces:
         conn.data_received(piece)
