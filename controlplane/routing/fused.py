@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import cast
 
 from controlplane.contract import Role, WatermarkState
@@ -71,6 +71,15 @@ _FILTER_CHECKS: tuple[type, ...] = (
 )
 _CRITICAL = WatermarkState.CRITICAL.rank
 _NEVER = -math.inf  # a lease deadline every endpoint beats: lease-valid not in the profile
+# `FusedPipeline._constants`, in the order `decide` unpacks them.
+_Constants = tuple[
+    bool, bool, float, bool, float,  # draining, match, max rank, lease, load factor
+    int, int, float,  # block tokens, owner tokens, max wait
+    float, float, float, float, float, float, float, int, float,  # the cost model's
+    float, float, float, float, float, float,  # weights
+    float, float, float, float, float, float,  # halves
+    float, float, float, float,  # shared terms
+]  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,9 +94,46 @@ class FusedPipeline:
     check_watermark: bool
     load_factor: float  # 0: bounded-load is not in the profile
     cost: CostModel
-    affinity: PrefixAffinity
+    block_tokens: int  # prefix affinity's
+    owner_tokens: int  # the tokens the primary owner is credited with
+    max_wait_s: float
     weights: tuple[float, float, float, float, float, float]
     halves: tuple[float, float, float, float, float, float]
+    _constants: _Constants = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        cost, weights, halves = self.cost, self.weights, self.halves
+        w_slo, w_load, w_transfer = weights[3], weights[4], weights[5]
+        h_slo, h_load, h_transfer = halves[3], halves[4], halves[5]
+        constants: _Constants = (
+            self.check_draining,
+            self.check_match,
+            _CRITICAL if self.check_watermark else math.inf,
+            self.check_lease,
+            self.load_factor,
+            self.block_tokens,
+            self.owner_tokens,
+            self.max_wait_s,
+            cost.prefill_tokens_per_s,
+            cost.queued_request_s,
+            cost.expected_output_fraction,
+            cost.kv_penalty_s,
+            cost.kv_penalty_s * 1e3,
+            cost.ttft_slo_s,
+            cost.load_penalty_s,
+            cost.kv_bytes_per_token,
+            cost.transfer_bytes_per_s,
+            *weights,
+            *halves,
+            # The weighted terms most candidates share whatever the request, as the plugins
+            # compute them: no SLO risk, no load above the mean, nothing shipped (a prefill
+            # request's term for a non-prefill endpoint) and a non-prefill request's term.
+            w_slo * (h_slo / (h_slo + 0.0)),
+            w_load * (h_load / (h_load + 0.0)),
+            w_transfer * (h_transfer / (h_transfer + 0.0)),
+            w_transfer * 1.0,
+        )
+        object.__setattr__(self, "_constants", constants)
 
     def decide(
         self,
@@ -97,36 +143,41 @@ class FusedPipeline:
         mean_load: float,
         shortlist: Sequence[EndpointView],
     ) -> Decision:
-        # Per-decision terms, computed once (the plugins compute them once per plugin).
-        snapshot, inflight = ctx.snapshot, ctx.inflight
-        ready = len(snapshot.preferred) or 1
+        # Per-decision terms, computed once (the plugins compute them once per plugin);
+        # the profile's own constants come unpacked from one tuple.
+        (
+            check_draining, check_match, max_rank, lease_checked, load_factor,
+            block, owner_tokens, max_wait,
+            rate, per_request, output_fraction, kv_penalty, kv_full, slo, load_penalty,
+            kv_bytes, transfer_rate,
+            w_prefix, w_queue, w_kv, w_slo, w_load, w_transfer,
+            h_prefix, h_queue, h_kv, h_slo, h_load, h_transfer,
+            slo_met, load_under, transfer_unshipped, transfer_mixed,
+        ) = self._constants  # fmt: skip
+        inflight = ctx.inflight
+        ready = len(ctx.snapshot.preferred) or 1
         bound = (
-            math.ceil(self.load_factor * (mean_load * ready + 1.0) / ready)
-            if self.load_factor
-            else math.inf
+            math.ceil(load_factor * (mean_load * ready + 1.0) / ready) if load_factor else math.inf
         )
-        lease_now = ctx.now if self.check_lease else _NEVER
-        check_draining, check_match = self.check_draining, self.check_match
-        max_rank = _CRITICAL if self.check_watermark else math.inf
+        lease_now = ctx.now if lease_checked else _NEVER
         model, role, adapter = request.model, request.role, request.adapter
-
-        cost, affinity = self.cost, self.affinity
         prompt, tokens, deadline = request.prompt_tokens, request.max_new_tokens, request.deadline_s
-        rate, per_request = cost.prefill_tokens_per_s, cost.queued_request_s
-        block, max_wait = affinity.block_tokens, affinity.max_wait_s
-        owner_tokens = affinity.owner_blocks * block
         owners = request.owners
         first_owner = owners[0] if owners else None
         second_owner = owners[1] if len(owners) > 1 else None
-        own = prompt + tokens * cost.expected_output_fraction
-        kv_penalty, kv_full = cost.kv_penalty_s, cost.kv_penalty_s * 1e3
-        slo = cost.ttft_slo_s
+        own = prompt + tokens * output_fraction
         base = prompt / rate - slo
-        load_scale = cost.load_penalty_s / (mean_load + 1.0)
-        shipped = prompt * cost.kv_bytes_per_token / cost.transfer_bytes_per_s
-        ships = role is Role.PREFILL
-        w_prefix, w_queue, w_kv, w_slo, w_load, w_transfer = self.weights
-        h_prefix, h_queue, h_kv, h_slo, h_load, h_transfer = self.halves
+        load_scale = load_penalty / (mean_load + 1.0)
+        # The prefix term of a candidate with no cache credit, as the plugins compute it.
+        prefix_uncached = w_prefix * (
+            h_prefix / (h_prefix + (prompt / rate if prompt > 0 else 0.0))
+        )
+        if role is Role.PREFILL:
+            shipped = prompt * kv_bytes / transfer_rate
+            transfer_prefill = w_transfer * (h_transfer / (h_transfer + shipped))
+            transfer_other = transfer_unshipped
+        else:
+            transfer_prefill = transfer_other = transfer_mixed
 
         kept: list[EndpointView] = []
         totals: list[float] = []
@@ -135,6 +186,7 @@ class FusedPipeline:
         for view in shortlist:
             endpoint_id = view.endpoint_id
             extra = inflight.get(endpoint_id, 0) if inflight else 0
+            load = view.reported_load + extra
             state = view.state
             passes = (
                 view.lease_deadline > lease_now,
@@ -146,7 +198,7 @@ class FusedPipeline:
                     and (not adapter or adapter in state.adapters)
                 ),
                 view.watermark_rank < max_rank,
-                view.reported_load + extra < bound,
+                load < bound,
             )
             if False in passes:
                 # Sequential filters count a candidate against the first one it fails.
@@ -161,14 +213,16 @@ class FusedPipeline:
             queue = (
                 view.waiting_prefill_tokens / rate + (view.queued_requests + extra) * per_request
             )
-            cached = holders.get(endpoint_id, 0) * block
+            cached = holders.get(endpoint_id, 0) * block if holders else 0
             if endpoint_id == first_owner and cached < owner_tokens:
                 cached = owner_tokens
             if endpoint_id == second_owner and cached < owner_tokens // 2:
                 cached = owner_tokens // 2
-            if cached and queue > max_wait:  # a long queue voids cache credit
-                cached = 0
-            uncached = (prompt - cached) / rate if cached < prompt else 0.0
+            if cached and not queue > max_wait:  # a long queue voids cache credit
+                uncached = (prompt - cached) / rate if cached < prompt else 0.0
+                prefix = w_prefix * (h_prefix / (h_prefix + uncached))
+            else:
+                prefix = prefix_uncached
             capacity = view.kv_capacity_tokens
             if capacity > 0 and (c := (view.kv_committed_tokens + own) / capacity) < 1.0:
                 kv = kv_penalty * c * c / (1.0 - c)
@@ -180,18 +234,17 @@ class FusedPipeline:
             else:
                 missed = late + slo + tokens * view.predicted_tpot_s - deadline
                 risk = (late if late > 0.0 else 0.0) + (missed if missed > 0.0 else 0.0)
-            load = view.reported_load + extra
-            penalty = load_scale * (load - mean_load) if load > mean_load else 0.0
-            transfer = (
-                h_transfer / (h_transfer + (shipped if view.is_prefill else 0.0)) if ships else 1.0
-            )
             total = (
-                w_prefix * (h_prefix / (h_prefix + uncached))
+                prefix
                 + w_queue * (h_queue / (h_queue + queue))
                 + w_kv * (h_kv / (h_kv + kv))
-                + w_slo * (h_slo / (h_slo + risk))
-                + w_load * (h_load / (h_load + penalty))
-                + w_transfer * transfer
+                + (w_slo * (h_slo / (h_slo + risk)) if risk else slo_met)
+                + (
+                    w_load * (h_load / (h_load + load_scale * (load - mean_load)))
+                    if load > mean_load
+                    else load_under
+                )
+                + (transfer_prefill if view.is_prefill else transfer_other)
             )
             if total > best or not kept:  # MaxScore: the first of the highest
                 chosen, best = len(kept), total
@@ -252,7 +305,9 @@ def fuse(
         check_watermark=WatermarkBelowCritical in by_type,
         load_factor=bounded.factor if isinstance(bounded, BoundedLoad) else 0.0,
         cost=cost,
-        affinity=affinity,
+        block_tokens=affinity.block_tokens,
+        owner_tokens=affinity.owner_blocks * affinity.block_tokens,
+        max_wait_s=affinity.max_wait_s,
         weights=(weights[0], weights[1], weights[2], weights[3], weights[4], weights[5]),
         halves=(
             terms[0].half_at_s,
