@@ -13,6 +13,7 @@ unsigned 32-bit integers (every real vocabulary fits).
 
 from __future__ import annotations
 
+import sys
 from array import array
 from collections.abc import Sequence
 from hashlib import blake2b
@@ -20,17 +21,26 @@ from hashlib import blake2b
 from controlplane.contract import CacheIdentity
 
 DIGEST_BYTES = 8
+_BIG_ENDIAN = sys.byteorder == "big"
+assert array("I").itemsize == 4, "tokens pack as 4-byte unsigned ints"
 
 
 def _pack(tokens: Sequence[int] | bytes) -> bytes:
-    """Token ids as uint32s (native order: little-endian on every supported CPU). Bytes are byte-level token ids (one per byte),
+    """Token ids as little-endian uint32s. Bytes are byte-level token ids (one per byte),
     so `b"hi"` and `[104, 105]` are the same prompt."""
+    if isinstance(tokens, bytes | bytearray | memoryview):
+        # Each byte is the low byte of its uint32; the other three stay zero. A strided
+        # slice assignment packs them in C, where a list of ints costs ~40 ns a token.
+        out = bytearray(4 * len(tokens))
+        out[0::4] = tokens
+        return bytes(out)
     try:
-        if isinstance(tokens, bytes | bytearray | memoryview):
-            return array("I", list(tokens)).tobytes()
-        return array("I", tokens).tobytes()
+        packed = array("I", tokens)
     except (OverflowError, TypeError) as exc:
         raise ValueError(f"token ids must be integers in [0, 2**32): {exc}") from exc
+    if _BIG_ENDIAN:
+        packed.byteswap()
+    return packed.tobytes()
 
 
 def _check_block(block_tokens: int) -> None:

@@ -300,8 +300,14 @@ class Profile:
                 seen.add(endpoint_id)
                 chosen.append(view)
         if holders:
-            best = sorted(holders, key=holders.__getitem__, reverse=True)
-            for endpoint_id in best[: self.max_prefix_holders]:
+            # Usually one endpoint holds the prefix: nothing to rank.
+            most = self.max_prefix_holders
+            best = (
+                list(holders)[:most]
+                if len(holders) == 1
+                else sorted(holders, key=holders.__getitem__, reverse=True)[:most]
+            )
+            for endpoint_id in best:
                 if endpoint_id not in seen and (view := by_id.get(endpoint_id)) is not None:
                     seen.add(endpoint_id)
                     chosen.append(view)

@@ -6,6 +6,8 @@ import random
 from collections import Counter
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from controlplane.contract import CacheIdentity
 from controlplane.ownership import (
@@ -16,6 +18,7 @@ from controlplane.ownership import (
     block_hashes,
     prefix_key,
 )
+from controlplane.ownership.blocks import _pack
 
 IDENTITY = CacheIdentity(model="m")
 
@@ -54,6 +57,19 @@ def test_byte_level_tokens_hash_like_their_ids() -> None:
     assert prefix_key(IDENTITY, text, 8, 2) == block_hashes(IDENTITY, text, 8)[1]
     short = prefix_key(IDENTITY, b"hi", 8, 2)
     assert short != prefix_key(IDENTITY, b"ho", 8, 2)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=300), st.integers(1, 16))
+def test_every_token_form_packs_as_little_endian_uint32s(text: bytes, block: int) -> None:
+    """Bytes (strided into a buffer) and id lists (an array) pack to the same bytes: each
+    id as 4 little-endian bytes, whatever the machine's byte order."""
+    expected = b"".join(token.to_bytes(4, "little") for token in text)
+    for form in (text, bytearray(text), memoryview(text), list(text)):
+        assert _pack(form) == expected
+    ids = [token * 16_777_259 % 2**32 for token in text]  # ids beyond one byte too
+    assert _pack(ids) == b"".join(token.to_bytes(4, "little") for token in ids)
+    assert block_hashes(IDENTITY, text, block) == block_hashes(IDENTITY, list(text), block)
 
 
 @pytest.mark.parametrize(
