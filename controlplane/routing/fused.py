@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import product
 from typing import cast
 
 from controlplane.contract import Role, WatermarkState
@@ -100,6 +101,8 @@ class FusedPipeline:
     weights: tuple[float, float, float, float, float, float]
     halves: tuple[float, float, float, float, float, float]
     _constants: _Constants = field(init=False, repr=False, compare=False)
+    # Pass flags with a failure -> the profile's first filter among those failed.
+    _blame: Mapping[tuple[bool, ...], str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         cost, weights, halves = self.cost, self.weights, self.halves
@@ -134,6 +137,12 @@ class FusedPipeline:
             w_transfer * 1.0,
         )
         object.__setattr__(self, "_constants", constants)
+        blame = {}
+        for passes in product((True, False), repeat=len(_FILTER_CHECKS)):
+            failed = [name for check, name in self.filter_order if not passes[check]]
+            if failed:
+                blame[passes] = failed[0]
+        object.__setattr__(self, "_blame", blame)
 
     def decide(
         self,
@@ -154,7 +163,7 @@ class FusedPipeline:
             h_prefix, h_queue, h_kv, h_slo, h_load, h_transfer,
             slo_met, load_under, transfer_unshipped, transfer_mixed,
         ) = self._constants  # fmt: skip
-        inflight = ctx.inflight
+        inflight, blame = ctx.inflight, self._blame
         ready = len(ctx.snapshot.preferred) or 1
         bound = (
             math.ceil(load_factor * (mean_load * ready + 1.0) / ready) if load_factor else math.inf
@@ -200,14 +209,13 @@ class FusedPipeline:
                 view.watermark_rank < max_rank,
                 load < bound,
             )
-            if False in passes:
-                # Sequential filters count a candidate against the first one it fails.
+            # Sequential filters count a candidate against the first one it fails (a check
+            # of a filter the profile lacks fails only on a NaN or -inf lease: kept, as the
+            # plugins keep it).
+            if False in passes and (name := blame.get(passes)) is not None:
                 if rejected is None:
                     rejected = {}
-                for check, name in self.filter_order:
-                    if not passes[check]:
-                        rejected[name] = rejected.get(name, 0) + 1
-                        break
+                rejected[name] = rejected.get(name, 0) + 1
                 continue
 
             queue = (
