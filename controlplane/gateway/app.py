@@ -36,6 +36,7 @@ from controlplane.contract import (
     CacheIdentity,
     Continuation,
     EngineAPI,
+    KVPolicy,
     PoolPolicy,
     Role,
     RoutingPolicy,
@@ -103,6 +104,8 @@ class GatewayConfig:
     decode_pool: str = ""
     kv_bytes_per_token: int = 131_072
     credit_ttl_s: float = 30.0
+    # A decode pool's router publishes its handoff budget as its sidecars would admit.
+    kv: KVPolicy = field(default_factory=KVPolicy)
     # Tenant quotas this router publishes to the control plane at start (the pool
     # policy's); with quotas enforced, a tenant without one is refused with 403.
     tenants: tuple[TenantQuota, ...] = ()
@@ -119,6 +122,7 @@ class GatewayConfig:
             "routing": policy.routing,
             "role": policy.role,
             "decode_pool": policy.decode_pool,
+            "kv": policy.kv,
             "tenants": policy.tenants,
             "enforce_quotas": bool(policy.tenants),
         }

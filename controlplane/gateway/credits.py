@@ -6,19 +6,33 @@ decode pool's class from the control plane (idempotent under the request id); th
 id travels upstream in `x-weir-handoff-credit` for the decode side to consume. A credit
 nobody consumes expires by Redis server time and its bytes return to the budget, so a
 lost prefill never strands decode capacity. No credit: 429 `overload`, reason
-`decode_credit`, with the time until the next credit expires as Retry-After.
+`decode_credit`, with the time until the next credit expires (or until the budget is
+published again) as Retry-After; a decode class with no budget at all: 503.
+
+The budget is the decode pool's: its router publishes, every `BUDGET_PERIOD_S`, what its
+routable endpoints' sidecars would admit now (`credit_rules.decode_budget`) — the class
+cap and the largest single endpoint's room, which bounds one credit.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+from collections.abc import Callable
+
 from redis.exceptions import RedisError
 
-from controlplane.contract import HandoffCredit
+from controlplane.contract import HandoffCredit, KVPolicy
 from controlplane.contract import headers as wire
+from controlplane.contract.credit_rules import decode_budget
 from controlplane.gateway.errors import overload, unavailable
+from controlplane.gateway.pool import PoolView
 from controlplane.store import CreditRefusal, CreditStore
 
+log = logging.getLogger(__name__)
+
 CREDIT_HEADER = wire.HANDOFF_CREDIT
+BUDGET_PERIOD_S = 1.0
 
 
 class HandoffGate:
@@ -38,13 +52,32 @@ class HandoffGate:
             raise unavailable("credit_unavailable", f"handoff credits unreachable: {exc}") from exc
         if not isinstance(got, CreditRefusal):
             return got
-        if got.retry_after_s is None:
+        if got.reason == "unknown_class":
             raise unavailable(
                 "no_decode_capacity",
                 f"decode class {self.decode_class!r} has no handoff budget ({got.reason})",
             )
         raise overload(
             "decode_credit",
-            f"decode class {self.decode_class!r} cannot take {kv_bytes} more KV bytes now",
-            got.retry_after_s,
+            f"decode class {self.decode_class!r} cannot take {kv_bytes} more KV bytes now "
+            f"({got.reason})",
+            BUDGET_PERIOD_S if got.retry_after_s is None else got.retry_after_s,
         )
+
+
+async def publish_budget(
+    store: CreditStore,
+    view: PoolView,
+    clock: Callable[[], float],
+    kv: KVPolicy,
+    kv_bytes_per_token: int,
+) -> None:
+    """A decode pool's router: publish the pool's handoff budget (its own name is the
+    credit class) every `BUDGET_PERIOD_S`, for as long as it runs."""
+    while True:
+        cap, largest = decode_budget(view.snapshot, clock(), kv, kv_bytes_per_token)
+        try:
+            await store.set_budget(view.pool, cap, largest)
+        except (RedisError, OSError) as exc:
+            log.warning("decode pool %s: cannot publish its handoff budget (%s)", view.pool, exc)
+        await asyncio.sleep(BUDGET_PERIOD_S)

@@ -14,7 +14,7 @@ from redis.asyncio import Redis
 
 from controlplane.contract import Role
 from controlplane.gateway.app import Gateway, GatewayConfig
-from controlplane.gateway.credits import HandoffGate
+from controlplane.gateway.credits import HandoffGate, publish_budget
 from controlplane.gateway.pool import PoolView, RingOwners, StoreFeed, static_endpoints
 from controlplane.gateway.quotas import QuotaGate
 from controlplane.gateway.tenants import TenantKeys
@@ -102,4 +102,9 @@ async def serve_gateway(
         tasks.append(loop.create_task(reap_forever(feed.follower.registry, 1.0)))
     if quotas is not None:
         tasks.append(loop.create_task(quotas.keep_lease()))
+    if redis is not None and config.role is Role.DECODE:
+        budget = publish_budget(
+            CreditStore(redis, config.pool), view, clock, config.kv, config.kv_bytes_per_token
+        )
+        tasks.append(loop.create_task(budget))
     return RunningGateway(gateway, f"http://{config.host}:{port}", runner, tasks, redis)

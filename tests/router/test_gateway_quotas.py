@@ -10,7 +10,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from controlplane.contract import Role, TenantQuota
+from controlplane.contract import KVPolicy, Role, TenantQuota, WatermarkState
 from controlplane.gateway import GatewayConfig, RunningGateway, TenantKeys, serve_gateway
 from controlplane.store import CreditStore, QuotaStore
 from tests.router.conftest import MODEL, POOL, Fleet, eventually, make_fleet, until
@@ -121,6 +121,45 @@ async def test_a_prefill_pool_admits_only_with_a_decode_handoff_credit(redis_url
 
         # The unconsumed credits expire and their bytes come back.
         await eventually(admitted, "a credit to expire")
+
+
+async def test_a_decode_pools_router_publishes_the_handoff_budget_its_sidecars_would_admit(
+    redis_url: str,
+) -> None:
+    """No one sets the budget by hand: the decode pool's router publishes it from its view
+    (every endpoint's room, and the largest one's, which bounds one credit), and a prefill
+    pool's router admits against it; a decode pool at critical promises nothing."""
+    kv = KVPolicy(emergency_watermark=0.95)
+    async with (
+        make_fleet(redis_url, engines=2, pool="decode-a", role=Role.DECODE, kv=kv,
+                   kv_bytes_per_token=1000) as decode,
+        make_fleet(redis_url, engines=1, role=Role.PREFILL, decode_pool="decode-a",
+                   kv_bytes_per_token=1000) as prefill,
+        aiohttp.ClientSession() as session,
+    ):  # fmt: skip
+        redis = decode.registry.redis
+        room = 200_000 - kv.safety_tokens(200_000)  # per endpoint, in tokens, when idle
+        await decode.report("e1", kv_used_tokens=50_000)
+
+        async def published() -> bool:
+            budget = await redis.hgetall(CreditStore(redis, "decode-a").keys.credit_budget)
+            return budget.get(b"cap:decode-a") == str((2 * room - 50_000) * 1000).encode() and (
+                budget.get(b"max:decode-a") == str(room * 1000).encode()
+            )
+
+        await eventually(published, "the decode router to publish its budget")
+        status, _, body = await _short(session, prefill.url, "")
+        assert status == 200, body
+        for endpoint_id in ("e0", "e1"):
+            await decode.report(endpoint_id, watermark=WatermarkState.CRITICAL)
+
+        async def refused() -> bool:
+            status, headers, body = await _short(session, prefill.url, "")
+            return (status, body.get("error", {}).get("reason")) == (429, "decode_credit") and (
+                int(headers["Retry-After"]) >= 1
+            )
+
+        await eventually(refused, "a critical decode pool to promise nothing")
 
 
 async def test_quotas_the_control_plane_lost_are_published_again_from_the_policy(
