@@ -74,6 +74,7 @@ class RunningEngine:
         await self.driver.stop()
         await self._runner.cleanup()
         self._reset_connections(http)
+        await asyncio.sleep(0)  # aborted transports close their sockets on the next turn
 
     @staticmethod
     def _reset_connections(http: web.Server | None) -> None:
