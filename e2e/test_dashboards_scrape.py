@@ -33,17 +33,17 @@ def _target(url: str) -> str:
 
 
 def _traffic(fleet: LocalFleet) -> None:
-    client = OpenAI(base_url=fleet.router_url + "/v1", api_key="unused", max_retries=0)
-    for i in range(6):
-        stream = client.chat.completions.create(
-            model=fleet.model,
-            messages=[{"role": "user", "content": f"dashboard request {i} " * (1 + 40 * i)}],
-            max_tokens=16 + 8 * i,
-            stream=True,
-            extra_headers={"x-weir-tenant": "batch" if i % 2 else "interactive"},
-            extra_body={"ignore_eos": True},
-        )
-        assert sum(len(c.choices[0].delta.content or "") for c in stream if c.choices) > 0
+    with OpenAI(base_url=fleet.router_url + "/v1", api_key="unused", max_retries=0) as client:
+        for i in range(6):
+            stream = client.chat.completions.create(
+                model=fleet.model,
+                messages=[{"role": "user", "content": f"dashboard request {i} " * (1 + 40 * i)}],
+                max_tokens=16 + 8 * i,
+                stream=True,
+                extra_headers={"x-weir-tenant": "batch" if i % 2 else "interactive"},
+                extra_body={"ignore_eos": True},
+            )
+            assert sum(len(c.choices[0].delta.content or "") for c in stream if c.choices) > 0
     # A client that leaves mid-stream: the cancel path (router → sidecar → engine abort).
     leaving = _post(fleet, {"model": fleet.model, "prompt": "leave early", "max_tokens": 4000,
                             "stream": True, "ignore_eos": True})  # fmt: skip
