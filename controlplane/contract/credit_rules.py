@@ -124,6 +124,20 @@ class CreditLedger:
         self.outstanding[credit.decode_class] -= credit.kv_bytes
 
 
+# How often a decode pool's router publishes its budget: the wait worth suggesting when no
+# outstanding credit's expiry is a better one.
+BUDGET_PERIOD_S = 1.0
+
+
+def credit_refusal(reason: str, retry_after_s: float | None) -> tuple[int, str, float | None]:
+    """How a prefill pool's router answers a refused credit: (HTTP status, reason,
+    Retry-After). A decode class with no budget at all is unavailable; otherwise the
+    budget frees as credits expire or the next publication comes, so it is an overload."""
+    if reason == "unknown_class":
+        return 503, "no_decode_capacity", None
+    return 429, "decode_credit", BUDGET_PERIOD_S if retry_after_s is None else retry_after_s
+
+
 def endpoint_headroom_tokens(
     capacity_tokens: int,
     committed_tokens: int,

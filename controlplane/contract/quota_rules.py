@@ -212,5 +212,16 @@ class QuotaLedger:
                 self.buckets[charge.tenant, rate] = _Bucket(_lua_number(level), now_ms)
 
 
+def quota_refusal(reason: str, retry_after_s: float | None) -> tuple[int, str, float | None]:
+    """How a router answers a refused charge: (HTTP status, reason, Retry-After). A tenant
+    without a quota is forbidden; a request larger than a whole minute's allowance (no
+    wait helps) is a bad request; anything else is an overload worth retrying."""
+    if reason == "unknown_tenant":
+        return 403, reason, None
+    if retry_after_s is None:
+        return 400, "exceeds_quota", None
+    return 429, reason, retry_after_s
+
+
 def _limits(quota: TenantQuota) -> tuple[int, int, int]:
     return (quota.input_tokens_per_min, quota.output_tokens_per_min, quota.kv_token_seconds_per_min)

@@ -24,7 +24,7 @@ from redis.exceptions import RedisError
 
 from controlplane.contract import HandoffCredit, KVPolicy
 from controlplane.contract import headers as wire
-from controlplane.contract.credit_rules import decode_budget
+from controlplane.contract.credit_rules import BUDGET_PERIOD_S, credit_refusal, decode_budget
 from controlplane.gateway.errors import overload, unavailable
 from controlplane.gateway.pool import PoolView
 from controlplane.store import CreditRefusal, CreditStore
@@ -32,7 +32,6 @@ from controlplane.store import CreditRefusal, CreditStore
 log = logging.getLogger(__name__)
 
 CREDIT_HEADER = wire.HANDOFF_CREDIT
-BUDGET_PERIOD_S = 1.0
 
 
 class HandoffGate:
@@ -52,16 +51,17 @@ class HandoffGate:
             raise unavailable("credit_unavailable", f"handoff credits unreachable: {exc}") from exc
         if not isinstance(got, CreditRefusal):
             return got
-        if got.reason == "unknown_class":
+        status, reason, retry_after_s = credit_refusal(got.reason, got.retry_after_s)
+        if status == 503:
             raise unavailable(
-                "no_decode_capacity",
-                f"decode class {self.decode_class!r} has no handoff budget ({got.reason})",
+                reason, f"decode class {self.decode_class!r} has no handoff budget ({got.reason})"
             )
+        assert retry_after_s is not None  # a 429 always names its wait
         raise overload(
-            "decode_credit",
+            reason,
             f"decode class {self.decode_class!r} cannot take {kv_bytes} more KV bytes now "
             f"({got.reason})",
-            BUDGET_PERIOD_S if got.retry_after_s is None else got.retry_after_s,
+            retry_after_s,
         )
 
 

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from redis.exceptions import RedisError
 
 from controlplane.contract import TenantQuota
+from controlplane.contract.quota_rules import quota_refusal
 from controlplane.gateway.errors import GatewayError, bad_request, overload, unavailable
 from controlplane.store import Amounts, QuotaStore
 
@@ -67,14 +68,12 @@ class QuotaGate:
         try:
             result = await self.store.charge(tenant, self.holder, request_id, amounts)
             # After Redis lost its data: the holder lease, or the quotas themselves.
-            if result.reason == "holder_expired" or (
-                result.reason == "unknown_tenant" and tenant in self.policy
-            ):
-                if result.reason == "holder_expired":
-                    await self.store.renew_holder(self.holder, self.lease_ttl_s)
-                else:
-                    log.warning("the control plane lost tenant quotas; publishing them again")
-                    await self.publish()
+            if result.reason == "holder_expired":
+                await self.store.renew_holder(self.holder, self.lease_ttl_s)
+                result = await self.store.charge(tenant, self.holder, request_id, amounts)
+            elif result.reason == "unknown_tenant" and tenant in self.policy:
+                log.warning("the control plane lost tenant quotas; publishing them again")
+                await self.publish()
                 result = await self.store.charge(tenant, self.holder, request_id, amounts)
         except (RedisError, OSError) as exc:
             raise unavailable(
@@ -83,20 +82,22 @@ class QuotaGate:
         self.tenants.add(tenant)
         if result.granted:
             return
-        if result.reason == "unknown_tenant":
+        status, reason, retry_after_s = quota_refusal(result.reason, result.retry_after_s)
+        if status == 403:
             raise GatewayError(
-                403, "permission_error", "unknown_tenant", f"tenant {tenant!r} has no quota here"
+                403, "permission_error", reason, f"tenant {tenant!r} has no quota here"
             )
-        if result.retry_after_s is None:
+        if status == 400:
             raise bad_request(
-                "exceeds_quota",
+                reason,
                 f"the request is larger than tenant {tenant!r}'s whole {result.reason} "
                 "allowance per minute",
             )
+        assert retry_after_s is not None  # a 429 always names its wait
         raise overload(
-            result.reason,
+            reason,
             f"tenant {tenant!r} is over its {result.reason.replace('_', ' ')} quota",
-            result.retry_after_s,
+            retry_after_s,
         )
 
     async def release(self, request_id: str, input_tokens: int, output_tokens: int) -> None:

@@ -511,6 +511,17 @@ class HTTPClient:
         conn.idle_since = time.monotonic()
         idle.append(conn)
 
+    async def __aenter__(self) -> HTTPClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
     async def close(self) -> None:
         """Close every connection, idle or not (a response still being read then ends
         with TransportError), and let their sockets close before returning."""

@@ -8,7 +8,7 @@ bytes; a credit refusal hands the quota charge back unused. Both decisions are L
 scripts in Redis; here they are `QuotaLedger` and `CreditLedger`, the same rules as pure
 Python (checked against the scripts by the control plane's differential tests), on the
 simulator's clock in milliseconds. Refusals carry the gateway's status, reason and
-Retry-After (`controlplane.gateway.quotas`, `controlplane.gateway.credits`). When the
+Retry-After, from the same mappings (`quota_refusal`, `credit_refusal`). When the
 request ends its charge is released with what it used, so unused output tokens flow back.
 """
 
@@ -18,8 +18,8 @@ import functools
 from dataclasses import dataclass
 
 from controlplane.contract import PoolPolicy
-from controlplane.contract.credit_rules import CreditLedger
-from controlplane.contract.quota_rules import QuotaLedger
+from controlplane.contract.credit_rules import CreditLedger, credit_refusal
+from controlplane.contract.quota_rules import QuotaLedger, quota_refusal
 from fleetsim.sim.flight import Flight
 
 HOLDER = "router-sim"
@@ -90,11 +90,7 @@ class RouterGate:
                 self.renew(now)
                 decision = charge()
             if not decision.granted:
-                if decision.reason == "unknown_tenant":
-                    return Refusal(403, "unknown_tenant", None)
-                if decision.retry_after_s is None:
-                    return Refusal(400, "exceeds_quota", None)
-                return Refusal(429, decision.reason, decision.retry_after_s)
+                return Refusal(*quota_refusal(decision.reason, decision.retry_after_s))
             self._charged.add(spec.request_id)
         if self.credits is not None:
             kv_bytes = max(1, spec.input_tokens) * self.kv_bytes_per_token
@@ -103,9 +99,8 @@ class RouterGate:
             )
             if not credit.granted:
                 self.release(flight, now, unused=True)
-                if credit.retry_after_ms < 0:
-                    return Refusal(503, "no_decode_capacity", None)
-                return Refusal(429, "decode_credit", credit.retry_after_ms / 1000)
+                wait_s = None if credit.retry_after_ms < 0 else credit.retry_after_ms / 1000
+                return Refusal(*credit_refusal(credit.reason, wait_s))
         return None
 
     def handed_off(self, flight: Flight, now: float) -> None:

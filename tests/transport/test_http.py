@@ -73,64 +73,50 @@ async def test_a_chunked_stream_parses_the_same_however_its_bytes_are_cut() -> N
 
 
 async def test_streams_and_plain_answers_reuse_one_connection() -> None:
-    async with serve_engine(CONFIG) as engine:
-        client = HTTPClient()
-        try:
-            for _ in range(3):
-                async with await client.request(
-                    "POST", engine.url + "/generate", generate(5), JSON
-                ) as resp:
-                    assert resp.status == 200
-                    events = [e async for batch in resp.events() for e in batch]
-                assert events[-1].done
-                last = msgspec.json.decode(events[-2].data)
-                assert last["meta_info"]["completion_tokens"] == 5
-                async with await client.request("GET", engine.url + "/server_info") as resp:
-                    info = msgspec.json.decode(await resp.read())
+    async with serve_engine(CONFIG) as engine, HTTPClient() as client:
+        for _ in range(3):
+            async with await client.request(
+                "POST", engine.url + "/generate", generate(5), JSON
+            ) as resp:
                 assert resp.status == 200
-                assert info["max_total_num_tokens"] == 8192
-            idle = [conn for pool in client._idle.values() for conn in pool]
-            assert len(idle) == 1  # six requests, one after the other, on one connection
-        finally:
-            await client.close()
+                events = [e async for batch in resp.events() for e in batch]
+            assert events[-1].done
+            last = msgspec.json.decode(events[-2].data)
+            assert last["meta_info"]["completion_tokens"] == 5
+            async with await client.request("GET", engine.url + "/server_info") as resp:
+                info = msgspec.json.decode(await resp.read())
+            assert resp.status == 200
+            assert info["max_total_num_tokens"] == 8192
+        idle = [conn for pool in client._idle.values() for conn in pool]
+        assert len(idle) == 1  # six requests, one after the other, on one connection
 
 
 async def test_a_response_left_unread_closes_its_connection() -> None:
-    async with serve_engine(CONFIG) as engine:
-        client = HTTPClient()
-        try:
-            async with await client.request(
-                "POST", engine.url + "/generate", generate(500, "transport-unread-rid-000001"), JSON
-            ) as resp:
-                await anext(resp.events())
-            assert not any(client._idle.values())
-            async with await client.request(
-                "POST", engine.url + "/generate", generate(2), JSON
-            ) as r:
-                assert r.status == 200
-                assert (await r.read()).endswith(b"[DONE]\n\n")
-        finally:
-            await client.close()
+    async with serve_engine(CONFIG) as engine, HTTPClient() as client:
+        async with await client.request(
+            "POST", engine.url + "/generate", generate(500, "transport-unread-rid-000001"), JSON
+        ) as resp:
+            await anext(resp.events())
+        assert not any(client._idle.values())
+        async with await client.request("POST", engine.url + "/generate", generate(2), JSON) as r:
+            assert r.status == 200
+            assert (await r.read()).endswith(b"[DONE]\n\n")
 
 
 async def test_an_engine_killed_mid_stream_is_a_transport_error() -> None:
-    async with serve_engine(CONFIG) as engine:
-        client = HTTPClient()
-        try:
-            async with await client.request(
-                "POST", engine.url + "/generate", generate(3000), JSON
-            ) as resp:
-                assert resp.status == 200
-                events = resp.events()
-                assert await anext(events)
-                await engine.kill()
-                with pytest.raises(TransportError, match="mid-response"):
-                    async for _ in events:
-                        pass
-            with pytest.raises(TransportError, match="connect"):
-                await client.request("GET", engine.url + "/server_info")
-        finally:
-            await client.close()
+    async with serve_engine(CONFIG) as engine, HTTPClient() as client:
+        async with await client.request(
+            "POST", engine.url + "/generate", generate(3000), JSON
+        ) as resp:
+            assert resp.status == 200
+            events = resp.events()
+            assert await anext(events)
+            await engine.kill()
+            with pytest.raises(TransportError, match="mid-response"):
+                async for _ in events:
+                    pass
+        with pytest.raises(TransportError, match="connect"):
+            await client.request("GET", engine.url + "/server_info")
 
 
 @asynccontextmanager
@@ -173,15 +159,11 @@ async def test_a_pooled_connection_the_peer_closed_is_retried_once_on_a_fresh_on
         if first:  # keep-alive promised, but the next request finds it closing
             await reader.readuntil(b"\r\n\r\n")
 
-    async with tcp_server(handle) as url:
-        client = HTTPClient()
-        try:
-            for _ in range(2):
-                async with await client.request("GET", url + "/x") as resp:
-                    assert (resp.status, await resp.read()) == (200, b"ok")
-            assert connections == 2
-        finally:
-            await client.close()
+    async with tcp_server(handle) as url, HTTPClient() as client:
+        for _ in range(2):
+            async with await client.request("GET", url + "/x") as resp:
+                assert (resp.status, await resp.read()) == (200, b"ok")
+        assert connections == 2
 
 
 SSE_HEAD = (
@@ -212,18 +194,14 @@ async def test_a_reader_that_stops_at_done_keeps_its_connection_for_the_body_end
                 writer.write(b"0\r\n\r\n")
             await writer.drain()
 
-    async with tcp_server(handle) as url:
-        client = HTTPClient()
-        try:
-            for _ in range(2):
-                async with await client.request("GET", url + "/events") as resp:
-                    async for batch in resp.events():
-                        if batch[-1].done:
-                            break
-                await asyncio.sleep(0.1)
-            assert connections == (1 if reused else 2)
-        finally:
-            await client.close()
+    async with tcp_server(handle) as url, HTTPClient() as client:
+        for _ in range(2):
+            async with await client.request("GET", url + "/events") as resp:
+                async for batch in resp.events():
+                    if batch[-1].done:
+                        break
+            await asyncio.sleep(0.1)
+        assert connections == (1 if reused else 2)
 
 
 @pytest.mark.parametrize("gap_s", [0.0, 0.02])
@@ -241,17 +219,13 @@ async def test_bytes_after_a_response_retire_its_connection(gap_s: float) -> Non
         await writer.drain()
         await reader.read()
 
-    async with tcp_server(handle) as url:
-        client = HTTPClient()
-        try:
-            async with await client.request("GET", url + "/x") as resp:
-                assert await resp.read() == b"ok"
-            await asyncio.sleep(0.05)
-            async with await client.request("GET", url + "/x") as resp:
-                assert (resp.status, await resp.read()) == (200, b"ok")
-            assert connections == 2
-        finally:
-            await client.close()
+    async with tcp_server(handle) as url, HTTPClient() as client:
+        async with await client.request("GET", url + "/x") as resp:
+            assert await resp.read() == b"ok"
+        await asyncio.sleep(0.05)
+        async with await client.request("GET", url + "/x") as resp:
+            assert (resp.status, await resp.read()) == (200, b"ok")
+        assert connections == 2
 
 
 async def test_a_request_is_retried_once_only() -> None:
@@ -266,16 +240,12 @@ async def test_a_request_is_retried_once_only() -> None:
             await writer.drain()
         await reader.readuntil(b"\r\n\r\n")  # then close without an answer
 
-    async with tcp_server(handle) as url:
-        client = HTTPClient()
-        try:
-            async with await client.request("GET", url + "/x") as resp:
-                assert await resp.read() == b"ok"
-            with pytest.raises(TransportError, match="before a response"):
-                await client.request("GET", url + "/x")
-            assert connections == 2  # the pooled one, then one fresh retry
-        finally:
-            await client.close()
+    async with tcp_server(handle) as url, HTTPClient() as client:
+        async with await client.request("GET", url + "/x") as resp:
+            assert await resp.read() == b"ok"
+        with pytest.raises(TransportError, match="before a response"):
+            await client.request("GET", url + "/x")
+        assert connections == 2  # the pooled one, then one fresh retry
 
 
 async def test_a_fresh_connection_that_closes_before_answering_is_not_retried() -> None:
@@ -286,14 +256,10 @@ async def test_a_fresh_connection_that_closes_before_answering_is_not_retried() 
         connections += 1
         await reader.readuntil(b"\r\n\r\n")
 
-    async with tcp_server(handle) as url:
-        client = HTTPClient()
-        try:
-            with pytest.raises(TransportError, match="before a response"):
-                await client.request("GET", url + "/x")
-            assert connections == 1
-        finally:
-            await client.close()
+    async with tcp_server(handle) as url, HTTPClient() as client:
+        with pytest.raises(TransportError, match="before a response"):
+            await client.request("GET", url + "/x")
+        assert connections == 1
 
 
 async def test_silence_past_the_read_timeout_is_a_transport_error() -> None:
@@ -303,16 +269,15 @@ async def test_silence_past_the_read_timeout_is_a_transport_error() -> None:
         await writer.drain()
         await reader.read()  # then nothing, until the client gives up
 
-    async with tcp_server(handle) as url:
-        client = HTTPClient(read_timeout_s=0.2)
-        try:
-            async with await client.request("GET", url + "/x") as resp:
-                chunks = resp.chunks()
-                assert await anext(chunks) == b"hello"
-                with pytest.raises(TransportError, match="no data"):
-                    await anext(chunks)
-        finally:
-            await client.close()
+    async with (
+        tcp_server(handle) as url,
+        HTTPClient(read_timeout_s=0.2) as client,
+        await client.request("GET", url + "/x") as resp,
+    ):
+        chunks = resp.chunks()
+        assert await anext(chunks) == b"hello"
+        with pytest.raises(TransportError, match="no data"):
+            await anext(chunks)
 
 
 async def test_malformed_answers_and_requests_are_transport_errors() -> None:
@@ -322,15 +287,11 @@ async def test_malformed_answers_and_requests_are_transport_errors() -> None:
         await writer.drain()
         await reader.read()
 
-    async with tcp_server(handle) as url:
-        client = HTTPClient()
-        try:
-            with pytest.raises(TransportError, match="malformed"):
-                async with await client.request("GET", url + "/x") as resp:
-                    await resp.read()
-            with pytest.raises(TransportError, match="line break"):
-                await client.request("GET", url + "/x", headers={"X-Evil": "a\r\nHost: b"})
-            with pytest.raises(TransportError, match="http://"):
-                await client.request("GET", "https://127.0.0.1/x")
-        finally:
-            await client.close()
+    async with tcp_server(handle) as url, HTTPClient() as client:
+        with pytest.raises(TransportError, match="malformed"):
+            async with await client.request("GET", url + "/x") as resp:
+                await resp.read()
+        with pytest.raises(TransportError, match="line break"):
+            await client.request("GET", url + "/x", headers={"X-Evil": "a\r\nHost: b"})
+        with pytest.raises(TransportError, match="http://"):
+            await client.request("GET", "https://127.0.0.1/x")
