@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import statistics
 import sys
 import time
@@ -152,6 +153,10 @@ async def _bench(args: argparse.Namespace, report: Report) -> None:
     from weir.local.ports import free_port, wait_for_port
     from weir.local.redis_server import RedisServer
 
+    # Terminated, the benchmark unwinds as when interrupted, so its child processes end too.
+    main = asyncio.current_task()
+    assert main is not None
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main.cancel)
     config = EngineConfig(model="bench/model", max_total_tokens=262_144, speed_factor=100.0)
     port, relay_port = free_port(), free_port()
     with RedisServer() as redis_server:
@@ -261,6 +266,9 @@ def run(args: argparse.Namespace) -> int:
             "probes": args.probes,
         },
     )
-    asyncio.run(_bench(args, report))
+    try:
+        asyncio.run(_bench(args, report))
+    except asyncio.CancelledError:  # by SIGTERM
+        return 128 + signal.SIGTERM
     report.emit(args.json)
     return 0
