@@ -10,10 +10,10 @@ baseline measured in the same run:
 - CPU per streamed chunk: the sidecar process's CPU time over the chunks it relayed, with
   its idle CPU over the same wall time subtracted (goal ≤ 30 µs). Its baseline is the
   machine's floor: the same streams through a byte relay (`_byte_relay`, its own process
-  in front of the same engine, forwarding bytes and nothing else), measured the same way,
-  relay and sidecar alternating within each run. The absolute figure moves with the
-  machine from day to day; the relay's figure and the difference above it say how much
-  is the sidecar's own;
+  in front of the same engine, forwarding bytes and nothing else), measured the same way
+  in every run, relay and sidecar taking turns to go first. The absolute figure moves
+  with the machine from day to day; the relay's figure, and the sidecar's above it (paired
+  per run), say how much is the sidecar's own;
 - KV change → publication: from sending a request whose prompt moves KV by more than 1 %
   until a Redis reader sees the endpoint's new `kv_used_tokens` (goal ≤ 100 ms); the
   baseline is one Redis round trip from the same reader.
