@@ -11,13 +11,15 @@ rid, pause/continue); `SGLangEngine` implements it over SGLang's HTTP server, fo
 
 Streams are server-sent events, handed over in batches — every event that arrived in one
 network read — each as its raw frame (so the proxy forwards bytes it need not change, and
-writes a batch to the client at once) and its unparsed JSON data.
+writes a batch to the client at once) and its unparsed JSON data. Batches are pushed to a
+callback from inside the connection's read callback (`EngineStream.push`): relaying a
+token wakes no task.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -66,7 +68,10 @@ StreamEvent = SSEEvent
 class EngineStream(Protocol):
     status: int
 
-    def batches(self) -> AsyncIterator[list[StreamEvent]]: ...
+    async def push(self, on_batch: Callable[[list[StreamEvent]], bool]) -> None:
+        """Hand each read's events to `on_batch` until the stream ends (returns) or
+        `on_batch` returns True (returns; call again to go on)."""
+        ...
 
     async def body(self) -> bytes: ...
 
@@ -95,16 +100,11 @@ class _HTTPStream:
         self._response = response
         self.status = response.status
 
-    async def batches(self) -> AsyncIterator[list[StreamEvent]]:
-        events = self._response.events()
-        while True:
-            try:
-                batch = await anext(events)
-            except StopAsyncIteration:
-                return
-            except TransportError as exc:
-                raise EngineError(f"{self._url}: the stream broke: {exc}") from exc
-            yield batch
+    async def push(self, on_batch: Callable[[list[StreamEvent]], bool]) -> None:
+        try:
+            await self._response.push_events(on_batch)
+        except TransportError as exc:
+            raise EngineError(f"{self._url}: the stream broke: {exc}") from exc
 
     async def body(self) -> bytes:
         try:

@@ -51,7 +51,8 @@ from controlplane.contract import (
     encode_json,
 )
 from controlplane.contract import headers as wire
-from engine_sidecar.engine import EngineAdapter, EngineError, EngineInfo, EngineStream
+from engine_sidecar.engine import EngineAdapter, EngineError, EngineInfo
+from engine_sidecar.forward import Forwarder
 from engine_sidecar.intake import (
     ENGINE_PATH,
     Intake,
@@ -400,6 +401,7 @@ class SidecarService:
         reader.client_usage = isinstance(options, dict) and options.get("include_usage") is True
         base = reader.offset_tokens
         response: web.StreamResponse | None = None
+        headers_out = False  # the response's headers left with its first bytes
         segment = 0
         path = ENGINE_PATH[flight.intake.api]
         while True:
@@ -425,7 +427,11 @@ class SidecarService:
                                 headers={**_SSE_HEADERS, wire.REQUEST_ID: flight.rid}
                             )
                             await response.prepare(request)
-                        finish = await self._relay(stream, response, flight, reader, base)
+                        forwarder = Forwarder(reader, flight, self.ledger, self._note_tokens, base)
+                        if headers_out:
+                            forwarder.direct(request, response)
+                        finish = await forwarder.run(stream, request, response)
+                        headers_out = forwarder.headers_out
             except (EngineError, MalformedEventError) as exc:
                 log.warning("request %s lost its engine stream: %s", flight.rid, exc)
                 lost = True
@@ -482,57 +488,6 @@ class SidecarService:
                 amount=flight.record.prompt_tokens + flight.record.generated_tokens,
             )
             segment += 1
-
-    async def _relay(
-        self,
-        stream: EngineStream,
-        response: web.StreamResponse,
-        flight: Flight,
-        reader: StreamReader,
-        base: int,
-    ) -> str:
-        """Forward one engine segment to the client, a network read's worth of events in
-        one write. Returns the engine's finish: '' when the stream ended without one,
-        'abort' (not forwarded) when it ended because this request is being preempted."""
-        finish = ""
-        deadline = flight.record.deadline_at
-        skims = reader.skims
-        async for batch in stream.batches():
-            if deadline and self.ledger.clock() >= deadline:
-                return "deadline"
-            out: list[bytes] = []
-            ended = False
-            prompt = 0
-            last = len(batch) - 1
-            for i, event in enumerate(batch):
-                if event.done:
-                    ended = True
-                    break
-                if skims and i < last and not batch[i + 1].done:
-                    out.append(event.raw)
-                    continue
-                step = reader.read(event.raw, event.data)
-                if step.prompt_tokens and not reader.prompt_tokens and base == 0:
-                    prompt = reader.prompt_tokens = step.prompt_tokens
-                if step.finish == "abort" and flight.preempt_mode:
-                    reader.forget_last()
-                    finish, ended = "abort", True
-                    break
-                if step.forward is not None:
-                    out.append(step.forward)
-                if step.finish:
-                    finish = step.finish
-            if out:
-                await response.write(out[0] if len(out) == 1 else b"".join(out))
-            # The events of one read arrived together: the ledger takes their total (and
-            # the engine's prompt size, from the first) once, after the client has them
-            # (off the path to the first token).
-            if prompt:
-                self.ledger.set_prompt_tokens(flight, prompt)
-            self._note_tokens(flight, reader.generated - base)
-            if ended:
-                break
-        return finish
 
     def _resumable(self, flight: Flight) -> bool:
         return (

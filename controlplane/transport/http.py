@@ -9,6 +9,8 @@ does only what engine traffic needs:
 - response framing by Content-Length, chunked transfer coding, or the connection's end,
   decoded inside the protocol's `data_received`, so a consumer wakes once per network read
   with all the body bytes it carried;
+- a push mode for relays (`Response.push_events`): each read's events are handed to a
+  callback inside `data_received`, so relaying a token costs no task wake-up at all;
 - a read timeout per connection, checked by one re-armed timer rather than one per read.
 
 Errors are `TransportError` (an `OSError`): connection refused or timed out, a connection
@@ -72,6 +74,9 @@ class _Connection(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._last_read = 0.0
         self._on_end: Callable[[], None] | None = None  # see release_at_end
+        # Push mode (see push): takes each read's body bytes, returns True to stop.
+        self._sink: Callable[[bytes], bool] | None = None
+        self._sink_error: Exception | None = None
         self.error: TransportError | None = None
         self.received_any = False
         self.status = 0
@@ -110,11 +115,12 @@ class _Connection(asyncio.Protocol):
         except (ValueError, IndexError) as exc:
             self.error = TransportError(f"malformed HTTP response: {exc}")
             self._close()
-        if self._on_end is not None:
+        if self._sink is not None:
+            self._deliver()
+        elif self._on_end is not None:
             self._ended()
-        elif self._body_bytes > _PAUSE_AT and not self._paused and self.transport is not None:
-            self._paused = True
-            self.transport.pause_reading()
+        elif self._body_bytes > _PAUSE_AT:
+            self.hold(True)
         self._wake()
 
     def eof_received(self) -> bool:
@@ -242,11 +248,15 @@ class _Connection(asyncio.Protocol):
             raise self.error
 
     def _check(self) -> None:
-        """The read timer: fails a wait that has seen no byte for the whole timeout."""
+        """The read timer: fails a wait that has seen no byte for the whole timeout (not
+        counting time the reader held reading paused)."""
         self._timer = None
         if self._waiter is None or self._state == _DONE:
             return
         due = self._last_read + self._read_timeout_s
+        if self._paused:
+            self._last_read = self._loop.time()
+            due = self._last_read + self._read_timeout_s
         if self._loop.time() >= due:
             self.error = TransportError(f"no data for {self._read_timeout_s:g}s")
             self._close()
@@ -268,10 +278,46 @@ class _Connection(asyncio.Protocol):
         data = body[0] if len(body) == 1 else b"".join(body)
         body.clear()
         self._body_bytes = 0
-        if self._paused and self.transport is not None:
-            self._paused = False
-            self.transport.resume_reading()
+        self.hold(False)
         return data
+
+    async def push(self, sink: Callable[[bytes], bool]) -> None:
+        """Hand the body to `sink` from inside `data_received`, a read's bytes per call
+        (bytes that came before, at once), until the body ends or `sink` returns True.
+        Raises what `sink` raised, or the connection's TransportError."""
+        self._sink, self._sink_error = sink, None
+        try:
+            self._deliver()
+            self.hold(False)  # reading paused while nobody took the body
+            while self._sink is not None and self._state != _DONE:
+                await self._wait()
+            if self._sink_error is not None:
+                raise self._sink_error
+        finally:
+            self._sink = None
+
+    def _deliver(self) -> None:
+        sink, body = self._sink, self._body
+        if sink is not None and body:
+            data = body[0] if len(body) == 1 else b"".join(body)
+            body.clear()
+            self._body_bytes = 0
+            try:
+                if sink(data):
+                    self._sink = None
+            except Exception as exc:  # raised in the reader's task, by push
+                self._sink, self._sink_error = None, exc
+        if self._sink is None or self._state == _DONE or self.error is not None:
+            self._wake()
+
+    def hold(self, paused: bool) -> None:
+        """Pause or resume reading from the socket."""
+        if paused != self._paused and self.transport is not None:
+            self._paused = paused
+            if paused:
+                self.transport.pause_reading()
+            else:
+                self.transport.resume_reading()
 
     @property
     def complete(self) -> bool:
@@ -331,6 +377,7 @@ class Response:
         self._origin = origin
         self._conn: _Connection | None = conn
         self._saw_done = False  # the last event read was `[DONE]`
+        self._framer = SSEFramer()
         self.status = conn.status
         self.headers = conn.headers
 
@@ -355,11 +402,31 @@ class Response:
         conn = self._conn
         if conn is None:
             return
-        framer = SSEFramer()
         while chunk := await conn.body_chunk():
-            if batch := framer.feed(chunk):
+            if batch := self._framer.feed(chunk):
                 self._saw_done = batch[-1].done
                 yield batch
+
+    async def push_events(self, on_events: Callable[[list[SSEEvent]], bool]) -> None:
+        """The body as server-sent events, as `events()` reads them, but each read's batch
+        is handed to `on_events` from inside the connection's read callback: no task
+        wakes per read. Returns once the body has ended, or as soon as `on_events` returns
+        True (call again to go on: the framing state is kept, and what arrives meanwhile
+        is buffered as for `events()`); raises what `on_events` raised, or
+        TransportError."""
+        conn = self._conn
+        if conn is None:
+            return
+        framer = self._framer
+
+        def take(data: bytes) -> bool:
+            batch = framer.feed(data)
+            if not batch:
+                return False
+            self._saw_done = batch[-1].done
+            return on_events(batch)
+
+        await conn.push(take)
 
     def close(self) -> None:
         conn, self._conn = self._conn, None

@@ -3,7 +3,9 @@
 `SSEFramer.feed(chunk)` returns the complete events of the bytes received so far; a
 partial event waits for the next chunk. Frames are found by index, so a read's worth of
 events costs one scan and one slice per event, and a one-line `data:` frame (what SGLang
-and OpenAI servers write) is kept as it came, for a proxy to forward unchanged.
+and OpenAI servers write) is kept as it came, for a proxy to forward unchanged. The scan
+looks for single newlines (a memchr), not for the blank line: a two-byte search runs
+several times slower over the kilobytes of a cumulative `/generate` event.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from dataclasses import dataclass
 DONE = b"[DONE]"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: built for every relayed event, and frozen costs 2×
 class SSEEvent:
     """One event: its frame as received (ending in a blank line), its `event:` name (empty
     when none) and its data (the `data:` lines joined by newlines)."""
@@ -40,13 +42,21 @@ class SSEFramer:
         buf = self._pending + chunk if self._pending else chunk
         events: list[SSEEvent] = []
         start = 0
-        while (end := buf.find(b"\n\n", start)) >= 0:
-            if buf.startswith(b"data:", start) and buf.find(b"\n", start, end) < 0:
-                events.append(SSEEvent(buf[start : end + 2], buf[start + 5 : end].strip()))
+        find = buf.find
+        while (end := find(b"\n", start)) >= 0:
+            if buf.startswith(b"\n", end + 1):  # a one-line frame
+                if buf.startswith(b"data:", start):
+                    at = start + 6 if buf.startswith(b" ", start + 5) else start + 5  # one space
+                    events.append(SSEEvent(buf[start : end + 2], buf[at:end]))
+                    start = end + 2
+                    continue
             else:
-                event = _parse(buf[start : end + 2])
-                if event is not None:
-                    events.append(event)
+                end = find(b"\n\n", end)
+                if end < 0:
+                    break
+            event = _parse(buf[start : end + 2])
+            if event is not None:
+                events.append(event)
             start = end + 2
         self._pending = buf[start:]
         return events
@@ -56,9 +66,14 @@ def _parse(raw: bytes) -> SSEEvent | None:
     name, data = b"", []
     for line in raw[:-2].split(b"\n"):
         if line.startswith(b"data:"):
-            data.append(line[5:].strip())
+            data.append(_value(line[5:]))
         elif line.startswith(b"event:"):
-            name = line[6:].strip()
+            name = _value(line[6:])
     if not data and not name:
         return None
     return SSEEvent(raw, b"\n".join(data), name)
+
+
+def _value(field: bytes) -> bytes:
+    """A field's value: what follows its colon, less one leading space (the SSE rule)."""
+    return field[1:] if field.startswith(b" ") else field

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from engine_sidecar.engine import EngineError, SGLangEngine
+from engine_sidecar.engine import EngineError, SGLangEngine, StreamEvent
 from fleetsim.server import serve_engine
 from tests.sidecar.conftest import MODEL, engine_config
 
@@ -26,13 +26,18 @@ async def test_detects_the_version_and_uses_its_endpoints(version: str, loads_ap
             }
             async with engine.open("/generate", body) as stream:
                 assert stream.status == 200
-                batches = stream.batches()
-                first = await anext(batches)
+                events: list[StreamEvent] = []
+
+                def take(batch: list[StreamEvent], stop: bool) -> bool:
+                    events.extend(batch)
+                    return stop
+
+                await stream.push(lambda batch: take(batch, True))  # the first read only
                 load = await engine.load()
                 assert load.running_requests == 1
                 assert load.used_tokens > 0
                 await engine.abort("weir-adapter-test-rid-0001")
-                events = [e for batch in [first, *[b async for b in batches]] for e in batch]
+                await stream.push(lambda batch: take(batch, False))  # to the end
             last = msgspec.json.decode([e for e in events if not e.done][-1].data)
             assert last["meta_info"]["finish_reason"]["type"] == "abort"
             await engine.pause()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import aiohttp
@@ -51,6 +52,34 @@ async def test_generate_stream_is_the_engines_own(
     assert state["requests"] == {}
     assert state["own_used_tokens"] == 0
     assert state["reserved_growth_tokens"] == 0
+
+
+async def test_a_client_that_reads_slowly_gets_every_token(
+    engine: RunningEngine, sidecar: RunningSidecar
+) -> None:
+    """A client that stops reading fills the sidecar's socket buffers: the sidecar stops
+    reading the engine meanwhile, and loses, repeats or reorders nothing."""
+    body = generate_body(max_new=1500)
+    async with aiohttp.ClientSession() as http:
+        async with http.post(engine.url + "/generate", json=body) as resp:
+            direct = await sse(resp)
+        async with (
+            aiohttp.ClientSession(read_bufsize=1024) as slow,
+            slow.post(sidecar.url + "/generate", json=body) as resp,
+        ):
+            assert resp.status == 200
+            await asyncio.sleep(1.0)  # the engine finishes meanwhile: megabytes wait
+            lines = (await resp.read()).split(b"\n\n")
+    relayed = [msgspec.json.decode(line[6:]) for line in lines if line[6:7] == b"{"]
+    assert lines[-2:] == [b"data: [DONE]", b""]
+    counts = [e["meta_info"]["completion_tokens"] for e in relayed]
+    assert counts == [e["meta_info"]["completion_tokens"] for e in direct]
+    assert counts[-1] == 1500
+    assert relayed[-1]["text"] == direct[-1]["text"]
+    assert relayed[-1]["output_ids"] == direct[-1]["output_ids"]
+    assert relayed[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    await sidecar.service.settled()
+    assert sidecar.service.ledger.flights == {}
 
 
 async def test_openai_routes_stream_and_answer(sidecar: RunningSidecar) -> None:

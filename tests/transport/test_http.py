@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager
 import msgspec
 import pytest
 
-from controlplane.transport import HTTPClient, TransportError
+from controlplane.transport import HTTPClient, Response, SSEEvent, TransportError
 from controlplane.transport.http import _Connection
 from fleetsim.engine import EngineConfig
 from fleetsim.server import serve_engine
@@ -295,3 +295,107 @@ async def test_malformed_answers_and_requests_are_transport_errors() -> None:
             await client.request("GET", url + "/x", headers={"X-Evil": "a\r\nHost: b"})
         with pytest.raises(TransportError, match="http://"):
             await client.request("GET", "https://127.0.0.1/x")
+
+
+async def pushed(resp: Response, stop_every: int = 0) -> tuple[list[SSEEvent], int]:
+    """(events, pushes) of a body read by push; the callback stops every `stop_every`
+    batches (0: never), and reading goes on with the next push."""
+    events: list[SSEEvent] = []
+    batches = pushes = 0
+
+    def take(batch: list[SSEEvent]) -> bool:
+        nonlocal batches
+        events.extend(batch)
+        batches += 1
+        return bool(stop_every) and batches % stop_every == 0
+
+    while not (events and events[-1].done):
+        pushes += 1
+        await resp.push_events(take)
+    return events, pushes
+
+
+def outputs(events: list[SSEEvent]) -> list[object]:
+    def output(event: SSEEvent) -> object:
+        if event.done:
+            return None
+        body = msgspec.json.decode(event.data)
+        return body["text"], body["output_ids"], body["meta_info"]["completion_tokens"]
+
+    return [output(e) for e in events]
+
+
+@pytest.mark.parametrize("stop_every", [0, 1, 3])
+async def test_pushed_events_are_the_events_read_and_the_connection_is_reused(
+    stop_every: int,
+) -> None:
+    async with serve_engine(CONFIG) as engine, HTTPClient() as client:
+        async with await client.request(
+            "POST", engine.url + "/generate", generate(40), JSON
+        ) as resp:
+            read = [e async for batch in resp.events() for e in batch]
+        async with await client.request(
+            "POST", engine.url + "/generate", generate(40), JSON
+        ) as resp:
+            events, pushes = await pushed(resp, stop_every)
+        assert outputs(events) == outputs(read)  # a deterministic engine
+        assert pushes > 1 if stop_every else pushes == 1
+        async with await client.request("GET", engine.url + "/server_info") as resp:
+            assert resp.status == 200
+            await resp.read()
+        assert len(client._open) == 1  # three requests, one connection
+
+
+async def test_what_the_callback_raises_reaches_the_reader_and_retires_the_connection() -> None:
+    def fail(batch: list[SSEEvent]) -> bool:
+        raise ValueError("unreadable")
+
+    async with serve_engine(CONFIG) as engine, HTTPClient() as client:
+        async with await client.request(
+            "POST", engine.url + "/generate", generate(50), JSON
+        ) as resp:
+            with pytest.raises(ValueError, match="unreadable"):
+                await resp.push_events(fail)
+        assert not any(client._idle.values())
+
+
+async def test_an_engine_killed_mid_push_is_a_transport_error() -> None:
+    async with (
+        serve_engine(CONFIG) as engine,
+        HTTPClient() as client,
+        await client.request("POST", engine.url + "/generate", generate(3000), JSON) as resp,
+    ):
+        seen = asyncio.Event()
+
+        def take(batch: list[SSEEvent]) -> bool:
+            seen.set()
+            return False
+
+        push = asyncio.ensure_future(resp.push_events(take))
+        await seen.wait()
+        await engine.kill()
+        with pytest.raises(TransportError, match="mid-response"):
+            await push
+
+
+async def test_silence_past_the_read_timeout_fails_a_push() -> None:
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n9\r\ndata: a\n\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    got: list[bytes] = []
+
+    def take(batch: list[SSEEvent]) -> bool:
+        got.extend(e.data for e in batch)
+        return False
+
+    async with (
+        tcp_server(handle) as url,
+        HTTPClient(read_timeout_s=0.2) as client,
+        await client.request("GET", url + "/x") as resp,
+    ):
+        with pytest.raises(TransportError, match="no data"):
+            await resp.push_events(take)
+    assert got == [b"a"]

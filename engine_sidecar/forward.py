@@ -1,0 +1,140 @@
+"""Relaying one engine segment to the client, from inside the engine connection's read
+callback.
+
+The sidecar sits on every token's path, so the per-token work is kept to what the
+relay must do: cut the read into events, read the token total from the last of them
+(`StreamReader`), write the read's events to the client in one send, and tell the ledger.
+`Forwarder.feed` does all of it within the engine connection's `data_received`: no task
+wakes, no coroutine runs per read. The request's task takes over only where it must
+await: the first write, which aiohttp sends together with the response headers; a client
+whose socket buffer is full (the engine's bytes wait in the connection meanwhile, and it
+stops reading past a limit); and the segment's end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from aiohttp import web
+
+from engine_sidecar.engine import EngineStream, StreamEvent
+from engine_sidecar.ledger import Flight, Ledger
+from engine_sidecar.relay import StreamReader
+
+_DRAIN_POLL_S = 0.005  # how often a task waiting for a slow client looks at its buffer
+
+
+class Forwarder:
+    """One segment of one streamed request: engine events in, client bytes out."""
+
+    def __init__(
+        self,
+        reader: StreamReader,
+        flight: Flight,
+        ledger: Ledger,
+        note_tokens: Callable[[Flight, int], None],
+        base: int,
+    ) -> None:
+        self._reader = reader
+        self._flight = flight
+        self._ledger = ledger
+        self._note_tokens = note_tokens
+        self._base = base  # tokens the request had before this endpoint took it over
+        self._skims = reader.skims
+        self._deadline = flight.record.deadline_at
+        self._transport: asyncio.Transport | None = None  # set once the headers are out
+        self._protocol: web.RequestHandler | None = None
+        self._chunked = False
+        self.finish = ""  # the engine's finish; "deadline" when the deadline passed
+        self.ended = False  # the segment is over (finish, [DONE], or the preemption abort)
+        self.pending = b""  # bytes the task writes (the first, with the headers)
+        self._pending_prompt = 0
+
+    def direct(self, request: web.Request, response: web.StreamResponse) -> None:
+        """The headers are out: from now on, write to the client's transport directly,
+        framing chunks as aiohttp would (it frames the final chunk, at `write_eof`)."""
+        self._transport = request.transport
+        self._protocol = request.protocol
+        self._chunked = response.headers.get("Transfer-Encoding") == "chunked"
+
+    def feed(self, batch: list[StreamEvent]) -> bool:
+        """The events of one read; True stops the push (the segment ended, or the task
+        must write or wait)."""
+        if self._deadline and self._ledger.clock() >= self._deadline:
+            self.finish, self.ended = "deadline", True
+            return True
+        reader, flight = self._reader, self._flight
+        out: list[bytes] = []
+        prompt = 0
+        last = len(batch) - 1
+        for i, event in enumerate(batch):
+            if event.done:
+                self.ended = True
+                break
+            if self._skims and i < last and not batch[i + 1].done:
+                out.append(event.raw)  # the read's last event has the totals
+                continue
+            step = reader.read(event.raw, event.data)
+            if step.prompt_tokens and not reader.prompt_tokens and self._base == 0:
+                prompt = reader.prompt_tokens = step.prompt_tokens
+            if step.finish == "abort" and flight.preempt_mode:
+                reader.forget_last()
+                self.finish, self.ended = "abort", True
+                break
+            if step.forward is not None:
+                out.append(step.forward)
+            if step.finish:
+                self.finish = step.finish
+        data = out[0] if len(out) == 1 else b"".join(out)
+        transport = self._transport
+        if transport is None:
+            self.pending += data
+            self._pending_prompt = self._pending_prompt or prompt
+            return True
+        if data:
+            if transport.is_closing():
+                raise ConnectionResetError("the client went away")
+            transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data)
+        # The events of one read arrived together: the ledger takes their total once,
+        # after the client has them.
+        self._account(prompt)
+        return self.ended or self.blocked
+
+    @property
+    def headers_out(self) -> bool:
+        return self._transport is not None
+
+    @property
+    def blocked(self) -> bool:
+        """The client's socket buffer is full: stop reading the engine until it drains."""
+        return self._protocol is not None and self._protocol.writing_paused
+
+    def _account(self, prompt: int) -> None:
+        if prompt:
+            self._ledger.set_prompt_tokens(self._flight, prompt)
+        self._note_tokens(self._flight, self._reader.generated - self._base)
+
+    async def run(
+        self, stream: EngineStream, request: web.Request, response: web.StreamResponse
+    ) -> str:
+        """Relay the segment; returns the engine's finish: '' when the stream ended
+        without one, 'abort' (not forwarded) when it ended for this request's
+        preemption, 'deadline' when the request's deadline passed."""
+        while True:
+            await stream.push(self.feed)
+            if self.pending:
+                data, self.pending = self.pending, b""
+                await response.write(data)
+                self.direct(request, response)
+                self._account(self._pending_prompt)
+                self._pending_prompt = 0
+            elif self.blocked and not self.ended:
+                # aiohttp offers no public wait for a drained client socket; a slow
+                # client is rare, and looking every few ms costs nothing meanwhile.
+                while self.blocked and request.protocol.connected:  # noqa: ASYNC110
+                    await asyncio.sleep(_DRAIN_POLL_S)
+            else:
+                return self.finish  # the segment ended, or the stream did
+            if self.ended:
+                return self.finish
