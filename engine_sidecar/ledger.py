@@ -38,6 +38,7 @@ from engine_sidecar.policy import (
     queue_order,
     reconcile_used,
     retry_after_s,
+    steady_range,
 )
 
 _S = RequestState
@@ -121,6 +122,8 @@ class Ledger:
         self.reserved = 0
         self.waiting_prefill = 0
         self.watermark = WatermarkState.NORMAL
+        # Committed KV within this range keeps the watermark (no classification needed).
+        self._steady = steady_range(self.watermark, capacity_tokens, policy.kv)
         self.admission_open = True
         self.growth = GrowthRate()
         self.engine_used: int | None = None
@@ -231,11 +234,16 @@ class Ledger:
         self._reclassify(now)
 
     def _reclassify(self, now: float) -> None:
-        state = classify(self.usage(), self.watermark, self.policy.kv)
+        low, high = self._steady
+        committed = self.used_tokens + self.reserved
+        state = self.watermark
+        if not low <= committed < high:
+            state = classify(self.usage(), self.watermark, self.policy.kv)
         moved = abs(self.own_used - self._published_used) * 100 >= max(1, self.capacity_tokens)
         if state is not self.watermark or moved:
             if state is not self.watermark:
                 self.watermark = state
+                self._steady = steady_range(state, self.capacity_tokens, self.policy.kv)
                 if state is WatermarkState.EXHAUSTED:
                     self.pressure.set()
             if self.changed_at is None:

@@ -87,7 +87,7 @@ class MalformedEventError(ValueError):
     """The engine sent a stream event the sidecar cannot read."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one per relayed read, and frozen costs 2×
 class Step:
     """What one event means: bytes to forward (None = drop), the generated-token total so
     far, and the engine's finish ('' while running; 'abort' for an abort)."""

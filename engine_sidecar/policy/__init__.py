@@ -37,7 +37,13 @@ from engine_sidecar.policy.relief import (
     plan_relief,
     score_victim,
 )
-from engine_sidecar.policy.watermark import GrowthRate, KVUsage, classify, reconcile_used
+from engine_sidecar.policy.watermark import (
+    GrowthRate,
+    KVUsage,
+    classify,
+    reconcile_used,
+    steady_range,
+)
 
 __all__ = [
     "TRANSITIONS",
@@ -69,5 +75,6 @@ __all__ = [
     "reconcile_used",
     "retry_after_s",
     "score_victim",
+    "steady_range",
     "total_growth_reserve",
 ]

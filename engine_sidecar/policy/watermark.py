@@ -12,6 +12,8 @@ Thresholds come from `KVPolicy`: pressure at `low_watermark`, critical at
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from controlplane.contract import KVPolicy, WatermarkState
@@ -54,6 +56,40 @@ def classify(usage: KVUsage, previous: WatermarkState, policy: KVPolicy) -> Wate
         return rising
     falling = _level(usage.fraction + policy.hysteresis, policy)
     return falling if falling.rank < previous.rank else previous
+
+
+def steady_range(state: WatermarkState, capacity_tokens: int, policy: KVPolicy) -> tuple[int, int]:
+    """The committed token counts `[low, high)` at which `classify` keeps `state`.
+
+    A ledger that moves by a few tokens per streamed event need only compare its sum with
+    this range, and classify when it leaves it. The range is found by bisection on
+    `classify` itself (which never falls as the count rises), so it agrees with
+    `classify` exactly, float rounding included."""
+
+    def above(committed: int) -> bool:  # classify leaves `state` upwards
+        usage = KVUsage(capacity_tokens, committed, 0)
+        return classify(usage, state, policy).rank > state.rank
+
+    def at_least(committed: int) -> bool:  # classify reaches `state` or more
+        usage = KVUsage(capacity_tokens, committed, 0)
+        return classify(usage, state, policy).rank >= state.rank
+
+    top = 4 * max(capacity_tokens, 1)  # past any threshold (fractions are at most ~1)
+    high = _first(above, top) if above(top) else sys.maxsize
+    low = _first(at_least, top) if at_least(top) else high
+    return low, max(low, high)
+
+
+def _first(holds: Callable[[int], bool], top: int) -> int:
+    """The least n in [0, top] at which `holds` (false, then true for good) holds."""
+    lo, hi = 0, top
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if holds(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 def reconcile_used(

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from controlplane.contract import KVPolicy, WatermarkState
-from engine_sidecar.policy import GrowthRate, KVUsage, classify, reconcile_used
+from engine_sidecar.policy import GrowthRate, KVUsage, classify, reconcile_used, steady_range
 
 W = WatermarkState
 POLICY = KVPolicy(low_watermark=0.7, high_watermark=0.85, emergency_watermark=0.95, hysteresis=0.05)
@@ -61,3 +63,31 @@ def test_growth_rate_tracks_steady_growth() -> None:
     assert rate.tokens_per_s == pytest.approx(100, rel=0.01)
     same = rate.observe(used_tokens=rate.last_used_tokens, now=rate.last_at or 0.0)
     assert same.tokens_per_s == rate.tokens_per_s
+
+
+@given(
+    st.lists(st.floats(0.05, 0.99), min_size=3, max_size=3, unique=True),
+    st.floats(0.0, 0.2),
+    st.integers(0, 300_000),
+    st.sampled_from(list(W)),
+    st.lists(st.integers(0, 700_000), min_size=1, max_size=20),
+)
+def test_the_steady_range_is_where_classify_keeps_the_state(
+    thresholds: list[float],
+    hysteresis: float,
+    capacity: int,
+    state: WatermarkState,
+    counts: list[int],
+) -> None:
+    low_w, high_w, emergency = sorted(thresholds)
+    policy = KVPolicy(
+        low_watermark=low_w,
+        high_watermark=high_w,
+        emergency_watermark=emergency,
+        hysteresis=hysteresis,
+    )
+    low, high = steady_range(state, capacity, policy)
+    edges = [low - 1, low, high - 1, high] if high > low else []
+    for committed in [*counts, *(c for c in edges if 0 <= c < 10**7)]:
+        kept = classify(KVUsage(capacity, committed, 0), state, policy) is state
+        assert kept == (low <= committed < high), (committed, low, high)
