@@ -68,9 +68,14 @@ StreamEvent = SSEEvent
 class EngineStream(Protocol):
     status: int
 
-    async def push(self, on_batch: Callable[[list[StreamEvent]], bool]) -> None:
+    async def push(
+        self,
+        on_batch: Callable[[list[StreamEvent]], bool],
+        on_wire: Callable[[bytes, StreamEvent], bool | None] | None = None,
+    ) -> None:
         """Hand each read's events to `on_batch` until the stream ends (returns) or
-        `on_batch` returns True (returns; call again to go on)."""
+        `on_batch` returns True (returns; call again to go on). `on_wire` takes reads
+        undecoded, as `Response.push_events` says."""
         ...
 
     async def body(self) -> bytes: ...
@@ -100,9 +105,13 @@ class _HTTPStream:
         self._response = response
         self.status = response.status
 
-    async def push(self, on_batch: Callable[[list[StreamEvent]], bool]) -> None:
+    async def push(
+        self,
+        on_batch: Callable[[list[StreamEvent]], bool],
+        on_wire: Callable[[bytes, StreamEvent], bool | None] | None = None,
+    ) -> None:
         try:
-            await self._response.push_events(on_batch)
+            await self._response.push_events(on_batch, on_wire)
         except TransportError as exc:
             raise EngineError(f"{self._url}: the stream broke: {exc}") from exc
 

@@ -20,7 +20,7 @@ from aiohttp import web
 
 from engine_sidecar.engine import EngineStream, StreamEvent
 from engine_sidecar.ledger import Flight, Ledger
-from engine_sidecar.relay import StreamReader
+from engine_sidecar.relay import Step, StreamReader
 
 _DRAIN_POLL_S = 0.005  # how often a task waiting for a slow client looks at its buffer
 
@@ -49,7 +49,7 @@ class Forwarder:
         self.finish = ""  # the engine's finish; "deadline" when the deadline passed
         self.ended = False  # the segment is over (finish, [DONE], or the preemption abort)
         self.pending = b""  # bytes the task writes (the first, with the headers)
-        self._pending_prompt = 0
+        self._new_prompt = 0  # the engine's prompt size, read but not yet accounted
 
     def direct(self, request: web.Request, response: web.StreamResponse) -> None:
         """The headers are out: from now on, write to the client's transport directly,
@@ -58,15 +58,32 @@ class Forwarder:
         self._protocol = request.protocol
         self._chunked = response.headers.get("Transfer-Encoding") == "chunked"
 
+    def feed_wire(self, wire: bytes, last: StreamEvent) -> bool | None:
+        """Cut-through: a read of whole engine chunks, forwarded as it came (the client's
+        response is chunked too), its token total read from its last event. Only a
+        fresh cumulative /generate segment (whose events go out unchanged, the earlier
+        ones of a read unread) takes it; a pending preemption or a passed deadline
+        declines (None), to the decoding path."""
+        transport = self._transport
+        if self._flight.preempt_mode or (self._deadline and self._ledger.clock() >= self._deadline):
+            return None
+        assert transport is not None  # offered only once the headers are out
+        step = self._read(last)
+        if step.finish:
+            self.finish = step.finish
+        if transport.is_closing():
+            raise ConnectionResetError("the client went away")
+        transport.write(wire)
+        self._account()
+        return self.blocked
+
     def feed(self, batch: list[StreamEvent]) -> bool:
         """The events of one read; True stops the push (the segment ended, or the task
         must write or wait)."""
         if self._deadline and self._ledger.clock() >= self._deadline:
             self.finish, self.ended = "deadline", True
             return True
-        reader, flight = self._reader, self._flight
         out: list[bytes] = []
-        prompt = 0
         last = len(batch) - 1
         for i, event in enumerate(batch):
             if event.done:
@@ -75,11 +92,9 @@ class Forwarder:
             if self._skims and i < last and not batch[i + 1].done:
                 out.append(event.raw)  # the read's last event has the totals
                 continue
-            step = reader.read(event.raw, event.data)
-            if step.prompt_tokens and not reader.prompt_tokens and self._base == 0:
-                prompt = reader.prompt_tokens = step.prompt_tokens
-            if step.finish == "abort" and flight.preempt_mode:
-                reader.forget_last()
+            step = self._read(event)
+            if step.finish == "abort" and self._flight.preempt_mode:
+                self._reader.forget_last()
                 self.finish, self.ended = "abort", True
                 break
             if step.forward is not None:
@@ -90,16 +105,20 @@ class Forwarder:
         transport = self._transport
         if transport is None:
             self.pending += data
-            self._pending_prompt = self._pending_prompt or prompt
             return True
         if data:
             if transport.is_closing():
                 raise ConnectionResetError("the client went away")
             transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data)
-        # The events of one read arrived together: the ledger takes their total once,
-        # after the client has them.
-        self._account(prompt)
+        self._account()
         return self.ended or self.blocked
+
+    def _read(self, event: StreamEvent) -> Step:
+        reader = self._reader
+        step = reader.read(event.raw, event.data)
+        if step.prompt_tokens and not reader.prompt_tokens and self._base == 0:
+            reader.prompt_tokens = self._new_prompt = step.prompt_tokens
+        return step
 
     @property
     def headers_out(self) -> bool:
@@ -110,9 +129,12 @@ class Forwarder:
         """The client's socket buffer is full: stop reading the engine until it drains."""
         return self._protocol is not None and self._protocol.writing_paused
 
-    def _account(self, prompt: int) -> None:
-        if prompt:
-            self._ledger.set_prompt_tokens(self._flight, prompt)
+    def _account(self) -> None:
+        """The events of one read arrived together: the ledger takes their total (and the
+        engine's prompt size, when it first shows) once, after the client has them."""
+        if self._new_prompt:
+            self._ledger.set_prompt_tokens(self._flight, self._new_prompt)
+            self._new_prompt = 0
         self._note_tokens(self._flight, self._reader.generated - self._base)
 
     async def run(
@@ -122,13 +144,13 @@ class Forwarder:
         without one, 'abort' (not forwarded) when it ended for this request's
         preemption, 'deadline' when the request's deadline passed."""
         while True:
-            await stream.push(self.feed)
+            cut_through = self._skims and self._chunked and self._transport is not None
+            await stream.push(self.feed, self.feed_wire if cut_through else None)
             if self.pending:
                 data, self.pending = self.pending, b""
                 await response.write(data)
                 self.direct(request, response)
-                self._account(self._pending_prompt)
-                self._pending_prompt = 0
+                self._account()
             elif self.blocked and not self.ended:
                 # aiohttp offers no public wait for a drained client socket; a slow
                 # client is rare, and looking every few ms costs nothing meanwhile.

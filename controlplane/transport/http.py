@@ -29,7 +29,7 @@ from types import TracebackType
 from typing import cast
 from urllib.parse import urlsplit
 
-from controlplane.transport.sse import SSEEvent, SSEFramer
+from controlplane.transport.sse import SSEEvent, SSEFramer, one_data_event
 
 _MAX_HEAD = 64 * 1024
 _PAUSE_AT = 1 << 20  # unread body bytes at which reading from the socket pauses
@@ -76,6 +76,9 @@ class _Connection(asyncio.Protocol):
         self._on_end: Callable[[], None] | None = None  # see release_at_end
         # Push mode (see push): takes each read's body bytes, returns True to stop.
         self._sink: Callable[[bytes], bool] | None = None
+        # Cut-through (see push): takes a read of whole chunks as it came, and where the
+        # last chunk's payload lies in it; None declines (the read is then decoded).
+        self._wire_sink: Callable[[bytes, int, int], bool | None] | None = None
         self._sink_error: Exception | None = None
         self.error: TransportError | None = None
         self.received_any = False
@@ -110,7 +113,7 @@ class _Connection(asyncio.Protocol):
         try:
             if self._state == _HEAD:
                 data = self._parse_head(data)
-            if data:
+            if data and not (self._wire_sink is not None and self._cut_through(data)):
                 self._feed_body(data)
         except (ValueError, IndexError) as exc:
             self.error = TransportError(f"malformed HTTP response: {exc}")
@@ -222,6 +225,25 @@ class _Connection(asyncio.Protocol):
                 self._remaining = chunk
                 self._state = _CHUNK_DATA if chunk else _TRAILER
 
+    def _cut_through(self, data: bytes) -> bool:
+        """Hand a read of whole chunks to the wire sink undecoded; False: decode it."""
+        if self._state != _CHUNK_SIZE or self._tail or self._body:
+            return False
+        last = _last_payload(data)
+        if last is None:
+            return False
+        try:
+            verdict = self._wire_sink(data, *last) if self._wire_sink is not None else None
+        except Exception as exc:  # raised in the reader's task, by push
+            self._sink = self._wire_sink = None
+            self._sink_error = exc
+            return True
+        if verdict is None:
+            return False
+        if verdict:
+            self._sink = self._wire_sink = None
+        return True
+
     def _take(self, data: bytes) -> None:
         if data:
             self._body.append(data)
@@ -281,11 +303,18 @@ class _Connection(asyncio.Protocol):
         self.hold(False)
         return data
 
-    async def push(self, sink: Callable[[bytes], bool]) -> None:
+    async def push(
+        self,
+        sink: Callable[[bytes], bool],
+        wire_sink: Callable[[bytes, int, int], bool | None] | None = None,
+    ) -> None:
         """Hand the body to `sink` from inside `data_received`, a read's bytes per call
         (bytes that came before, at once), until the body ends or `sink` returns True.
-        Raises what `sink` raised, or the connection's TransportError."""
-        self._sink, self._sink_error = sink, None
+        A chunked read that holds whole chunks, none the last, goes first to `wire_sink`
+        as it came, with the bounds of its last chunk's payload; it returns None to have
+        the read decoded for `sink` after all. Raises what a sink raised, or the
+        connection's TransportError."""
+        self._sink, self._wire_sink, self._sink_error = sink, wire_sink, None
         try:
             self._deliver()
             self.hold(False)  # reading paused while nobody took the body
@@ -294,7 +323,7 @@ class _Connection(asyncio.Protocol):
             if self._sink_error is not None:
                 raise self._sink_error
         finally:
-            self._sink = None
+            self._sink = self._wire_sink = None
 
     def _deliver(self) -> None:
         sink, body = self._sink, self._body
@@ -307,6 +336,8 @@ class _Connection(asyncio.Protocol):
                     self._sink = None
             except Exception as exc:  # raised in the reader's task, by push
                 self._sink, self._sink_error = None, exc
+            if self._sink is None:
+                self._wire_sink = None
         if self._sink is None or self._state == _DONE or self.error is not None:
             self._wake()
 
@@ -367,6 +398,25 @@ class _Connection(asyncio.Protocol):
         self._close()
 
 
+def _last_payload(data: bytes) -> tuple[int, int] | None:
+    """Where the last chunk's payload lies in `data`, when `data` is one or more whole
+    chunks and none is the last (size 0); None otherwise."""
+    pos, size, start, end = 0, len(data), 0, 0
+    while pos < size:
+        eol = data.find(b"\r\n", pos)
+        if eol < 0:
+            return None
+        try:
+            length = int(data[pos:eol], 16)
+        except ValueError:
+            return None  # extensions or garbage: the decoder says which
+        start, end = eol + 2, eol + 2 + length
+        if length <= 0 or not data.startswith(b"\r\n", end):
+            return None
+        pos = end + 2
+    return start, end
+
+
 class Response:
     """A response whose head has arrived. Read its body once — `read()`, `chunks()` or
     `events()` — and close it (`async with`): a fully read response returns its connection
@@ -407,13 +457,23 @@ class Response:
                 self._saw_done = batch[-1].done
                 yield batch
 
-    async def push_events(self, on_events: Callable[[list[SSEEvent]], bool]) -> None:
+    async def push_events(
+        self,
+        on_events: Callable[[list[SSEEvent]], bool],
+        on_wire: Callable[[bytes, SSEEvent], bool | None] | None = None,
+    ) -> None:
         """The body as server-sent events, as `events()` reads them, but each read's batch
         is handed to `on_events` from inside the connection's read callback: no task
-        wakes per read. Returns once the body has ended, or as soon as `on_events` returns
+        wakes per read. Returns once the body has ended, or as soon as a callback returns
         True (call again to go on: the framing state is kept, and what arrives meanwhile
-        is buffered as for `events()`); raises what `on_events` raised, or
-        TransportError."""
+        is buffered as for `events()`); raises what a callback raised, or
+        TransportError.
+
+        `on_wire` is cut-through for a relay that forwards chunked bytes as they came:
+        a read of whole chunks (the body's end not among them) whose last chunk is one
+        one-line `data:` event, other than `[DONE]`, goes to it undecoded, with that
+        event; the events of the read's earlier chunks are in the bytes, unread. It
+        returns None to decline: the read then goes to `on_events` as usual."""
         conn = self._conn
         if conn is None:
             return
@@ -426,7 +486,13 @@ class Response:
             self._saw_done = batch[-1].done
             return on_events(batch)
 
-        await conn.push(take)
+        def take_wire(data: bytes, start: int, end: int) -> bool | None:
+            if on_wire is None or not framer.idle:
+                return None
+            event = one_data_event(data[start:end])
+            return None if event is None or event.done else on_wire(data, event)
+
+        await conn.push(take, take_wire if on_wire is not None else None)
 
     def close(self) -> None:
         conn, self._conn = self._conn, None

@@ -38,6 +38,11 @@ class SSEFramer:
     def __init__(self) -> None:
         self._pending = b""
 
+    @property
+    def idle(self) -> bool:
+        """No partial frame is waiting for more bytes."""
+        return not self._pending
+
     def feed(self, chunk: bytes) -> list[SSEEvent]:
         buf = self._pending + chunk if self._pending else chunk
         events: list[SSEEvent] = []
@@ -46,8 +51,7 @@ class SSEFramer:
         while (end := find(b"\n", start)) >= 0:
             if buf.startswith(b"\n", end + 1):  # a one-line frame
                 if buf.startswith(b"data:", start):
-                    at = start + 6 if buf.startswith(b" ", start + 5) else start + 5  # one space
-                    events.append(SSEEvent(buf[start : end + 2], buf[at:end]))
+                    events.append(_data_event(buf[start : end + 2]))
                     start = end + 2
                     continue
             else:
@@ -60,6 +64,18 @@ class SSEFramer:
             start = end + 2
         self._pending = buf[start:]
         return events
+
+
+def one_data_event(frame: bytes) -> SSEEvent | None:
+    """`frame` as an event when it is exactly one one-line `data:` frame, else None."""
+    if frame.startswith(b"data:") and frame.find(b"\n") == len(frame) - 2 and frame[-1:] == b"\n":
+        return _data_event(frame)
+    return None
+
+
+def _data_event(frame: bytes) -> SSEEvent:
+    """A one-line `data:` frame (one space after the colon is not data)."""
+    return SSEEvent(frame, frame[6 if frame.startswith(b" ", 5) else 5 : -2])
 
 
 def _parse(raw: bytes) -> SSEEvent | None:

@@ -4,11 +4,14 @@ cannot be made to misbehave on cue, a plain TCP server that does exactly one wro
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 import msgspec
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from controlplane.transport import HTTPClient, Response, SSEEvent, TransportError
 from controlplane.transport.http import _Connection
@@ -399,3 +402,73 @@ async def test_silence_past_the_read_timeout_fails_a_push() -> None:
         with pytest.raises(TransportError, match="no data"):
             await resp.push_events(take)
     assert got == [b"a"]
+
+
+EVENTS = [b'data: {"n": %d, "pad": "%s"}\n\n' % (n, b"x" * (n * 7 % 40)) for n in range(12)]
+CHUNKED = (
+    b"".join(b"%x\r\n%b\r\n" % (len(e), e) for e in [*EVENTS, b"data: [DONE]\n\n"]) + b"0\r\n\r\n"
+)
+HEAD = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+
+def dechunk(wire: bytes) -> bytes:
+    body, pos = b"", 0
+    while pos < len(wire):
+        eol = wire.index(b"\r\n", pos)
+        size = int(wire[pos:eol], 16)
+        body += wire[eol + 2 : eol + 2 + size]
+        pos = eol + 4 + size
+    return body
+
+
+@given(st.lists(st.integers(min_value=1, max_value=len(CHUNKED) - 1), max_size=20), st.booleans())
+def test_cut_through_and_decoding_together_lose_repeat_or_reorder_nothing(
+    cuts: list[int], decline_odd: bool
+) -> None:
+    """However the wire is cut into reads, the reads the cut-through takes (whole chunks,
+    forwarded as they came) and the events the decoder hands on make up the stream."""
+    relayed, lasts = asyncio.run(relay_cut(cuts, decline_odd))
+    assert relayed == [*EVENTS, b"data: [DONE]\n\n"]
+    assert [n for n in lasts if n >= 0] == sorted(n for n in lasts if n >= 0)
+
+
+def test_reads_of_whole_chunks_are_cut_through() -> None:
+    bounds = list(itertools.accumulate(len(b"%x\r\n%b\r\n" % (len(e), e)) for e in EVENTS))
+    relayed, lasts = asyncio.run(relay_cut(bounds, decline_odd=False))
+    assert lasts == list(range(12))  # every event but [DONE] went through undecoded
+    assert relayed == [*EVENTS, b"data: [DONE]\n\n"]
+
+
+async def relay_cut(cuts: list[int], decline_odd: bool) -> tuple[list[bytes], list[int]]:
+    """(relayed events, the `n` of each cut-through read's last event, -1 where declined)
+    of the wire cut at `cuts`, read by push with cut-through."""
+    loop = asyncio.get_running_loop()
+    conn = _Connection(loop, 10.0, forget=lambda _: None)
+    conn.in_use = True
+    conn.data_received(HEAD)
+    resp = Response(HTTPClient(), ("127.0.0.1", 1), conn)
+    relayed: list[bytes] = []
+    lasts: list[int] = []
+
+    def on_events(batch: list[SSEEvent]) -> bool:
+        relayed.extend(e.raw for e in batch)
+        return False
+
+    def on_wire(wire: bytes, last: SSEEvent) -> bool | None:
+        if decline_odd and len(lasts) % 2:
+            lasts.append(-1)
+            return None
+        frames = dechunk(wire)
+        assert frames.endswith(last.raw)
+        relayed.extend(f + b"\n\n" for f in frames.split(b"\n\n")[:-1])
+        lasts.append(msgspec.json.decode(last.data)["n"])
+        return False
+
+    push = asyncio.ensure_future(resp.push_events(on_events, on_wire))
+    bounds = [0, *sorted(set(cuts)), len(CHUNKED)]
+    for start, end in itertools.pairwise(bounds):
+        await asyncio.sleep(0)
+        conn.data_received(CHUNKED[start:end])
+    await push
+    assert conn.complete
+    return relayed, lasts
