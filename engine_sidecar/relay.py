@@ -20,29 +20,17 @@ client asked for it). Without usage, a chunk with content counts as one token.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import msgspec
 
 from controlplane.contract import EngineAPI, FinishReason
+from controlplane.contract.stream_events import generate_meta
 
 _encode = msgspec.json.Encoder().encode
 _decode_any = msgspec.json.Decoder().decode
 
 
-# Typed views of an event: msgspec skips every field not declared, so the hot path never
-# builds the cumulative text and id lists a /generate event carries.
-class _Meta(msgspec.Struct):
-    completion_tokens: int = 0
-    prompt_tokens: int = 0
-    id: str = ""
-    finish_reason: dict[str, Any] | None = None
-
-
-class _GenerateEvent(msgspec.Struct):
-    meta_info: _Meta | None = None
-
-
+# Typed views of an OpenAI event: msgspec skips every field not declared.
 class _Delta(msgspec.Struct):
     content: str | None = None
 
@@ -60,24 +48,6 @@ class _Usage(msgspec.Struct):
 class _OpenAIEvent(msgspec.Struct):
     choices: list[_Choice] = []
     usage: _Usage | None = None
-
-
-_generate_decode = msgspec.json.Decoder(_GenerateEvent).decode
-_meta_decode = msgspec.json.Decoder(_Meta).decode
-_META_KEY = b'"meta_info":'
-
-
-def _generate_meta(data: bytes) -> _Meta | None:
-    """The meta_info of a /generate event. SGLang writes it last, after the cumulative text
-    and ids, so it is decoded from its key on (a string's quotes are escaped, so the key
-    cannot occur inside text); anything else falls back to a full typed decode."""
-    at = data.rfind(_META_KEY)
-    if at >= 0 and data.endswith(b"}"):
-        try:
-            return _meta_decode(data[at + len(_META_KEY) : -1])
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            pass
-    return _generate_decode(data).meta_info
 
 
 _openai_decode = msgspec.json.Decoder(_OpenAIEvent).decode
@@ -180,10 +150,10 @@ class StreamReader:
             raise MalformedEventError(f"unreadable engine event {data[:200]!r}: {exc}") from exc
 
     def _generate(self, raw: bytes, data: bytes) -> Step:
-        meta = _generate_meta(data)
+        meta = generate_meta(data)
         if meta is None:
             return Step(raw, self.generated, "")
-        if meta.completion_tokens > self.seg_tokens:
+        if meta.completion_tokens is not None and meta.completion_tokens > self.seg_tokens:
             self.seg_tokens = meta.completion_tokens
         if not self.client_id:
             self.client_id = meta.id
@@ -194,9 +164,9 @@ class StreamReader:
         else:
             self._last_data = data
         finish = meta.finish_reason
-        kind = str(finish.get("type", "")) if finish else ""
+        kind = meta.finish_type
         if not self.resumed or kind == "abort":
-            prompt = 0 if self.resumed else meta.prompt_tokens
+            prompt = 0 if self.resumed else (meta.prompt_tokens or 0)
             return Step(raw, self.generated, kind, prompt)
         # Resumed: the client expects one cumulative stream.
         out = _decode_any(data)

@@ -491,6 +491,7 @@ class Gateway:
     def _continuation(self, ex: _Exchange) -> Continuation:
         """What the client holds, as the contract's continuation record."""
         client = ex.client
+        ex.received.settle()
         return Continuation(
             request_id=ex.route.request_id,
             tenant=ex.tenant,

@@ -2,7 +2,8 @@
 
 On the normal path every event goes to the client byte for byte as the engine wrote it;
 the relay only reads each complete event to keep count of what the client has received
-(text, token ids, token count). That count is what makes resumption exact: when an engine
+(text, token ids, token count). A `/generate` event is cumulative, so only its counts are
+read as it passes; the latest one's text and ids are decoded when a resume needs them. That count is what makes resumption exact: when an engine
 dies mid-stream, or its sidecar ends the stream with `weir.preempted` and a continuation,
 the request resumes elsewhere from exactly what the client holds, and the resumed
 stream's events are rewritten to continue the first one (the original id; cumulative text
@@ -18,6 +19,7 @@ from typing import Any
 import msgspec
 
 from controlplane.contract import EngineAPI
+from controlplane.contract.stream_events import generate_meta
 
 PREEMPTED_EVENT = b"weir.preempted"
 
@@ -34,6 +36,27 @@ class Received:
     finish_reason: str = ""
     prompt_tokens: int = 0
     text_bytes: int = 0  # len(text) in UTF-8, kept as text grows (OpenAI deltas)
+    latest: bytes = b""  # a cumulative /generate event not yet folded into text and ids
+
+    def settle(self) -> None:
+        """Fold the latest cumulative /generate event's text and ids in (a resume needs
+        them; the relay reads only its counts)."""
+        if self.latest:
+            try:
+                chunk = msgspec.json.decode(self.latest)
+            except msgspec.DecodeError:
+                chunk = None
+            self.latest = b""
+            if isinstance(chunk, dict):
+                self.fold(chunk)
+
+    def fold(self, chunk: dict[str, Any]) -> None:
+        """Take a cumulative /generate event's text and ids as what the client holds."""
+        text, ids = chunk.get("text"), chunk.get("output_ids")
+        if isinstance(text, str):
+            self.text = text
+        if isinstance(ids, list) and all(isinstance(i, int) for i in ids):
+            self.ids = ids
 
 
 class Splicer:
@@ -47,11 +70,14 @@ class Splicer:
 
     def resumed(self) -> None:
         r = self.received
+        r.settle()
         self.base = Received(r.api, r.text, list(r.ids), r.tokens, r.response_id)
 
     def take(self, data: bytes) -> bytes | None:
         """Account for one data payload; return a rewritten payload, or None to forward
         the original bytes unchanged."""
+        if self.base is None and self.received.api is EngineAPI.GENERATE and self._counts(data):
+            return None
         try:
             chunk = msgspec.json.decode(data)
         except msgspec.DecodeError:
@@ -62,8 +88,29 @@ class Splicer:
             return self._generate(chunk)
         return self._openai(chunk)
 
+    def _counts(self, data: bytes) -> bool:
+        """Read a fresh /generate event for its counts alone; False when it does not
+        carry them (it is then decoded whole)."""
+        try:
+            meta = generate_meta(data)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return False
+        if meta is None or meta.completion_tokens is None:
+            return False
+        r = self.received
+        r.latest = data
+        if not r.response_id and meta.id:
+            r.response_id = meta.id
+        if meta.prompt_tokens is not None:
+            r.prompt_tokens = meta.prompt_tokens
+        r.tokens = meta.completion_tokens
+        if meta.finish_type:
+            r.finish_reason = meta.finish_type
+        return True
+
     def _generate(self, chunk: dict[str, Any]) -> bytes | None:
         r, base = self.received, self.base
+        r.latest = b""
         meta = chunk.get("meta_info")
         meta = meta if isinstance(meta, dict) else {}
         text = chunk.get("text")
@@ -85,10 +132,7 @@ class Splicer:
                 r.response_id = meta["id"]
             if isinstance(meta.get("prompt_tokens"), int):
                 r.prompt_tokens = meta["prompt_tokens"]
-        if isinstance(text, str):
-            r.text = text
-        if isinstance(ids, list) and all(isinstance(i, int) for i in ids):
-            r.ids = ids
+        r.fold(chunk)
         if isinstance(completion, int):
             r.tokens = completion
         elif isinstance(ids, list):

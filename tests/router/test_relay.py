@@ -73,3 +73,27 @@ def test_a_resumed_chat_stream_keeps_its_id_and_announces_the_role_once() -> Non
     assert json.loads(splicer.take(json.dumps(usage).encode()) or b"")["usage"] == {
         "prompt_tokens": 12, "completion_tokens": 7, "total_tokens": 19,
     }  # fmt: skip
+
+
+def test_a_fresh_generate_stream_is_read_for_its_counts_and_its_output_at_resume() -> None:
+    received = Received(EngineAPI.GENERATE)
+    splicer = Splicer(received)
+    for n in (1, 2, 3):
+        event = {"text": "abc"[:n], "output_ids": [97, 98, 99][:n],
+                 "meta_info": {"id": "rid-1", "prompt_tokens": 5, "completion_tokens": n,
+                               "finish_reason": {"type": "length"} if n == 3 else None}}  # fmt: skip
+        assert splicer.take(json.dumps(event, separators=(",", ":")).encode()) is None
+    assert (received.tokens, received.prompt_tokens, received.response_id) == (3, 5, "rid-1")
+    assert received.finish_reason == "length"
+    received.settle()  # what a resume reads: the latest event's cumulative output
+    assert (received.text, received.ids) == ("abc", [97, 98, 99])
+
+
+def test_a_generate_event_without_counts_is_read_whole() -> None:
+    received = Received(EngineAPI.GENERATE)
+    splicer = Splicer(received)
+    assert splicer.take(b'{"text": "ab", "output_ids": [97, 98], "meta_info": {}}') is None
+    assert (received.tokens, received.text, received.ids) == (2, "ab", [97, 98])
+    splicer.resumed()
+    assert splicer.base is not None
+    assert (splicer.base.text, splicer.base.ids) == ("ab", [97, 98])

@@ -3,7 +3,11 @@
 1. Decision latency over a 1,000-endpoint snapshot (goal: p99 <= 50 µs in-process) and
    decisions per second on one core: the default profile (all filters, every cost-model
    scorer) over a seeded pool with mixed load, watermarks and a warm prefix index.
-2. Proxied streaming: reference engines and a router run as subprocesses (`weir engine`,
+2. Reading a streamed `/generate` event, 64 and 4,000 tokens into a stream: its events
+   are cumulative (every event carries the whole output so far), so the router reads
+   their counts only; the read must cost the same however long the output (goal: the
+   4,000-token read within 2× the 64-token one).
+3. Proxied streaming: reference engines and a router run as subprocesses (`weir engine`,
    `weir router`); the same streamed requests go direct to an engine and through the
    router, alternating, so the added time to first token (goal: p50 <= 1 ms) and the
    streaming throughput are measured against a baseline from the same run.
@@ -57,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
         },
     )
     _decisions(report, args)
+    _event_reads(report, args)
     if not args.skip_proxy:
         asyncio.run(_proxy(report, args))
     report.emit(args.json)
@@ -185,6 +190,46 @@ def _decisions(report: Report, args: argparse.Namespace) -> None:
             p99=min(rates),
         )
     )
+
+
+def _event_reads(report: Report, args: argparse.Namespace) -> None:
+    import msgspec
+
+    from controlplane.contract import EngineAPI
+    from controlplane.gateway.relay import Received, Splicer
+
+    reads = 2000
+    medians: dict[int, float] = {}
+    for tokens in (64, 4000):
+        event = msgspec.json.encode({
+            "text": "weir " * (tokens // 5), "output_ids": list(range(1000, 1000 + tokens)),
+            "meta_info": {"id": "bench", "finish_reason": None, "prompt_tokens": 12,
+                          "completion_tokens": tokens, "cached_tokens": 0},
+        })  # fmt: skip
+        samples = []
+        for _ in range(args.runs):
+            splicer = Splicer(Received(EngineAPI.GENERATE))
+            started = time.thread_time_ns()
+            for _ in range(reads):
+                splicer.take(event)
+            samples.append((time.thread_time_ns() - started) / reads / 1000.0)
+        median, p99 = median_p99(samples)
+        medians[tokens] = median
+        if tokens == 64:
+            report.add(Figure("relay read, /generate event at 64 tokens", median, "µs", p99=p99))
+            continue
+        ratio = median / medians[64]
+        report.add(
+            Figure(
+                "relay read, /generate event at 4,000 tokens",
+                median,
+                "µs",
+                p99=p99,
+                goal="<= 2x the 64-token read",
+                met=ratio <= 2.0,
+                note=f"{ratio:.2f}x the 64-token read; the event is {len(event):,} bytes",
+            )
+        )
 
 
 def _fixed_work(loops: int) -> float:
