@@ -72,10 +72,10 @@ class EngineStream(Protocol):
         self,
         on_batch: Callable[[list[StreamEvent]], bool],
         on_wire: Callable[[bytes, StreamEvent], bool | None] | None = None,
-    ) -> None:
-        """Hand each read's events to `on_batch` until the stream ends (returns) or
-        `on_batch` returns True (returns; call again to go on). `on_wire` takes reads
-        undecoded, as `Response.push_events` says."""
+    ) -> bool:
+        """Hand each read's events to `on_batch` until the stream ends (returns True) or
+        `on_batch` returns True (returns False; call again to go on). `on_wire` takes
+        reads undecoded, as `Response.push_events` says."""
         ...
 
     async def body(self) -> bytes: ...
@@ -109,9 +109,9 @@ class _HTTPStream:
         self,
         on_batch: Callable[[list[StreamEvent]], bool],
         on_wire: Callable[[bytes, StreamEvent], bool | None] | None = None,
-    ) -> None:
+    ) -> bool:
         try:
-            await self._response.push_events(on_batch, on_wire)
+            return await self._response.push_events(on_batch, on_wire)
         except TransportError as exc:
             raise EngineError(f"{self._url}: the stream broke: {exc}") from exc
 

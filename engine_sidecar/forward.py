@@ -13,16 +13,12 @@ stops reading past a limit); and the segment's end.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 
-from aiohttp import web
-
+from controlplane.transport.event_stream import DirectWriter
 from engine_sidecar.engine import EngineStream, StreamEvent
 from engine_sidecar.ledger import Flight, Ledger
 from engine_sidecar.relay import Step, StreamReader
-
-_DRAIN_POLL_S = 0.005  # how often a task waiting for a slow client looks at its buffer
 
 
 class Forwarder:
@@ -43,20 +39,11 @@ class Forwarder:
         self._base = base  # tokens the request had before this endpoint took it over
         self._skims = reader.skims
         self._deadline = flight.record.deadline_at
-        self._transport: asyncio.Transport | None = None  # set once the headers are out
-        self._protocol: web.RequestHandler | None = None
-        self._chunked = False
+        self._out: DirectWriter | None = None
         self.finish = ""  # the engine's finish; "deadline" when the deadline passed
         self.ended = False  # the segment is over (finish, [DONE], or the preemption abort)
         self.pending = b""  # bytes the task writes (the first, with the headers)
         self._new_prompt = 0  # the engine's prompt size, read but not yet accounted
-
-    def direct(self, request: web.Request, response: web.StreamResponse) -> None:
-        """The headers are out: from now on, write to the client's transport directly,
-        framing chunks as aiohttp would (it frames the final chunk, at `write_eof`)."""
-        self._transport = request.transport
-        self._protocol = request.protocol
-        self._chunked = response.headers.get("Transfer-Encoding") == "chunked"
 
     def feed_wire(self, wire: bytes, last: StreamEvent) -> bool | None:
         """Cut-through: a read of whole engine chunks, forwarded as it came (the client's
@@ -64,18 +51,16 @@ class Forwarder:
         fresh cumulative /generate segment (whose events go out unchanged, the earlier
         ones of a read unread) takes it; a pending preemption or a passed deadline
         declines (None), to the decoding path."""
-        transport = self._transport
+        out = self._out
         if self._flight.preempt_mode or (self._deadline and self._ledger.clock() >= self._deadline):
             return None
-        assert transport is not None  # offered only once the headers are out
+        assert out is not None  # offered only once the headers are out
         step = self._read(last)
         if step.finish:
             self.finish = step.finish
-        if transport.is_closing():
-            raise ConnectionResetError("the client went away")
-        transport.write(wire)
+        out.write_framed(wire)
         self._account()
-        return self.blocked
+        return out.blocked
 
     def feed(self, batch: list[StreamEvent]) -> bool:
         """The events of one read; True stops the push (the segment ended, or the task
@@ -83,14 +68,14 @@ class Forwarder:
         if self._deadline and self._ledger.clock() >= self._deadline:
             self.finish, self.ended = "deadline", True
             return True
-        out: list[bytes] = []
+        data: list[bytes] = []
         last = len(batch) - 1
         for i, event in enumerate(batch):
             if event.done:
                 self.ended = True
                 break
             if self._skims and i < last and not batch[i + 1].done:
-                out.append(event.raw)  # the read's last event has the totals
+                data.append(event.raw)  # the read's last event has the totals
                 continue
             step = self._read(event)
             if step.finish == "abort" and self._flight.preempt_mode:
@@ -98,20 +83,17 @@ class Forwarder:
                 self.finish, self.ended = "abort", True
                 break
             if step.forward is not None:
-                out.append(step.forward)
+                data.append(step.forward)
             if step.finish:
                 self.finish = step.finish
-        data = out[0] if len(out) == 1 else b"".join(out)
-        transport = self._transport
-        if transport is None:
-            self.pending += data
+        out = self._out
+        if out is None or not out.direct:
+            self.pending += b"".join(data)
             return True
         if data:
-            if transport.is_closing():
-                raise ConnectionResetError("the client went away")
-            transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data)
+            out.write(data[0] if len(data) == 1 else b"".join(data))
         self._account()
-        return self.ended or self.blocked
+        return self.ended or out.blocked
 
     def _read(self, event: StreamEvent) -> Step:
         reader = self._reader
@@ -119,15 +101,6 @@ class Forwarder:
         if step.prompt_tokens and not reader.prompt_tokens and self._base == 0:
             reader.prompt_tokens = self._new_prompt = step.prompt_tokens
         return step
-
-    @property
-    def headers_out(self) -> bool:
-        return self._transport is not None
-
-    @property
-    def blocked(self) -> bool:
-        """The client's socket buffer is full: stop reading the engine until it drains."""
-        return self._protocol is not None and self._protocol.writing_paused
 
     def _account(self) -> None:
         """The events of one read arrived together: the ledger takes their total (and the
@@ -137,26 +110,18 @@ class Forwarder:
             self._new_prompt = 0
         self._note_tokens(self._flight, self._reader.generated - self._base)
 
-    async def run(
-        self, stream: EngineStream, request: web.Request, response: web.StreamResponse
-    ) -> str:
-        """Relay the segment; returns the engine's finish: '' when the stream ended
-        without one, 'abort' (not forwarded) when it ended for this request's
+    async def run(self, stream: EngineStream, out: DirectWriter) -> str:
+        """Relay the segment to `out`; returns the engine's finish: '' when the stream
+        ended without one, 'abort' (not forwarded) when it ended for this request's
         preemption, 'deadline' when the request's deadline passed."""
+        self._out = out
         while True:
-            cut_through = self._skims and self._chunked and self._transport is not None
-            await stream.push(self.feed, self.feed_wire if cut_through else None)
+            cut_through = self._skims and out.direct and out.chunked
+            body_ended = await stream.push(self.feed, self.feed_wire if cut_through else None)
             if self.pending:
                 data, self.pending = self.pending, b""
-                await response.write(data)
-                self.direct(request, response)
+                await out.write_first(data)
                 self._account()
-            elif self.blocked and not self.ended:
-                # aiohttp offers no public wait for a drained client socket; a slow
-                # client is rare, and looking every few ms costs nothing meanwhile.
-                while self.blocked and request.protocol.connected:  # noqa: ASYNC110
-                    await asyncio.sleep(_DRAIN_POLL_S)
-            else:
-                return self.finish  # the segment ended, or the stream did
-            if self.ended:
+            if self.ended or body_ended:
                 return self.finish
+            await out.drain()  # stopped for a full client buffer (or the first write)

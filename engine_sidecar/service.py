@@ -51,6 +51,7 @@ from controlplane.contract import (
     encode_json,
 )
 from controlplane.contract import headers as wire
+from controlplane.transport.event_stream import DirectWriter, EventStreamResponse
 from engine_sidecar.engine import EngineAdapter, EngineError, EngineInfo
 from engine_sidecar.forward import Forwarder
 from engine_sidecar.intake import (
@@ -96,13 +97,6 @@ def _bad(exc: RequestError) -> web.Response:
         body=error_body(exc.kind, str(exc), **extra),
         content_type="application/json",
     )
-
-
-class _SSEResponse(web.StreamResponse):
-    """A stream whose headers leave with its first event: one send, one wake-up of the
-    client, on the way to the first token."""
-
-    _send_headers_immediately = False
 
 
 @dataclass
@@ -401,7 +395,7 @@ class SidecarService:
         reader.client_usage = isinstance(options, dict) and options.get("include_usage") is True
         base = reader.offset_tokens
         response: web.StreamResponse | None = None
-        headers_out = False  # the response's headers left with its first bytes
+        out: DirectWriter | None = None
         segment = 0
         path = ENGINE_PATH[flight.intake.api]
         while True:
@@ -423,15 +417,14 @@ class SidecarService:
                         lost = True
                     else:
                         if response is None:
-                            response = _SSEResponse(
+                            response = EventStreamResponse(
                                 headers={**_SSE_HEADERS, wire.REQUEST_ID: flight.rid}
                             )
                             await response.prepare(request)
+                            out = DirectWriter(request, response)
+                        assert out is not None  # made with the response
                         forwarder = Forwarder(reader, flight, self.ledger, self._note_tokens, base)
-                        if headers_out:
-                            forwarder.direct(request, response)
-                        finish = await forwarder.run(stream, request, response)
-                        headers_out = forwarder.headers_out
+                        finish = await forwarder.run(stream, out)
             except (EngineError, MalformedEventError) as exc:
                 log.warning("request %s lost its engine stream: %s", flight.rid, exc)
                 lost = True

@@ -48,7 +48,7 @@ from controlplane.gateway.errors import GatewayError, overload, unavailable
 from controlplane.gateway.metrics import RouterMetrics, length_bucket
 from controlplane.gateway.pool import PoolView
 from controlplane.gateway.quotas import QuotaGate
-from controlplane.gateway.relay import PREEMPTED_EVENT, Received, Splicer, sse
+from controlplane.gateway.relay import Received, SegmentRelay, Splicer, sse
 from controlplane.gateway.requests import ClientRequest, Limits, decode_body, parse, resume_body
 from controlplane.gateway.tenants import TENANT_HEADER, TenantKeys
 from controlplane.ownership import block_hashes, prefix_key
@@ -65,6 +65,7 @@ from controlplane.routing import (
     profile_from_config,
 )
 from controlplane.transport import DONE, HTTPClient, Response, TransportError
+from controlplane.transport.event_stream import DirectWriter, EventStreamResponse
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +146,7 @@ class _Exchange:
     received: Received
     splicer: Splicer
     response: web.StreamResponse | None = None
+    out: DirectWriter | None = None  # the response's writer, for relays from a callback
     endpoint: str = ""
     address: str = ""
     upstream_rid: str = ""
@@ -585,37 +587,40 @@ class Gateway:
         self, request: web.Request, ex: _Exchange, upstream: Response
     ) -> tuple[str, web.StreamResponse | None]:
         if ex.response is None:
-            stream = _EventStream(
+            ex.response = EventStreamResponse(
                 headers={
                     "Content-Type": "text/event-stream",
                     "Cache-Control": "no-cache",
                     wire.ENDPOINT: ex.endpoint,
                 }
             )
-            await stream.prepare(request)
-            ex.response = stream
-        response = ex.response
-        received = ex.received
-        async for events in upstream.events():
-            out = bytearray()  # the events of one upstream read go out in one write
-            for event in events:
-                if event.event == PREEMPTED_EVENT:
-                    if out:
-                        await _write(response, bytes(out))
+            await ex.response.prepare(request)
+            ex.out = DirectWriter(request, ex.response)
+        assert ex.out is not None  # made with the response
+        out, response = ex.out, ex.response
+
+        def first_token() -> None:
+            ex.first_token_at = self.clock()
+
+        relay = SegmentRelay(ex.splicer, out, first_token)
+        try:
+            while True:
+                wire_sink = relay.feed_wire if relay.cuts_through else None
+                body_ended = await upstream.push_events(relay.feed, wire_sink)
+                if relay.pending:
+                    data, relay.pending = bytes(relay.pending), bytearray()
+                    await out.write_first(data)
+                if relay.outcome == "preempted":
                     return "preempted", None
-                if event.data == DONE:
-                    await _write(response, bytes(out + event.raw))
-                    ex.finish = received.finish_reason or "stop"
+                if relay.outcome == "done":
+                    ex.finish = ex.received.finish_reason or "stop"
                     await response.write_eof()
                     return "done", response
-                before = received.tokens
-                rewritten = ex.splicer.take(event.data)
-                if received.tokens > before and not ex.first_token_at:
-                    ex.first_token_at = self.clock()
-                out += event.raw if rewritten is None else sse(rewritten)
-            if out:
-                await _write(response, bytes(out))
-        return "broken", None
+                if body_ended:
+                    return "broken", None  # the upstream stream ended without [DONE]
+                await out.drain()  # stopped for a full client buffer (or the first write)
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError) as exc:
+            raise _ClientGoneError() from exc
 
     async def _end_stream(
         self, ex: _Exchange, *, complete: bool, refusal: GatewayError | None = None
@@ -789,14 +794,6 @@ class Gateway:
                 "endpoints": endpoints,
             }
         )
-
-
-class _EventStream(web.StreamResponse):
-    """A streamed reply whose headers leave with its first event, in one packet: the
-    client is woken once for its first token instead of once for the headers and once
-    more for the token (aiohttp's own `Response` buffers headers the same way)."""
-
-    _send_headers_immediately = False
 
 
 def _fair_cost(route: RouteRequest) -> float:

@@ -13,6 +13,7 @@ Only whole events are forwarded, so a stream cut mid-event never leaves half an 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +21,8 @@ import msgspec
 
 from controlplane.contract import EngineAPI
 from controlplane.contract.stream_events import generate_meta
+from controlplane.transport import DONE, SSEEvent
+from controlplane.transport.event_stream import DirectWriter
 
 PREEMPTED_EVENT = b"weir.preempted"
 
@@ -37,10 +40,15 @@ class Received:
     prompt_tokens: int = 0
     text_bytes: int = 0  # len(text) in UTF-8, kept as text grows (OpenAI deltas)
     latest: bytes = b""  # a cumulative /generate event not yet folded into text and ids
+    pieces: list[str] = field(default_factory=list)  # OpenAI deltas not yet in text
 
     def settle(self) -> None:
-        """Fold the latest cumulative /generate event's text and ids in (a resume needs
-        them; the relay reads only its counts)."""
+        """Fold what arrived since into `text` and `ids` (a resume needs them): the
+        latest cumulative /generate event, of which the relay read only the counts, and
+        OpenAI deltas (a string grown per event costs time linear in the output)."""
+        if self.pieces:
+            self.text += "".join(self.pieces)
+            self.pieces.clear()
         if self.latest:
             try:
                 chunk = msgspec.json.decode(self.latest)
@@ -155,7 +163,7 @@ class Splicer:
             if isinstance(piece, str) and piece:
                 # OpenAI chunks carry text, one or more tokens of it: count by bytes
                 # (exact for byte-token engines, an estimate for real tokenizers).
-                r.text += piece
+                r.pieces.append(piece)
                 r.text_bytes += len(piece.encode("utf-8"))
                 r.tokens = round(r.text_bytes / self.bytes_per_token)
             if isinstance(choice.get("finish_reason"), str):
@@ -175,6 +183,70 @@ class Splicer:
         if base.response_id:
             chunk["id"] = base.response_id
         return msgspec.json.encode(chunk)
+
+
+class SegmentRelay:
+    """One upstream stream relayed to the client from inside the upstream connection's
+    read callback (`feed`): no task wakes per read. `outcome` says how it ended:
+    "done" (`[DONE]` forwarded), "preempted" (the sidecar's continuation event, not
+    forwarded), or "" (the stream broke off)."""
+
+    def __init__(
+        self, splicer: Splicer, out: DirectWriter, on_first_token: Callable[[], None]
+    ) -> None:
+        self._splicer = splicer
+        self._received = splicer.received
+        self._out = out
+        self._on_first_token = on_first_token
+        self.outcome = ""
+        self.pending = bytearray()  # bytes for the task to write (the first, with headers)
+
+    @property
+    def cuts_through(self) -> bool:
+        """Whole chunks may go to the client as they came: a fresh /generate stream,
+        whose events are forwarded unchanged, onto a chunked response."""
+        return (
+            self._splicer.base is None
+            and self._received.api is EngineAPI.GENERATE
+            and self._out.direct
+            and self._out.chunked
+        )
+
+    def feed(self, events: list[SSEEvent]) -> bool:
+        """The events of one upstream read; True stops the push (the stream ended, or
+        the task must write or wait)."""
+        data = bytearray()  # the events of one upstream read go out in one write
+        for event in events:
+            if event.event == PREEMPTED_EVENT:
+                self.outcome = "preempted"
+                break
+            if event.data == DONE:
+                data += event.raw
+                self.outcome = "done"
+                break
+            rewritten = self._take(event)
+            data += event.raw if rewritten is None else sse(rewritten)
+        out = self._out
+        if not out.direct:
+            self.pending += data
+            return True
+        if data:
+            out.write(bytes(data))
+        return bool(self.outcome) or out.blocked
+
+    def feed_wire(self, wire: bytes, last: SSEEvent) -> bool:
+        """Cut-through: whole chunks forwarded as they came, counted by their last
+        event (see `cuts_through`)."""
+        self._take(last)
+        self._out.write_framed(wire)
+        return self._out.blocked
+
+    def _take(self, event: SSEEvent) -> bytes | None:
+        before = self._received.tokens
+        rewritten = self._splicer.take(event.data)
+        if self._received.tokens > before and not before:
+            self._on_first_token()
+        return rewritten
 
 
 def sse(data: bytes) -> bytes:

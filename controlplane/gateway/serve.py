@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import logging
 import math
 import time
 from collections.abc import Sequence
@@ -28,6 +28,8 @@ from controlplane.store import (
     reap_forever,
 )
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class RunningGateway:
@@ -38,10 +40,17 @@ class RunningGateway:
     _redis: Redis | None
 
     async def close(self) -> None:
+        # A cancellation that lands while a Redis command times out can come back as the
+        # command's timeout (a RedisError, which the loops retry): cancel until they end.
+        pending = [task for task in self._tasks if not task.done()]
+        while pending:
+            for task in pending:
+                task.cancel()
+            await asyncio.wait(pending, timeout=1.0)
+            pending = [task for task in pending if not task.done()]
         for task in self._tasks:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            if not task.cancelled() and task.exception() is not None:
+                log.warning("background task %s failed: %s", task.get_name(), task.exception())
         await self._runner.cleanup()
         if self._redis is not None:
             await self._redis.aclose()

@@ -307,12 +307,13 @@ class _Connection(asyncio.Protocol):
         self,
         sink: Callable[[bytes], bool],
         wire_sink: Callable[[bytes, int, int], bool | None] | None = None,
-    ) -> None:
+    ) -> bool:
         """Hand the body to `sink` from inside `data_received`, a read's bytes per call
         (bytes that came before, at once), until the body ends or `sink` returns True.
         A chunked read that holds whole chunks, none the last, goes first to `wire_sink`
         as it came, with the bounds of its last chunk's payload; it returns None to have
-        the read decoded for `sink` after all. Raises what a sink raised, or the
+        the read decoded for `sink` after all. Returns whether the whole body has been
+        handed over (False: a sink stopped it). Raises what a sink raised, or the
         connection's TransportError."""
         self._sink, self._wire_sink, self._sink_error = sink, wire_sink, None
         try:
@@ -322,6 +323,7 @@ class _Connection(asyncio.Protocol):
                 await self._wait()
             if self._sink_error is not None:
                 raise self._sink_error
+            return self.complete
         finally:
             self._sink = self._wire_sink = None
 
@@ -461,13 +463,13 @@ class Response:
         self,
         on_events: Callable[[list[SSEEvent]], bool],
         on_wire: Callable[[bytes, SSEEvent], bool | None] | None = None,
-    ) -> None:
+    ) -> bool:
         """The body as server-sent events, as `events()` reads them, but each read's batch
         is handed to `on_events` from inside the connection's read callback: no task
-        wakes per read. Returns once the body has ended, or as soon as a callback returns
-        True (call again to go on: the framing state is kept, and what arrives meanwhile
-        is buffered as for `events()`); raises what a callback raised, or
-        TransportError.
+        wakes per read. Returns True once the whole body has been handed over, or False
+        as soon as a callback returns True (call again to go on: the framing state is
+        kept, and what arrives meanwhile is buffered as for `events()`); raises what a
+        callback raised, or TransportError.
 
         `on_wire` is cut-through for a relay that forwards chunked bytes as they came:
         a read of whole chunks (the body's end not among them) whose last chunk is one
@@ -476,7 +478,7 @@ class Response:
         returns None to decline: the read then goes to `on_events` as usual."""
         conn = self._conn
         if conn is None:
-            return
+            return True
         framer = self._framer
 
         def take(data: bytes) -> bool:
@@ -492,7 +494,7 @@ class Response:
             event = one_data_event(data[start:end])
             return None if event is None or event.done else on_wire(data, event)
 
-        await conn.push(take, take_wire if on_wire is not None else None)
+        return await conn.push(take, take_wire if on_wire is not None else None)
 
     def close(self) -> None:
         conn, self._conn = self._conn, None

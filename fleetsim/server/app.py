@@ -17,6 +17,7 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from controlplane.transport.event_stream import EventStreamResponse
 from fleetsim.engine import EngineConfig, EngineModel, EngineRequest, RequestError
 from fleetsim.server.driver import EngineDriver, Stream
 from fleetsim.server.metrics import EngineMetrics
@@ -57,13 +58,6 @@ def _openai_error(message: str, status: int) -> web.Response:
         {"object": "error", "message": message, "type": kind, "param": None, "code": status},
         status,
     )
-
-
-class _EventStream(web.StreamResponse):
-    """A stream whose headers leave with its first event, as a real server's first write
-    does: one send, and one wake-up of the client, on the way to the first token."""
-
-    _send_headers_immediately = False
 
 
 class EngineServer:
@@ -170,7 +164,7 @@ class EngineServer:
         stream: Stream,
         chunks: Callable[[Stream, bool], list[object]],
     ) -> web.StreamResponse:
-        response = _EventStream(headers=_SSE_HEADERS)
+        response = EventStreamResponse(headers=_SSE_HEADERS)  # as a real server's first write
         await response.prepare(request)
         try:
             async for last in self._follow(stream):

@@ -49,6 +49,31 @@ async def test_a_streamed_chat_through_the_router_matches_the_engine(fleet: Flee
     assert texts[0] == texts[1]
 
 
+async def test_a_long_generate_stream_to_a_slow_client_arrives_whole(fleet: Fleet) -> None:
+    """A client that stops reading fills the router's socket buffers: the router stops
+    reading upstream meanwhile, and loses, repeats or reorders nothing."""
+    body = {"text": "weir", "sampling_params": {"max_new_tokens": 2500, "ignore_eos": True},
+            "stream": True}  # fmt: skip
+    engine_url = next(iter(fleet.engines.values())).url
+    streams = []
+    for base, bufsize in ((engine_url, 2**16), (fleet.url, 1024)):
+        async with (
+            aiohttp.ClientSession(read_bufsize=bufsize) as session,
+            session.post(base + "/generate", json=body) as reply,
+        ):
+            assert reply.status == 200
+            await asyncio.sleep(1.0 if base == fleet.url else 0)  # megabytes wait
+            frames = (await reply.read()).split(b"\n\n")
+        assert frames[-2:] == [b"data: [DONE]", b""]
+        streams.append([msgspec.json.decode(f[6:]) for f in frames[:-2]])
+    direct, relayed = streams
+    counts = [e["meta_info"]["completion_tokens"] for e in relayed]
+    assert counts == [e["meta_info"]["completion_tokens"] for e in direct]
+    assert counts[-1] == 2500
+    assert relayed[-1]["output_ids"] == direct[-1]["output_ids"]
+    assert relayed[-1]["text"] == direct[-1]["text"]
+
+
 def _owners(fleet: Fleet, prompt: str) -> tuple[str, str]:
     """The ring's owners of a prompt, computed here independently of the gateway."""
     policy = fleet.gateway.gateway.config.routing

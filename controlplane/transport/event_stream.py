@@ -1,0 +1,69 @@
+"""The client side of a relayed event stream, on an aiohttp server response.
+
+`EventStreamResponse` sends its headers with its first event: one packet and one wake-up
+of the client on the way to the first token, instead of one for the headers and one for
+the event. `DirectWriter` lets a relay write the stream from inside an upstream read
+callback, where no coroutine can run: the first write goes through aiohttp (with the
+headers); after it, the writer writes on the client's transport itself, framing chunks
+as aiohttp would (aiohttp still frames the final chunk, at `write_eof`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+
+_DRAIN_POLL_S = 0.005  # how often a relay waiting for a slow client looks at its buffer
+
+
+class EventStreamResponse(web.StreamResponse):
+    """A streamed reply whose headers leave with its first event."""
+
+    # aiohttp's own `Response` buffers its headers the same way; a StreamResponse has no
+    # public switch for it.
+    _send_headers_immediately = False
+
+
+class DirectWriter:
+    """Writes a prepared stream's bytes on the client's transport, from a callback."""
+
+    def __init__(self, request: web.Request, response: web.StreamResponse) -> None:
+        self._request = request
+        self._response = response
+        self._transport: asyncio.Transport | None = None  # set once the headers are out
+        self.chunked = False  # the response's body is chunked (HTTP/1.1)
+
+    @property
+    def direct(self) -> bool:
+        """The headers are out: `write` may be called."""
+        return self._transport is not None
+
+    async def write_first(self, data: bytes) -> None:
+        """The first bytes, through aiohttp, which sends the headers with them."""
+        await self._response.write(data)
+        self._transport = self._request.transport
+        self.chunked = self._response.headers.get("Transfer-Encoding") == "chunked"
+
+    def write(self, data: bytes) -> None:
+        """Bytes of the body, framed as a chunk when the body is chunked."""
+        self.write_framed(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
+
+    def write_framed(self, wire: bytes) -> None:
+        """Bytes already framed for the wire (whole chunks of a chunked body)."""
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            raise ConnectionResetError("the client went away")
+        transport.write(wire)
+
+    @property
+    def blocked(self) -> bool:
+        """The client's socket buffer is full: stop reading upstream until it drains."""
+        return self._transport is not None and self._request.protocol.writing_paused
+
+    async def drain(self) -> None:
+        """Wait until the client's buffer drains (or the client is gone)."""
+        # aiohttp offers no public wait for it; a slow client is rare, and looking every
+        # few milliseconds costs nothing meanwhile.
+        while self.blocked and self._request.protocol.connected:  # noqa: ASYNC110
+            await asyncio.sleep(_DRAIN_POLL_S)
