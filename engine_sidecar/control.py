@@ -16,12 +16,13 @@ import collections
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from controlplane.contract import EndpointState, Lifecycle, SchemaError
-from controlplane.store import EndpointLease, EndpointRegistry, FencedError
+from controlplane.store import EndpointLease, EndpointRegistry, FencedError, cancel_loops
 from controlplane.store.commands import CommandChannel
 from controlplane.store.quotas import QuotaStore
 from engine_sidecar.ledger import COMMITTED
@@ -168,10 +169,12 @@ class ControlLink:
         # call (a command cancelled mid-reply can leave its connection unreleased).
         self._closing = True
         self.service.ledger.changed.set()
+        ends: list[Awaitable[object]] = []
         if self._commands is not None:
-            self._commands.cancel()
-        tasks = [t for t in (self._heartbeat, self._commands) if t is not None]
-        await asyncio.gather(*tasks, return_exceptions=True)
+            ends.append(cancel_loops([self._commands]))
+        if self._heartbeat is not None:
+            ends.append(self._heartbeat)
+        await asyncio.gather(*ends, return_exceptions=True)
         with contextlib.suppress(RedisError, OSError):
             await self.quota.retry_releases()
         with contextlib.suppress(RedisError, OSError):

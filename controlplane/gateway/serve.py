@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import math
 import time
 from collections.abc import Sequence
@@ -24,11 +23,10 @@ from controlplane.store import (
     PoolFollower,
     QuotaStore,
     RedisSettings,
+    cancel_loops,
     connect,
     reap_forever,
 )
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -40,17 +38,7 @@ class RunningGateway:
     _redis: Redis | None
 
     async def close(self) -> None:
-        # A cancellation that lands while a Redis command times out can come back as the
-        # command's timeout (a RedisError, which the loops retry): cancel until they end.
-        pending = [task for task in self._tasks if not task.done()]
-        while pending:
-            for task in pending:
-                task.cancel()
-            await asyncio.wait(pending, timeout=1.0)
-            pending = [task for task in pending if not task.done()]
-        for task in self._tasks:
-            if not task.cancelled() and task.exception() is not None:
-                log.warning("background task %s failed: %s", task.get_name(), task.exception())
+        await cancel_loops(self._tasks)
         await self._runner.cleanup()
         if self._redis is not None:
             await self._redis.aclose()

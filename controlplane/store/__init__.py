@@ -29,7 +29,7 @@ when Redis stays unreachable after the client's retries.
 """
 
 from controlplane.store.commands import CommandChannel, Delivery
-from controlplane.store.connection import RedisSettings, connect
+from controlplane.store.connection import RedisSettings, cancel_loops, connect
 from controlplane.store.credits import CreditRefusal, CreditStore
 from controlplane.store.follower import PoolFollower, Refresh
 from controlplane.store.keys import PoolKeys
@@ -74,6 +74,7 @@ __all__ = [
     "RedisSettings",
     "Refresh",
     "TenantUsage",
+    "cancel_loops",
     "connect",
     "reap_forever",
 ]

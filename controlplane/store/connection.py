@@ -9,6 +9,9 @@ failover through their NOSCRIPT reload (see `scripts`).
 
 from __future__ import annotations
 
+import asyncio
+import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +20,8 @@ from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import ConnectionError, TimeoutError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,3 +132,20 @@ class _SentinelMaster(Redis):
         await super().aclose(close_connection_pool)
         for client in self.sentinels:
             await client.aclose()
+
+
+async def cancel_loops(tasks: Sequence[asyncio.Task[Any]]) -> None:
+    """Cancel tasks that loop over Redis commands, and wait until they have ended.
+
+    A cancellation that lands while a command's read times out can come back as the
+    command's timeout, a RedisError, which such loops catch and retry: one cancel may not
+    end them (seen under load with redis-py 8.1), so they are cancelled until they do."""
+    pending = [task for task in tasks if not task.done()]
+    while pending:
+        for task in pending:
+            task.cancel()
+        await asyncio.wait(pending, timeout=1.0)
+        pending = [task for task in pending if not task.done()]
+    for task in tasks:
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("task %s had failed: %s", task.get_name(), task.exception())

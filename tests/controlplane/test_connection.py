@@ -1,7 +1,9 @@
-"""Connection settings against real servers: TLS with AUTH, and refused bad settings."""
+"""Connection settings against real servers: TLS with AUTH, and refused bad settings; and
+stopping loops over Redis commands."""
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -10,7 +12,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from controlplane.store import EndpointRegistry, RedisSettings, connect
+from controlplane.store import EndpointRegistry, RedisSettings, cancel_loops, connect
 from tests.controlplane.records import POOL, endpoint
 from weir.local.ports import free_port
 from weir.local.redis_server import RedisServer
@@ -85,3 +87,25 @@ async def test_tls_and_auth(tls_redis: tuple[int, Path]) -> None:
 def test_bad_settings_are_refused(field: str, value: float) -> None:
     with pytest.raises(ValueError, match=field):
         RedisSettings(**{field: value})  # type: ignore[arg-type]
+
+
+async def test_a_loop_that_takes_a_cancellation_for_a_redis_timeout_is_still_stopped() -> None:
+    """What a Redis loop does when a cancel lands in a command's timed-out read: the loop
+    sees a RedisError, retries, and goes on. cancel_loops ends it all the same."""
+    swallowed = 0
+
+    async def loop() -> None:
+        nonlocal swallowed
+        while True:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                if swallowed:
+                    raise
+                swallowed += 1  # taken for a timeout, retried
+
+    task = asyncio.ensure_future(loop())
+    await asyncio.sleep(0)
+    await cancel_loops([task])
+    assert task.cancelled()
+    assert swallowed == 1
