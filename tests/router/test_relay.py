@@ -1,37 +1,13 @@
-"""The relay's SSE handling: events survive any chunking, and a resumed stream's events
-continue the first one's text, ids and counts."""
+"""The relay's reading of events: a fresh /generate stream read for its counts, and a
+resumed stream's events continuing the first one's text, ids and counts (the framing's own
+tests are in tests/transport/test_sse.py)."""
 
 from __future__ import annotations
 
-import itertools
 import json
-
-from hypothesis import given
-from hypothesis import strategies as st
 
 from controlplane.contract import EngineAPI
 from controlplane.gateway.relay import Received, Splicer
-from controlplane.transport import SSEFramer
-
-EVENTS = [
-    b'data: {"text": "a"}\n\n',
-    b"event: weir.preempted\ndata: {}\n\n",
-    b'data: {"text": "ab\\n"}\n\n',
-    b"data: [DONE]\n\n",
-]
-
-
-@given(st.lists(st.integers(min_value=1, max_value=len(b"".join(EVENTS)) - 1), max_size=12))
-def test_events_are_the_same_however_the_stream_is_cut(cuts: list[int]) -> None:
-    stream = b"".join(EVENTS)
-    bounds = [0, *sorted(set(cuts)), len(stream)]
-    framer = SSEFramer()
-    seen = []
-    for start, end in itertools.pairwise(bounds):
-        seen.extend(framer.feed(stream[start:end]))
-    assert [e.raw for e in seen] == EVENTS
-    assert [e.event for e in seen] == [b"", b"weir.preempted", b"", b""]
-    assert seen[-1].data == b"[DONE]"
 
 
 def test_a_resumed_generate_stream_continues_cumulative_fields() -> None:

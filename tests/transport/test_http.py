@@ -146,6 +146,21 @@ async def tcp_server(
         await server.wait_closed()
 
 
+def answering(
+    raw: bytes,
+) -> Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]:
+    """A server that answers every request with `raw`, then nothing until the client
+    gives up."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(raw)
+        await writer.drain()
+        await reader.read()
+
+    return handle
+
+
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
 
 
@@ -266,11 +281,7 @@ async def test_a_fresh_connection_that_closes_before_answering_is_not_retried() 
 
 
 async def test_silence_past_the_read_timeout_is_a_transport_error() -> None:
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readuntil(b"\r\n\r\n")
-        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n")
-        await writer.drain()
-        await reader.read()  # then nothing, until the client gives up
+    handle = answering(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n")
 
     async with (
         tcp_server(handle) as url,
@@ -284,11 +295,7 @@ async def test_silence_past_the_read_timeout_is_a_transport_error() -> None:
 
 
 async def test_malformed_answers_and_requests_are_transport_errors() -> None:
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readuntil(b"\r\n\r\n")
-        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n")
-        await writer.drain()
-        await reader.read()
+    handle = answering(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n")
 
     async with tcp_server(handle) as url, HTTPClient() as client:
         with pytest.raises(TransportError, match="malformed"):
@@ -382,11 +389,7 @@ async def test_an_engine_killed_mid_push_is_a_transport_error() -> None:
 
 
 async def test_silence_past_the_read_timeout_fails_a_push() -> None:
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readuntil(b"\r\n\r\n")
-        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n9\r\ndata: a\n\n\r\n")
-        await writer.drain()
-        await reader.read()
+    handle = answering(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n9\r\ndata: a\n\n\r\n")
 
     got: list[bytes] = []
 
