@@ -58,7 +58,7 @@ class Forwarder:
         step = self._read(last)
         if step.finish:
             self.finish = step.finish
-        out.write_framed(wire)
+        out.write(wire, framed=True)
         self._account()
         return out.blocked
 

@@ -238,7 +238,7 @@ class SegmentRelay:
         """Cut-through: whole chunks forwarded as they came, counted by their last
         event (see `cuts_through`)."""
         self._take(last)
-        self._out.write_framed(wire)
+        self._out.write(wire, framed=True)
         return self._out.blocked
 
     def _take(self, event: SSEEvent) -> bytes | None:

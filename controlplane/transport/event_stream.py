@@ -32,6 +32,7 @@ class DirectWriter:
         self._request = request
         self._response = response
         self._transport: asyncio.Transport | None = None  # set once the headers are out
+        self._protocol: web.RequestHandler | None = None
         self.chunked = False  # the response's body is chunked (HTTP/1.1)
 
     @property
@@ -43,23 +44,23 @@ class DirectWriter:
         """The first bytes, through aiohttp, which sends the headers with them."""
         await self._response.write(data)
         self._transport = self._request.transport
+        self._protocol = self._request.protocol
         self.chunked = self._response.headers.get("Transfer-Encoding") == "chunked"
 
-    def write(self, data: bytes) -> None:
-        """Bytes of the body, framed as a chunk when the body is chunked."""
-        self.write_framed(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
-
-    def write_framed(self, wire: bytes) -> None:
-        """Bytes already framed for the wire (whole chunks of a chunked body)."""
+    def write(self, data: bytes, *, framed: bool = False) -> None:
+        """Bytes of the body, framed as a chunk when the body is chunked (`framed`: they
+        are whole chunks already)."""
         transport = self._transport
         if transport is None or transport.is_closing():
             raise ConnectionResetError("the client went away")
-        transport.write(wire)
+        if self.chunked and not framed:
+            data = b"%x\r\n%b\r\n" % (len(data), data)
+        transport.write(data)
 
     @property
     def blocked(self) -> bool:
         """The client's socket buffer is full: stop reading upstream until it drains."""
-        return self._transport is not None and self._request.protocol.writing_paused
+        return self._protocol is not None and self._protocol.writing_paused
 
     async def drain(self) -> None:
         """Wait until the client's buffer drains (or the client is gone)."""
