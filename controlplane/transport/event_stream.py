@@ -14,8 +14,6 @@ import asyncio
 
 from aiohttp import web
 
-_DRAIN_POLL_S = 0.005  # how often a relay waiting for a slow client looks at its buffer
-
 
 class EventStreamResponse(web.StreamResponse):
     """A streamed reply whose headers leave with its first event."""
@@ -63,8 +61,6 @@ class DirectWriter:
         return self._protocol is not None and self._protocol.writing_paused
 
     async def drain(self) -> None:
-        """Wait until the client's buffer drains (or the client is gone)."""
-        # aiohttp offers no public wait for it; a slow client is rare, and looking every
-        # few milliseconds costs nothing meanwhile.
-        while self.blocked and self._request.protocol.connected:  # noqa: ASYNC110
-            await asyncio.sleep(_DRAIN_POLL_S)
+        """Wait until the client's buffer has drained; ConnectionResetError if the client
+        goes away meanwhile."""
+        await self._request.writer.drain()

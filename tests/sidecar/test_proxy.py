@@ -82,6 +82,24 @@ async def test_a_client_that_reads_slowly_gets_every_token(
     assert sidecar.service.ledger.flights == {}
 
 
+async def test_a_client_that_stops_reading_then_leaves_is_cancelled(
+    engine: RunningEngine, sidecar: RunningSidecar
+) -> None:
+    """The sidecar waits on a stalled client without reading the engine; when the client
+    goes, the request is aborted in the engine and its KV freed like any cancel."""
+    idle_used = engine.engine.loads().num_used_tokens
+    async with aiohttp.ClientSession(read_bufsize=1024) as slow:
+        resp = await slow.post(sidecar.url + "/generate", json=generate_body(max_new=3500))
+        assert resp.status == 200
+        await asyncio.sleep(1.0)  # buffers fill: engine, sidecar and client all wait
+        assert engine.engine.loads().num_running_reqs == 1
+        resp.close()
+    assert await sidecar.service.ledger.wait_idle(10.0)
+    assert sidecar.service.ledger.own_used == 0
+    loads = engine.engine.loads()
+    assert (loads.num_running_reqs, loads.num_used_tokens) == (0, idle_used)
+
+
 async def test_openai_routes_stream_and_answer(sidecar: RunningSidecar) -> None:
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 12}
     completion = {"model": MODEL, "prompt": "once upon", "max_tokens": 12}
