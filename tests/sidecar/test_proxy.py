@@ -100,6 +100,28 @@ async def test_a_client_that_stops_reading_then_leaves_is_cancelled(
     assert (loads.num_running_reqs, loads.num_used_tokens) == (0, idle_used)
 
 
+async def test_an_http_1_0_client_gets_the_stream_unchunked(sidecar: RunningSidecar) -> None:
+    """No chunked coding for HTTP/1.0: the relay's own writes go out unframed, and the
+    connection's end ends the body."""
+    host, port = sidecar.url.removeprefix("http://").split(":")
+    body = msgspec.json.encode(generate_body(max_new=30))
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(
+        b"POST /generate HTTP/1.0\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%b" % (len(body), body)
+    )
+    answer = await reader.read()
+    writer.close()
+    await writer.wait_closed()
+    head, _, stream = answer.partition(b"\r\n\r\n")
+    assert b"transfer-encoding" not in head.lower()
+    frames = stream.split(b"\n\n")
+    assert frames[-2:] == [b"data: [DONE]", b""]
+    counts = [msgspec.json.decode(f[6:])["meta_info"]["completion_tokens"] for f in frames[:-2]]
+    assert counts[-1] == 30
+    assert counts == sorted(counts)
+
+
 async def test_openai_routes_stream_and_answer(sidecar: RunningSidecar) -> None:
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 12}
     completion = {"model": MODEL, "prompt": "once upon", "max_tokens": 12}
