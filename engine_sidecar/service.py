@@ -51,7 +51,7 @@ from controlplane.contract import (
     encode_json,
 )
 from controlplane.contract import headers as wire
-from controlplane.transport.event_stream import DirectWriter, EventStreamResponse
+from controlplane.transport.event_stream import DirectWriter
 from engine_sidecar.engine import EngineAdapter, EngineError, EngineInfo
 from engine_sidecar.forward import Forwarder
 from engine_sidecar.intake import (
@@ -416,13 +416,11 @@ class SidecarService:
                             )
                         lost = True
                     else:
-                        if response is None:
-                            response = EventStreamResponse(
-                                headers={**_SSE_HEADERS, wire.REQUEST_ID: flight.rid}
+                        if out is None:
+                            out = await DirectWriter.open(
+                                request, {**_SSE_HEADERS, wire.REQUEST_ID: flight.rid}
                             )
-                            await response.prepare(request)
-                            out = DirectWriter(request, response)
-                        assert out is not None  # made with the response
+                            response = out.response
                         forwarder = Forwarder(reader, flight, self.ledger, self._note_tokens, base)
                         finish = await forwarder.run(stream, out)
             except (EngineError, MalformedEventError) as exc:

@@ -65,7 +65,7 @@ from controlplane.routing import (
     profile_from_config,
 )
 from controlplane.transport import DONE, HTTPClient, Response, TransportError
-from controlplane.transport.event_stream import DirectWriter, EventStreamResponse
+from controlplane.transport.event_stream import DirectWriter
 
 log = logging.getLogger(__name__)
 
@@ -145,8 +145,7 @@ class _Exchange:
     started: float
     received: Received
     splicer: Splicer
-    response: web.StreamResponse | None = None
-    out: DirectWriter | None = None  # the response's writer, for relays from a callback
+    out: DirectWriter | None = None  # the client's stream, once one started
     endpoint: str = ""
     address: str = ""
     upstream_rid: str = ""
@@ -155,6 +154,10 @@ class _Exchange:
     failed: set[str] = field(default_factory=set)
     retry_after_s: float = 0.0
     credit: str = ""
+
+    @property
+    def response(self) -> web.StreamResponse | None:
+        return self.out.response if self.out is not None else None
 
 
 class Gateway:
@@ -586,18 +589,17 @@ class Gateway:
     async def _relay(
         self, request: web.Request, ex: _Exchange, upstream: Response
     ) -> tuple[str, web.StreamResponse | None]:
-        if ex.response is None:
-            ex.response = EventStreamResponse(
-                headers={
+        if ex.out is None:
+            ex.out = await DirectWriter.open(
+                request,
+                {
                     "Content-Type": "text/event-stream",
                     "Cache-Control": "no-cache",
                     wire.ENDPOINT: ex.endpoint,
-                }
+                },
             )
-            await ex.response.prepare(request)
-            ex.out = DirectWriter(request, ex.response)
-        assert ex.out is not None  # made with the response
-        out, response = ex.out, ex.response
+        out = ex.out
+        response = out.response
 
         def first_token() -> None:
             ex.first_token_at = self.clock()

@@ -28,10 +28,17 @@ class DirectWriter:
 
     def __init__(self, request: web.Request, response: web.StreamResponse) -> None:
         self._request = request
-        self._response = response
+        self.response = response
         self._transport: asyncio.Transport | None = None  # set once the headers are out
         self._protocol: web.RequestHandler | None = None
         self.chunked = False  # the response's body is chunked (HTTP/1.1)
+
+    @classmethod
+    async def open(cls, request: web.Request, headers: dict[str, str]) -> DirectWriter:
+        """Start an event stream (its headers leave with its first event) and its writer."""
+        response = EventStreamResponse(headers=headers)
+        await response.prepare(request)
+        return cls(request, response)
 
     @property
     def direct(self) -> bool:
@@ -40,10 +47,10 @@ class DirectWriter:
 
     async def write_first(self, data: bytes) -> None:
         """The first bytes, through aiohttp, which sends the headers with them."""
-        await self._response.write(data)
+        await self.response.write(data)
         self._transport = self._request.transport
         self._protocol = self._request.protocol
-        self.chunked = self._response.headers.get("Transfer-Encoding") == "chunked"
+        self.chunked = self.response.headers.get("Transfer-Encoding") == "chunked"
 
     def write(self, data: bytes, *, framed: bool = False) -> None:
         """Bytes of the body, framed as a chunk when the body is chunked (`framed`: they

@@ -235,14 +235,11 @@ class _Connection(asyncio.Protocol):
         try:
             verdict = self._wire_sink(data, *last) if self._wire_sink is not None else None
         except Exception as exc:  # raised in the reader's task, by push
-            self._sink = self._wire_sink = None
-            self._sink_error = exc
+            self._stop_push(exc)
             return True
-        if verdict is None:
-            return False
         if verdict:
-            self._sink = self._wire_sink = None
-        return True
+            self._stop_push()
+        return verdict is not None
 
     def _take(self, data: bytes) -> None:
         if data:
@@ -335,13 +332,17 @@ class _Connection(asyncio.Protocol):
             self._body_bytes = 0
             try:
                 if sink(data):
-                    self._sink = None
+                    self._stop_push()
             except Exception as exc:  # raised in the reader's task, by push
-                self._sink, self._sink_error = None, exc
-            if self._sink is None:
-                self._wire_sink = None
+                self._stop_push(exc)
         if self._sink is None or self._state == _DONE or self.error is not None:
             self._wake()
+
+    def _stop_push(self, error: Exception | None = None) -> None:
+        """A sink stopped the push (or raised `error`, for push to raise)."""
+        self._sink = self._wire_sink = None
+        if error is not None:
+            self._sink_error = error
 
     def hold(self, paused: bool) -> None:
         """Pause or resume reading from the socket."""

@@ -14,6 +14,24 @@ from fleetsim.sim import FleetConfig, Simulation, default_pool_policy, policies
 from fleetsim.workloads import BLOCK_TOKENS, RequestSpec, scenario
 
 
+def long_request(
+    rid: str,
+    arrival_s: float,
+    tenant: str,
+    blocks: int,
+    output: int,
+    max_tokens: int,
+    first_block: int,
+    max_wait_s: float,
+) -> RequestSpec:
+    """A low-priority request of `blocks` distinct prompt blocks (ids from `first_block`)."""
+    ids = tuple(range(first_block, first_block + blocks))
+    return RequestSpec(
+        rid, arrival_s, tenant, 0, blocks * BLOCK_TOKENS, output, max_tokens, ids,
+        max_wait_s=max_wait_s,
+    )  # fmt: skip
+
+
 def pd_config(**fields: object) -> FleetConfig:
     return FleetConfig(**{"engines": 4, "prefill_engines": 1, **fields})  # type: ignore[arg-type]
 
@@ -44,20 +62,8 @@ def test_without_decode_credit_weir_does_not_prefill() -> None:
     request at once and its KV then waits on the decode queues; Weir refuses prefills it
     cannot hand off (429 decode_credit; these clients retry), so what it prefilled goes
     on decoding soon after."""
-    specs = [
-        RequestSpec(
-            f"r{i}",
-            0.05 * i,
-            "batch",
-            0,
-            16 * BLOCK_TOKENS,
-            400,
-            512,
-            tuple(range(1000 * i, 1000 * i + 16)),
-            max_wait_s=120.0,
-        )
-        for i in range(16)
-    ]
+    specs = [long_request(f"r{i}", 0.05 * i, "batch", 16, 400, 512, 1000 * i, 120.0)
+             for i in range(16)]  # fmt: skip
     config = pd_config(engines=3, kv_tokens=20_000)
     handoff = {}
     for name in ("round_robin", "weir"):
@@ -75,20 +81,8 @@ def test_weir_prefills_only_what_one_decode_engine_can_take() -> None:
     prompt, whose KV then waits for a decode engine; Weir's credit is refused as too
     large for any endpoint (the client retries) and, once granted, hands off at once.
     The prefill engine, idle by then, admits what queued behind a handed-off prompt."""
-    specs = [
-        RequestSpec(
-            f"r{i}",
-            arrival,
-            "batch",
-            0,
-            24 * BLOCK_TOKENS,
-            2000,
-            2048,
-            tuple(range(1000 * i, 1000 * i + 24)),
-            max_wait_s=300.0,
-        )
-        for i, arrival in enumerate((0.0, 0.05, 15.0))
-    ]
+    specs = [long_request(f"r{i}", arrival, "batch", 24, 2000, 2048, 1000 * i, 300.0)
+             for i, arrival in enumerate((0.0, 0.05, 15.0))]  # fmt: skip
     config = pd_config(engines=3, kv_tokens=20_000)
     third = {}
     for name in ("round_robin", "weir"):
@@ -101,18 +95,7 @@ def test_weir_prefills_only_what_one_decode_engine_can_take() -> None:
 
 def test_a_tenant_quota_caps_its_concurrency_and_releases_with_usage() -> None:
     specs = [
-        RequestSpec(
-            f"b{i}",
-            0.01 * i,
-            "bulk",
-            0,
-            4 * BLOCK_TOKENS,
-            300,
-            1024,
-            tuple(range(100 * i, 100 * i + 4)),
-            max_wait_s=120.0,
-        )
-        for i in range(8)
+        long_request(f"b{i}", 0.01 * i, "bulk", 4, 300, 1024, 100 * i, 120.0) for i in range(8)
     ] + [
         RequestSpec(f"c{i}", 0.01 * i, "chat", 2, BLOCK_TOKENS, 20, 64, (9000 + i,))
         for i in range(4)
