@@ -62,12 +62,14 @@ def write_kubeconfig(path: Path, server: str) -> Path:
 async def running_operator(settings: OperatorConfig) -> AsyncIterator[None]:
     """kopf, for real, cluster-wide, until the block ends."""
     ready: asyncio.Event = asyncio.Event()
+    memo = kopf.Memo()
     task = asyncio.create_task(
         kopf.operator(
             registry=build_registry(settings),
             clusterwide=True,
             standalone=True,
             ready_flag=ready,
+            memo=memo,
         )
     )
     done, _ = await asyncio.wait(
@@ -81,10 +83,16 @@ async def running_operator(settings: OperatorConfig) -> AsyncIterator[None]:
         yield
     finally:
         # Cancelling (rather than the stop flag) skips kopf's 5-second grace period for
-        # tasks it did not start, such as the emulator's; cleanup handlers still run.
+        # tasks it did not start, such as the emulator's. A cancel that lands while kopf
+        # waits for its root tasks skips the cleanup handler, so what it would close is
+        # closed here (closing twice is harmless); left to the collector, it surfaced as
+        # an unraisable ResourceWarning in a later test.
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.wait_for(task, timeout=30)
+        for client in (getattr(memo, "control", None), getattr(memo, "api", None)):
+            if client is not None:
+                await client.close()
 
 
 async def api_client(kubeconfig: Path) -> client.ApiClient:
