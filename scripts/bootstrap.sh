@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Installs everything Weir needs on a fresh Debian machine, idempotently.
 #   scripts/bootstrap.sh run   - what `weir up` needs: a virtualenv with Weir and redis-server
-#   scripts/bootstrap.sh dev   - also test and lint tools, redis-sentinel, prometheus, helm/kubectl
+#   scripts/bootstrap.sh dev   - also test and lint tools, redis-sentinel, prometheus, helm/kubectl,
+#                                and the real parts the tests run against (a Kubernetes
+#                                control plane built from Go modules)
 set -euo pipefail
 mode=${1:-dev}
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -48,4 +50,10 @@ fi
 
 if [ "$mode" = dev ]; then
   "$venv/bin/python" scripts/k8s_tools.py >/dev/null
+  # The real Kubernetes control plane for the `kube` tier: built once (minutes), cached
+  # under ~/.cache/weir. Without it the tier skips and says why; CI must have it.
+  if ! scripts/k8s_controlplane.sh >/dev/null; then
+    [ -z "${CI:-}" ] || { echo "bootstrap: building the Kubernetes control plane failed" >&2; exit 1; }
+    echo "bootstrap: no Kubernetes control plane (see above); the kube tier will skip" >&2
+  fi
 fi

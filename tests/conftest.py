@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+from tests.kube.control_plane import (
+    Cluster,
+    ControlPlane,
+    ControlPlaneUnavailableError,
+    binaries,
+)
+from tests.tiers import unavailable
 from weir.local.redis_server import RedisServer
 
 
@@ -33,3 +42,24 @@ def fresh_redis() -> Iterator[RedisServer]:
     """A redis-server of the test's own, for tests that restart or kill it."""
     with RedisServer() as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def kube() -> Iterator[Cluster]:
+    """One Kubernetes cluster for the session; tests take namespaces of their own.
+
+    By default the suite's own control plane (etcd, kube-apiserver, kube-controller-manager,
+    kube-scheduler, kwok's fake node), which scripts/k8s_controlplane.sh builds; the tier
+    skips without it (fails in CI). With WEIR_TEST_KUBECONFIG, an existing cluster instead:
+    the CRD and chart tests run there; tests that need kwok's node or stop the API server
+    skip."""
+    external = os.environ.get("WEIR_TEST_KUBECONFIG")
+    try:
+        if external:
+            yield Cluster(Path(external), binaries())
+            return
+        plane = ControlPlane()
+    except ControlPlaneUnavailableError as exc:
+        unavailable("Kubernetes", str(exc))
+    with plane:
+        yield plane

@@ -1,13 +1,18 @@
-"""Bringing child objects to their rendered form, touching only what differs.
+"""Bringing child objects to their rendered form with server-side apply.
 
-`merge_patch` computes a JSON merge patch (RFC 7386) from the live object to the desired
-one, over the desired object's fields only: fields the API server or other controllers
-add (defaults, status, annotations of their own) are left alone. A list counts as
-unchanged when it has the same length and each desired item is contained in the live
-one, so server-side defaults inside containers do not cause a patch on every pass.
+Each child is applied whole, as the operator's field manager (`weir-operator`): the API
+server merges it with what others own (defaults, status, the HPA's or a user's fields),
+in its own canonical form, so `cpu: "0.5"` against a stored `500m`, or a field the server
+omits when false, is no difference at all. An apply that changes nothing is not written:
+a steady pool costs the API server no writes, which `apply` tells by the object's
+resourceVersion.
 
-`apply` reads a child, creates it when missing and otherwise sends that patch (nothing at
-all when it is empty), through the official client's typed APIs.
+`merge_patch` computes a JSON merge patch (RFC 7386) from a live mapping to a desired one,
+over the desired mapping's fields only; `write_status` sends such a patch to a pool's status
+subresource. The operator writes its pools' status itself rather than through kopf's
+patch of the handler's outcome: a failed write is then the handler's error, retried by
+kopf like any other, where a failure in kopf's own patch step silently ended the pool's
+status timer.
 """
 
 from __future__ import annotations
@@ -26,7 +31,11 @@ from kubernetes_asyncio.client import (
     PolicyV1Api,
 )
 
+from fleet_operator.spec import GROUP, PLURAL, VERSION
+
 MERGE_PATCH = "application/merge-patch+json"
+APPLY_PATCH = "application/apply-patch+yaml"
+FIELD_MANAGER = "weir-operator"
 
 
 class Applied(enum.StrEnum):
@@ -68,7 +77,6 @@ Call = Callable[..., Awaitable[Any]]
 @dataclass(frozen=True, slots=True)
 class _Ops:
     read: Call  # (name, namespace)
-    create: Call  # (namespace, body)
     patch: Call  # (name, namespace, body)
 
 
@@ -78,27 +86,23 @@ def _ops(api: ApiClient, manifest: Mapping[str, Any]) -> _Ops:
         apps = AppsV1Api(api)
         return _Ops(
             apps.read_namespaced_deployment,
-            apps.create_namespaced_deployment,
             apps.patch_namespaced_deployment,
         )
     core = CoreV1Api(api)
     if kind == "Service":
         return _Ops(
             core.read_namespaced_service,
-            core.create_namespaced_service,
             core.patch_namespaced_service,
         )
     if kind == "ConfigMap":
         return _Ops(
             core.read_namespaced_config_map,
-            core.create_namespaced_config_map,
             core.patch_namespaced_config_map,
         )
     if kind == "PodDisruptionBudget":
         policy = PolicyV1Api(api)
         return _Ops(
             policy.read_namespaced_pod_disruption_budget,
-            policy.create_namespaced_pod_disruption_budget,
             policy.patch_namespaced_pod_disruption_budget,
         )
     # Custom resources (the ServiceMonitor) go through the generic custom-objects API.
@@ -109,15 +113,12 @@ def _ops(api: ApiClient, manifest: Mapping[str, Any]) -> _Ops:
     def read(name: str, namespace: str, **kw: Any) -> Awaitable[Any]:
         return custom.get_namespaced_custom_object(group, version, namespace, plural, name, **kw)
 
-    def create(namespace: str, body: Any, **kw: Any) -> Awaitable[Any]:
-        return custom.create_namespaced_custom_object(group, version, namespace, plural, body, **kw)
-
     def patch(name: str, namespace: str, body: Any, **kw: Any) -> Awaitable[Any]:
         return custom.patch_namespaced_custom_object(
             group, version, namespace, plural, name, body, **kw
         )
 
-    return _Ops(read, create, patch)
+    return _Ops(read, patch)
 
 
 async def read_manifest(api: ApiClient, manifest: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -137,11 +138,30 @@ async def apply(api: ApiClient, manifest: Mapping[str, Any]) -> Applied:
     meta = manifest["metadata"]
     ops = _ops(api, manifest)
     live = await read_manifest(api, manifest)
+    applied = await ops.patch(
+        meta["name"],
+        meta["namespace"],
+        dict(manifest),
+        field_manager=FIELD_MANAGER,
+        force=True,  # the operator owns what it renders, whoever touched it since
+        _content_type=APPLY_PATCH,
+    )
     if live is None:
-        await ops.create(meta["namespace"], dict(manifest))
         return Applied.CREATED
-    patch = merge_patch(manifest, live)
-    if not patch:
+    after: dict[str, Any] = api.sanitize_for_serialization(applied)
+    if after["metadata"]["resourceVersion"] == live["metadata"]["resourceVersion"]:
         return Applied.UNCHANGED
-    await ops.patch(meta["name"], meta["namespace"], patch, _content_type=MERGE_PATCH)
     return Applied.PATCHED
+
+
+async def write_status(
+    api: ApiClient, namespace: str, name: str, changes: Mapping[str, Any]
+) -> None:
+    """Merge `changes` into the pool's status (nothing is sent when there are none)."""
+    if not changes:
+        return
+    # The client's stubs omit `_content_type`; its default for a dict is a JSON patch.
+    merge: dict[str, Any] = {"_content_type": MERGE_PATCH}
+    await CustomObjectsApi(api).patch_namespaced_custom_object_status(
+        GROUP, VERSION, namespace, PLURAL, name, {"status": dict(changes)}, **merge
+    )

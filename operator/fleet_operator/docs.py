@@ -70,11 +70,18 @@ def crd_reference(crd: Mapping[str, Any]) -> str:
     lines = [
         f"# {names['kind']} reference",
         "",
-        f"`{crd['spec']['group']}/{version['name']}`, namespaced, short name "
-        f"`{names['shortNames'][0]}`. Generated from `crds/inferencepool.yaml` by "
+        f"`{crd['spec']['group']}/{version['name']}`, namespaced, short names "
+        + ", ".join(f"`{n}`" for n in names["shortNames"])
+        + f", category `{names['categories'][0]}`. Generated from `crds/inferencepool.yaml` by "
         "`python -m fleet_operator.docs`; do not edit.",
         "",
         schema.get("description", ""),
+        "",
+        "The Gateway API Inference Extension defines another kind named `InferencePool`",
+        "(group `inference.networking.k8s.io`, short name `infpool`). On a cluster with both,",
+        f"`kubectl get {names['plural']}` lists the Gateway API's pools: name Weir's by a short",
+        f"name (`kubectl get {names['shortNames'][0]}`), the category (`kubectl get "
+        f"{names['categories'][0]}`) or in full (`{names['plural']}.{crd['spec']['group']}`).",
         "",
         "Fields under `kv`, `scheduling`, `routing`, `autoscaling` and `tenants` map 1:1 onto",
         "`controlplane.contract.PoolPolicy` (camelCase here, snake_case there); the operator",

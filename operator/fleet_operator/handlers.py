@@ -19,7 +19,10 @@ code with their own settings.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
+from collections.abc import Coroutine
 from typing import Any
 
 import kopf
@@ -28,6 +31,7 @@ from kubernetes_asyncio import client, config
 from fleet_operator import observing, reconciling
 from fleet_operator.config import OperatorConfig
 from fleet_operator.fleet import ControlPlaneUnreachableError, RedisControlPlane
+from fleet_operator.scaling import RecommendationLog
 from fleet_operator.spec import GROUP, PLURAL, VERSION
 
 FINALIZER = "inference.weir.dev/control-plane"
@@ -57,6 +61,9 @@ def register(registry: kopf.OperatorRegistry, operator_config: OperatorConfig) -
         )
         settings.posting.level = logging.INFO
         settings.watching.server_timeout = 300
+        # A timer that does not stop at once (see _unless_deleted) is checked again this
+        # often; kopf's default, 60 s, held a pool's deletion for a minute.
+        settings.background.cancellation_polling = 1.0
         memo.api = await connect_kubernetes()
         memo.control = RedisControlPlane.from_url(operator_config.redis_url)
 
@@ -80,7 +87,6 @@ def register(registry: kopf.OperatorRegistry, operator_config: OperatorConfig) -
         spec: kopf.Spec,
         meta: kopf.Meta,
         status: kopf.Status,
-        patch: kopf.Patch,
         memo: Any,
         logger: kopf.Logger,
         **_: Any,
@@ -94,7 +100,6 @@ def register(registry: kopf.OperatorRegistry, operator_config: OperatorConfig) -
             spec=dict(spec),
             generation=int(meta.get("generation") or 0),
             status=dict(status),
-            patch=patch,
             logger=logger,
         )
 
@@ -113,12 +118,15 @@ def register(registry: kopf.OperatorRegistry, operator_config: OperatorConfig) -
         spec: kopf.Spec,
         meta: kopf.Meta,
         status: kopf.Status,
-        patch: kopf.Patch,
         memo: Any,
         logger: kopf.Logger,
-        **_: Any,
+        **kwargs: Any,
     ) -> None:
-        await observing.observe(
+        # kopf gives each pool a shallow copy of the operator's memo: what is assigned
+        # here stays with this pool.
+        if getattr(memo, "recommendations", None) is None:
+            memo.recommendations = RecommendationLog(since=time.time(), entries=[])
+        passing = observing.observe(
             api=memo.api,
             config=operator_config,
             control=memo.control,
@@ -128,9 +136,11 @@ def register(registry: kopf.OperatorRegistry, operator_config: OperatorConfig) -
             spec=dict(spec),
             generation=int(meta.get("generation") or 0),
             status=dict(status),
-            patch=patch,
             logger=logger,
+            recommendations=memo.recommendations,
         )
+        # kopf passes timers `stopped`, though its TimerFn protocol does not declare it.
+        await _unless_deleted(passing, kwargs["stopped"])
 
     @kopf.on.delete(GROUP, VERSION, PLURAL, registry=registry)
     async def forget(name: str, memo: Any, logger: kopf.Logger, **_: Any) -> None:
@@ -141,6 +151,27 @@ def register(registry: kopf.OperatorRegistry, operator_config: OperatorConfig) -
                 f"cannot clear the control plane yet: {exc}", delay=10
             ) from exc
         logger.info("cleared %d control-plane keys of pool %s", removed, name)
+
+
+async def _unless_deleted(work: Coroutine[Any, Any, None], stopped: kopf.DaemonStopped) -> None:
+    """Run a status pass, abandoning it if the pool is deleted meanwhile. kopf lets a
+    pool go only once its timer has exited, and re-runs the delete handlers while it
+    waits: a pass held up by a slow Redis or API server must not hold the deletion."""
+    task = asyncio.ensure_future(work)
+    stop = asyncio.ensure_future(stopped.wait())
+    try:
+        await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        stop.cancel()
+    reason = stopped.reason
+    if not task.done() and reason and kopf.DaemonStoppingReason.RESOURCE_DELETED in reason:
+        task.cancel()
+        await asyncio.wait({task})
+        return
+    await task  # an operator that stops lets the pass finish
 
 
 def build_registry(operator_config: OperatorConfig) -> kopf.OperatorRegistry:

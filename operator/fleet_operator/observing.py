@@ -18,16 +18,22 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import kopf
-from kubernetes_asyncio.client import ApiClient, ApiException, AppsV1Api, CoreV1Api
+from kubernetes_asyncio.client import ApiClient, AppsV1Api, CoreV1Api
 
-from fleet_operator.applying import merge_patch
+from fleet_operator.applying import merge_patch, write_status
 from fleet_operator.config import OperatorConfig
 from fleet_operator.fleet import ControlPlane, ControlPlaneUnreachableError, FleetObservation
-from fleet_operator.reconciling import apply_children, classify, now_iso, read_deployment
+from fleet_operator.reconciling import (
+    apply_children,
+    kubernetes_errors,
+    now_iso,
+    read_deployment,
+)
 from fleet_operator.rendering import POOL_LABEL
 from fleet_operator.scaling import (
     PodView,
     Recommendation,
+    RecommendationLog,
     drain_finished,
     pick_victims,
     prune,
@@ -35,7 +41,7 @@ from fleet_operator.scaling import (
     target_replicas,
 )
 from fleet_operator.spec import InvalidPoolError, Pool, parse_pool
-from fleet_operator.status import DeploymentView, Observed, build_status
+from fleet_operator.status import DeploymentView, Observed, build_status, rejection
 
 DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 VICTIM_COST = "-1000"
@@ -52,18 +58,22 @@ async def observe(
     spec: Mapping[str, Any],
     generation: int,
     status: Mapping[str, Any],
-    patch: kopf.Patch,
     logger: kopf.Logger,
+    recommendations: RecommendationLog,
 ) -> None:
     previous = status.get("conditions") or []
+    changes: dict[str, Any] = {}  # of the status: only what changed is written
     try:
         pool = parse_pool(name, namespace, spec)
     except InvalidPoolError as exc:
         seen = Observed(generation=generation, invalid=str(exc))
-        patch.status.update(merge_patch(build_status(seen, previous, now_iso()), status))
+        changes = merge_patch(build_status(seen, previous, now_iso()), status)
+        with kubernetes_errors("writing the pool's status"):
+            await write_status(api, namespace, name, changes)
         return
+    rejected = rejection(previous, generation)
     live = await read_deployment(api, pool)
-    if live is None and status.get("observedGeneration") is not None:
+    if live is None and status.get("observedGeneration") is not None and not rejected:
         # Rendered once, gone now (deleted by hand, or lost): render the children again.
         logger.warning("the engine Deployment is missing; rendering the pool's children again")
         await apply_children(api, config, body, pool, None, logger)
@@ -79,22 +89,25 @@ async def observe(
     draining: Sequence[str] = (status.get("drain") or {}).get("victims") or ()
     if deployment is not None and fleet is not None:
         try:
-            deployment, draining = await _scale(
-                api, control, body, pool, deployment, fleet, status, patch, logger
-            )
+            with kubernetes_errors("scaling the pool"):
+                deployment, draining = await _scale(
+                    api, control, body, pool, deployment, fleet, status, changes, logger,
+                    recommendations,
+                )  # fmt: skip
         except ControlPlaneUnreachableError as exc:
             unreachable = str(exc)
-        except ApiException as exc:
-            raise classify(exc, "scaling the pool") from exc
     seen = Observed(
         generation=generation,
+        rejected=rejected,
         deployment=deployment,
         fleet=fleet,
         control_plane_error=unreachable,
         draining=draining,
     )
     # Only what changed: an idle pool costs the API server no writes.
-    patch.status.update(merge_patch(build_status(seen, previous, now_iso()), status))
+    changes.update(merge_patch(build_status(seen, previous, now_iso()), status))
+    with kubernetes_errors("writing the pool's status"):
+        await write_status(api, namespace, name, changes)
 
 
 async def _pods(api: ApiClient, pool: Pool) -> list[PodView]:
@@ -128,8 +141,9 @@ async def _scale(
     deployment: DeploymentView,
     fleet: FleetObservation,
     status: Mapping[str, Any],
-    patch: kopf.Patch,
+    changes: dict[str, Any],
     logger: kopf.Logger,
+    log: RecommendationLog,
 ) -> tuple[DeploymentView, Sequence[str]]:
     """One scaling step; returns the Deployment as it now stands and the victims still
     draining."""
@@ -143,25 +157,20 @@ async def _scale(
             return deployment, victims
         target = int(drain["targetReplicas"])
         await _set_replicas(api, pool, target)
-        patch.status["drain"] = None
+        changes["drain"] = None
         message = f"scaled {current} -> {target} engines after draining {', '.join(victims)}"
         logger.info(message)
         kopf.info(body, reason="ScaledDown", message=message)
         return dataclasses.replace(deployment, replicas=target), ()
 
     policy = pool.spec.autoscaling
-    history = [
-        Recommendation(float(r["at"]), int(r["replicas"]))
-        for r in (status.get("autoscaler") or {}).get("recommendations") or []
-    ]
     if policy.enabled:
-        history = prune(
-            [*history, Recommendation(now, recommend(policy, fleet, current))], policy, now
+        log.entries = prune(
+            [*log.entries, Recommendation(now, recommend(policy, fleet, current))], policy, now
         )
-        patch.status["autoscaler"] = {
-            "recommendations": [{"at": r.at, "replicas": r.replicas} for r in history]
-        }
-    target = target_replicas(pool.spec.replicas, policy, history, now, current)
+    target = target_replicas(pool.spec.replicas, policy, log.entries, now, current, log.since)
+    if policy.enabled and (status.get("autoscaler") or {}).get("recommendedReplicas") != target:
+        changes["autoscaler"] = {"recommendedReplicas": target}
     if target > current:
         await _set_replicas(api, pool, target)
         message = f"scaled {current} -> {target} engines"
@@ -180,7 +189,7 @@ async def _scale(
             pool.namespace,
             {"metadata": {"annotations": {DELETION_COST: VICTIM_COST}}},
         )
-    patch.status["drain"] = {"victims": victims, "targetReplicas": target, "startedAt": now}
+    changes["drain"] = {"victims": victims, "targetReplicas": target, "startedAt": now}
     message = (
         f"draining {', '.join(victims) or 'no pods'} ({len(registered)} registered) "
         f"before scaling {current} -> {target}"

@@ -26,6 +26,16 @@ class Recommendation:
     replicas: int
 
 
+@dataclass(slots=True)
+class RecommendationLog:
+    """One pool's recent recommendations. The operator keeps them in memory, not in the
+    pool's status: a status rewritten on every pass costs the API server a write each
+    time and grows with the window."""
+
+    since: float
+    entries: list[Recommendation]
+
+
 @dataclass(frozen=True, slots=True)
 class PodView:
     name: str
@@ -58,13 +68,21 @@ def recommend(policy: AutoscalingPolicy, fleet: FleetObservation, current: int) 
 
 
 def stabilized(
-    history: Sequence[Recommendation], policy: AutoscalingPolicy, now: float, current: int
+    history: Sequence[Recommendation],
+    policy: AutoscalingPolicy,
+    now: float,
+    current: int,
+    since: float,
 ) -> int:
+    """`since`: when recommendations began (the operator's start, for this pool). A
+    scale-down waits until its whole window has been observed, so a restarted operator
+    does not drop engines on its first sample of a lull."""
     up = [r.replicas for r in history if now - r.at <= policy.scale_up_stabilization_s]
     down = [r.replicas for r in history if now - r.at <= policy.scale_down_stabilization_s]
     if up and min(up) > current:
         return min(up)
-    if down and max(down) < current:
+    window_seen = now - since >= policy.scale_down_stabilization_s
+    if down and max(down) < current and window_seen:
         return max(down)
     return current
 
@@ -82,10 +100,11 @@ def target_replicas(
     history: Sequence[Recommendation],
     now: float,
     current: int,
+    since: float,
 ) -> int:
     """Without autoscaling the pool runs `min`; with it, the stabilized recommendation
     (history must already include this pass's), always within [min, max]."""
-    wanted = stabilized(history, policy, now, current) if policy.enabled else bounds.min
+    wanted = stabilized(history, policy, now, current, since) if policy.enabled else bounds.min
     return min(bounds.max, max(bounds.min, wanted))
 
 

@@ -32,8 +32,15 @@ GROUP = "inference.weir.dev"
 VERSION = "v1alpha1"
 PLURAL = "inferencepools"
 
-# Kubernetes object names that are also valid control-plane pool names.
-_POOL_NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+# The pool's Service takes its name, so it must be a DNS-1035 label (a leading digit is a
+# valid object name but not a Service name); it is also the pool's control-plane id.
+_POOL_NAME = re.compile(r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?")
+# Kubernetes' resource.Quantity syntax (the CRD's pattern for resources).
+_QUANTITY = re.compile(
+    r"[+-]?(\d+(\.\d*)?|\.\d+)([KMGTPE]i|[numkMGTPE]|[eE][+-]?(\d+(\.\d*)?|\.\d+))?"
+)
+# Environment variable names every Kubernetes release accepts (the CRD's pattern).
+_ENV_NAME = re.compile(r"[-._a-zA-Z][-._a-zA-Z0-9]*")
 _CAMEL = re.compile(r"(?<!^)(?=[A-Z])")
 # Free-form maps whose keys are Kubernetes' own (resource names, env values): left as is.
 _OPAQUE = frozenset({"resources"})
@@ -124,7 +131,10 @@ def _snake_keys(value: Any) -> Any:
 def parse_pool(name: str, namespace: str, spec: Mapping[str, Any]) -> Pool:
     """Decode and check an InferencePool spec; raise `InvalidPoolError` naming the problem."""
     if not _POOL_NAME.fullmatch(name):
-        raise InvalidPoolError(f"pool name {name!r} must be a DNS label of at most 63 characters")
+        raise InvalidPoolError(
+            f"pool name {name!r} must be a DNS-1035 label: lowercase letters, digits and '-', "
+            "starting with a letter, at most 63 characters"
+        )
     try:
         parsed = msgspec.convert(_snake_keys(spec), PoolSpec, strict=True)
     except msgspec.ValidationError as exc:
@@ -172,6 +182,11 @@ def _check(spec: PoolSpec) -> None:
         problems.append("only a prefill pool names a decode pool")
     if spec.kv.page_size < 1:
         problems.append("kv.pageSize must be at least 1")
+    problems += [
+        f"engine.env: {e.name!r} is not a valid environment variable name"
+        for e in spec.engine.env
+        if not _ENV_NAME.fullmatch(e.name)
+    ]
     for where, resources in (
         ("engine.resources", spec.engine.resources),
         ("sidecar.resources", spec.sidecar.resources),
@@ -194,12 +209,14 @@ def _resource_problems(where: str, resources: Mapping[str, Any]) -> list[str]:
     for key, quantities in resources.items():
         if key not in ("limits", "requests"):
             problems.append(f"{where}.{key}: only limits and requests are allowed")
-        elif not isinstance(quantities, Mapping) or not all(
-            isinstance(k, str)
-            and isinstance(v, str | int | float)
-            and not isinstance(v, bool)
-            and str(v).strip()
-            for k, v in quantities.items()
-        ):
+        elif not isinstance(quantities, Mapping):
             problems.append(f"{where}.{key} must map resource names to quantities")
+        else:
+            problems += [
+                f"{where}.{key}.{name}: {value!r} is not a Kubernetes quantity"
+                for name, value in quantities.items()
+                if isinstance(value, bool)
+                or not isinstance(value, str | int)
+                or not _QUANTITY.fullmatch(str(value))
+            ]
     return problems

@@ -17,6 +17,7 @@ READY = "Ready"
 PROGRESSING = "Progressing"
 DEGRADED = "Degraded"
 CONTROL_PLANE_REACHABLE = "ControlPlaneReachable"
+CHILD_REJECTED = "ChildRejected"
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +48,8 @@ class Observed:
     generation: int
     invalid: str = ""
     """Why the spec cannot be served, empty when it can."""
+    rejected: str = ""
+    """The API server's refusal of a child rendered from this generation, if any."""
     deployment: DeploymentView | None = None
     fleet: FleetObservation | None = None
     control_plane_error: str = ""
@@ -82,6 +85,8 @@ def condition(
 def _ready(seen: Observed) -> tuple[bool, str, str]:
     if seen.invalid:
         return False, "InvalidSpec", seen.invalid
+    if seen.rejected:
+        return False, CHILD_REJECTED, seen.rejected
     deployment = seen.deployment
     if deployment is None:
         return False, "Creating", "the engine Deployment does not exist yet"
@@ -102,6 +107,8 @@ def _progressing(seen: Observed) -> tuple[bool, str, str]:
     deployment = seen.deployment
     if seen.draining:
         return True, "Draining", f"draining {', '.join(seen.draining)} before scaling down"
+    if seen.rejected:
+        return False, CHILD_REJECTED, seen.rejected
     if deployment is None:
         return (False, "InvalidSpec", seen.invalid) if seen.invalid else (True, "Creating", "")
     if not deployment.observed or deployment.updated_replicas < deployment.replicas:
@@ -116,10 +123,25 @@ def _progressing(seen: Observed) -> tuple[bool, str, str]:
 def _degraded(seen: Observed) -> tuple[bool, str, str]:
     if seen.invalid:
         return True, "InvalidSpec", seen.invalid
+    if seen.rejected:
+        return True, CHILD_REJECTED, seen.rejected
     fleet = seen.fleet
     if fleet is not None and fleet.expired:
         return True, "LeasesExpired", f"{fleet.expired} endpoints stopped heartbeating"
     return False, "AsExpected", ""
+
+
+def rejection(conditions: Sequence[Mapping[str, Any]], generation: int) -> str:
+    """The child refusal recorded for this generation (a spec change clears it)."""
+    for c in conditions:
+        if (
+            c.get("type") == DEGRADED
+            and c.get("reason") == CHILD_REJECTED
+            and c.get("status") == "True"
+            and c.get("observedGeneration") == generation
+        ):
+            return str(c.get("message") or "")
+    return ""
 
 
 def build_status(

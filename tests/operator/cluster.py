@@ -1,104 +1,57 @@
-"""A Kubernetes API for the operator tests: kmock's emulator, declared with the resources
-the operator uses, plus a kubeconfig that points both kopf and kubernetes_asyncio at it."""
+"""Running the operator in a test: kopf for real, in a thread of its own, against the
+kubeconfig the test points it at."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import kmock
 import kopf
-import yaml
-from kubernetes_asyncio import client, config
 from kubernetes_asyncio.config import kube_config
 
 from fleet_operator.config import OperatorConfig
 from fleet_operator.handlers import build_registry
-from fleet_operator.spec import GROUP, PLURAL, VERSION
-
-VERBS = {"get", "list", "watch", "patch", "create", "update", "delete"}
-POOLS = f"{GROUP}/{VERSION}/{PLURAL}"
-RESOURCES = {
-    f"{GROUP}/{VERSION}/{PLURAL}": ("InferencePool", True),
-    "apps/v1/deployments": ("Deployment", True),
-    "v1/services": ("Service", True),
-    "v1/configmaps": ("ConfigMap", True),
-    "v1/pods": ("Pod", True),
-    "v1/events": ("Event", True),
-    "policy/v1/poddisruptionbudgets": ("PodDisruptionBudget", True),
-    "v1/namespaces": ("Namespace", False),
-    "apiextensions.k8s.io/v1/customresourcedefinitions": ("CustomResourceDefinition", False),
-}
 
 
-def declare(emulator: kmock.KubernetesEmulator) -> None:
-    for key, (kind, namespaced) in RESOURCES.items():
-        emulator.resources[key] = kmock.ResourceInfo(kind=kind, namespaced=namespaced, verbs=VERBS)
-    # As in the CRD: kopf then writes the status through the status subresource.
-    emulator.resources[POOLS].subresources = {"status"}
+@contextlib.contextmanager
+def operator_thread(settings: OperatorConfig, namespaces: list[str]) -> Iterator[None]:
+    """kopf in a thread with an event loop of its own, as it runs in its pod: a test may
+    block (kubectl, helm) without stalling the operator, and a stop is kopf's graceful
+    one (timers stopped, cleanup handlers run)."""
+    ready, stop = threading.Event(), threading.Event()
+    failure: list[BaseException] = []
 
+    def run() -> None:
+        try:
+            asyncio.run(
+                kopf.operator(
+                    registry=build_registry(settings),
+                    namespaces=namespaces,
+                    standalone=True,
+                    ready_flag=ready,
+                    stop_flag=stop,
+                )
+            )
+        except BaseException as exc:  # reported to the test below
+            failure.append(exc)
+            ready.set()
 
-def write_kubeconfig(path: Path, server: str) -> Path:
-    path.write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "clusters": [{"name": "kmock", "cluster": {"server": server}}],
-                "users": [{"name": "test", "user": {"token": "test"}}],
-                "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "test"}}],
-                "current-context": "kmock",
-            }
-        )
-    )
-    return path
-
-
-@contextlib.asynccontextmanager
-async def running_operator(settings: OperatorConfig) -> AsyncIterator[None]:
-    """kopf, for real, cluster-wide, until the block ends."""
-    ready: asyncio.Event = asyncio.Event()
-    memo = kopf.Memo()
-    task = asyncio.create_task(
-        kopf.operator(
-            registry=build_registry(settings),
-            clusterwide=True,
-            standalone=True,
-            ready_flag=ready,
-            memo=memo,
-        )
-    )
-    done, _ = await asyncio.wait(
-        [task, asyncio.create_task(ready.wait())],
-        timeout=30,
-        return_when=asyncio.FIRST_COMPLETED,
-    )
-    if task in done:
-        task.result()  # the operator died at startup: raise its error
+    thread = threading.Thread(target=run, name="operator", daemon=True)
+    thread.start()
+    ready.wait(60)
+    if failure:
+        raise failure[0]
     try:
         yield
     finally:
-        # Cancelling (rather than the stop flag) skips kopf's 5-second grace period for
-        # tasks it did not start, such as the emulator's. A cancel that lands while kopf
-        # waits for its root tasks skips the cleanup handler, so what it would close is
-        # closed here (closing twice is harmless); left to the collector, it surfaced as
-        # an unraisable ResourceWarning in a later test.
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.wait_for(task, timeout=30)
-        for client in (getattr(memo, "control", None), getattr(memo, "api", None)):
-            if client is not None:
-                await client.close()
-
-
-async def api_client(kubeconfig: Path) -> client.ApiClient:
-    configuration = client.Configuration()
-    await config.load_kube_config(config_file=str(kubeconfig), client_configuration=configuration)
-    return client.ApiClient(configuration)
+        stop.set()
+        thread.join(60)
+        assert not thread.is_alive(), "the operator did not stop within 60 s"
 
 
 def point_clients_at(monkeypatch: Any, kubeconfig: Path) -> None:
@@ -120,16 +73,3 @@ async def eventually(probe: Callable[[], Any], limit_s: float = 30.0, what: str 
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what or probe}")
         await asyncio.sleep(0.1)
-
-
-def stored(
-    emulator: kmock.KubernetesEmulator, resource: str, name: str, ns: str = "default"
-) -> dict[str, Any] | None:
-    try:
-        obj = emulator.objects[resource, ns, name]
-    except KeyError:
-        return None
-    if obj.deleted:
-        return None
-    raw: dict[str, Any] = obj.raw
-    return raw

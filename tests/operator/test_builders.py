@@ -78,7 +78,8 @@ def test_spec_becomes_the_contracts_policy() -> None:
 
 
 @pytest.mark.parametrize(("name", "spec", "message"), [
-    ("Bad_Name", SPEC, "DNS label"),
+    ("Bad_Name", SPEC, "DNS-1035 label"),
+    ("7b-pool", SPEC, "starting with a letter"),
     ("m", {"model": {"name": "m"}, "kv": {"pageSize": "16"}}, "Expected `int`"),
     ("m", {"engine": {}}, "model"),
     ("m", {**SPEC, "engine": {"port": 8000}}, "must differ"),
@@ -187,19 +188,22 @@ def test_autoscaling_follows_the_worst_signal_with_stabilization() -> None:
 
     # A single spike does not scale up; a sustained one does.
     spike = [Recommendation(0, 2), Recommendation(10, 6)]
-    assert stabilized(spike, policy, now=10, current=2) == 2
+    assert stabilized(spike, policy, now=10, current=2, since=0) == 2
     sustained = [Recommendation(0, 6), Recommendation(10, 5)]
-    assert stabilized(sustained, policy, now=10, current=2) == 5
-    # A lull does not scale down until the whole down window agrees.
+    assert stabilized(sustained, policy, now=10, current=2, since=0) == 5
+    # A lull does not scale down until the whole down window agrees ...
     lull = [Recommendation(0, 4), Recommendation(200, 1)]
-    assert stabilized(lull, policy, now=200, current=4) == 4
-    assert stabilized(lull, policy, now=350, current=4) == 1
+    assert stabilized(lull, policy, now=200, current=4, since=0) == 4
+    assert stabilized(lull, policy, now=350, current=4, since=0) == 1
+    # ... and was observed: a restarted operator's one low sample is not a lull.
+    assert stabilized([Recommendation(350, 1)], policy, now=350, current=4, since=349) == 4
+    assert stabilized([Recommendation(650, 1)], policy, now=650, current=4, since=349) == 1
 
     bounds = ReplicaSpec(min=2, max=5)
-    assert target_replicas(bounds, policy, sustained, now=10, current=2) == 5
-    assert target_replicas(bounds, policy, [Recommendation(0, 9)], now=1, current=2) == 5
+    assert target_replicas(bounds, policy, sustained, now=10, current=2, since=0) == 5
+    assert target_replicas(bounds, policy, [Recommendation(0, 9)], now=1, current=2, since=0) == 5
     off = AutoscalingPolicy(enabled=False)
-    assert target_replicas(bounds, off, sustained, now=10, current=4) == 2
+    assert target_replicas(bounds, off, sustained, now=10, current=4, since=0) == 2
 
 
 def test_victims_are_the_cheapest_to_drain() -> None:

@@ -12,10 +12,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--namespace", action="append", default=[], dest="namespaces",
         help="watch only this namespace (repeatable); default: every namespace")  # fmt: skip
-    add("--liveness", default="http://0.0.0.0:8080/healthz",
-        help="kopf's liveness endpoint for the kubelet's probe")  # fmt: skip
+    add("--liveness", default="http://127.0.0.1:8080/healthz",
+        help="kopf's liveness endpoint; in a pod, listen on 0.0.0.0 so the kubelet's probe "
+             "reaches it (the chart does); empty: none")  # fmt: skip
     add("--peering", default="",
         help="kopf peering object name for several operator replicas; empty runs standalone")  # fmt: skip
+    add("--log-format", choices=("plain", "full", "json"), default="full",
+        help="log lines as text (plain: message only; full: time, level, logger) or JSON; "
+             "every line about a pool names it")  # fmt: skip
     add("--verbose", action="store_true")
 
 
@@ -28,10 +32,17 @@ def run(args: argparse.Namespace) -> int:
     from fleet_operator.config import OperatorConfig
     from fleet_operator.handlers import build_registry
 
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    # kopf's own set-up: its formatter prefixes each line about a pool with
+    # `[namespace/name]` (JSON: a field), which a plain logging config would drop.
+    kopf.configure(
+        verbose=args.verbose, log_format=kopf.LogFormat[args.log_format.upper()], log_prefix=True
     )
+    if not args.verbose:
+        # kopf reports every status pass of every pool at INFO; failures stay visible.
+        logging.getLogger("kopf.objects").addFilter(
+            lambda record: not str(record.msg).startswith("Timer ")
+            or not str(record.msg).endswith(" succeeded.")
+        )
     asyncio.run(
         kopf.operator(
             registry=build_registry(OperatorConfig.from_env()),
