@@ -226,7 +226,9 @@ class SGLangEngine:
             raise EngineError(f"{self.url}: pause_generation answered HTTP {status}")
 
     async def resume(self) -> None:
-        status = await self._post("/continue_generation", None)
+        # An empty JSON object, not an empty body: 0.5.23 answers an empty body 400 "Field
+        # required" and stays paused; both versions take `{}`.
+        status = await self._post("/continue_generation", {})
         if status != 200:
             raise EngineError(f"{self.url}: continue_generation answered HTTP {status}")
 

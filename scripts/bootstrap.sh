@@ -3,7 +3,7 @@
 #   scripts/bootstrap.sh run   - what `weir up` needs: a virtualenv with Weir and redis-server
 #   scripts/bootstrap.sh dev   - also test and lint tools, redis-sentinel, prometheus, helm/kubectl,
 #                                and the real parts the tests run against (a Kubernetes
-#                                control plane built from Go modules)
+#                                control plane built from Go modules, SGLang on the CPU)
 set -euo pipefail
 mode=${1:-dev}
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -29,6 +29,18 @@ if [ ${#missing[@]} -gt 0 ]; then
   done
 fi
 
+# Real SGLang for the `sglang` tier, in venvs of its own (its pins clash with Weir's):
+# 0.5.23 and 0.5.5 with torch 2.14.1, and a tiny model built offline; cached under
+# ~/.cache/weir/sglang. Without them the tier skips and says why; CI must have them.
+if [ "$mode" = dev ]; then
+  for version in 0.5.23 0.5.5; do
+    if ! "$(command -v python3.11 || command -v python3)" scripts/sglang_env.py "$version" >/dev/null; then
+      [ -z "${CI:-}" ] || { echo "bootstrap: installing SGLang $version failed" >&2; exit 1; }
+      echo "bootstrap: no SGLang $version (see above); the sglang tier will skip it" >&2
+    fi
+  done
+fi
+
 if [ ! -x "$venv/bin/python" ]; then
   python3.11 -m venv "$venv" 2>/dev/null || python3 -m venv "$venv"
 fi
@@ -44,7 +56,11 @@ if [ ! -f "$stamp" ]; then
   }
   pip_install --upgrade "pip>=25.1"
   group=(); [ "$mode" = dev ] && group=(--group dev)
-  pip_install -e . "${group[@]}"
+  # torch comes from the SGLang installer's wheel folder when it is there (pip's own
+  # cache keeps nothing on these machines): one download for the whole project.
+  wheels=${XDG_CACHE_HOME:-$HOME/.cache}/weir/sglang/wheels
+  links=(); [ -d "$wheels" ] && links=(--find-links "$wheels")
+  pip_install -e . "${group[@]}" "${links[@]}"
   touch "$stamp"
 fi
 

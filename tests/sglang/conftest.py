@@ -1,0 +1,20 @@
+"""The real SGLang tier: SGLang's own server on the CPU (scripts/sglang_env.py installs
+0.5.23 and 0.5.5 and builds the tiny model), one version at a time for the session."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.sglang import server
+from tests.sglang.server import SGLangServer
+
+
+@pytest.fixture(scope="session", params=server.versions())
+def sglang(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[SGLangServer]:
+    """A real SGLang server, once per version (tests run grouped by version)."""
+    version: str = request.param
+    yield from server.serve(version, log_dir=tmp_path_factory.mktemp(f"sglang-{version}"))
