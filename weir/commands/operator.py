@@ -40,8 +40,10 @@ def run(args: argparse.Namespace) -> int:
     if not args.verbose:
         # kopf reports every status pass of every pool at INFO; failures stay visible.
         logging.getLogger("kopf.objects").addFilter(
-            lambda record: not str(record.msg).startswith("Timer ")
-            or not str(record.msg).endswith(" succeeded.")
+            lambda record: (
+                not str(record.msg).startswith("Timer ")
+                or not str(record.msg).endswith(" succeeded.")
+            )
         )
     asyncio.run(
         kopf.operator(
