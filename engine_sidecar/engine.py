@@ -18,6 +18,7 @@ token wakes no task.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -50,6 +51,23 @@ class EngineInfo:
     @property
     def pause_takes_mode(self) -> bool:
         return self.loads_api == "v1_loads"
+
+    @property
+    def openai_token_ids(self) -> bool:
+        """OpenAI streams can carry token ids: `return_token_ids` on completions and
+        `return_*_ids_in_sglext` on chat, which SGLang 0.5.23 has and 0.5.5 has not."""
+        return _version(self.version) >= (0, 5, 23)
+
+
+def _version(text: str) -> tuple[int, ...]:
+    """The leading numbers of a version string ("0.5.23rc1" is (0, 5, 23))."""
+    numbers = []
+    for part in text.split("."):
+        digits = "".join(itertools.takewhile(str.isdigit, part))
+        if not digits:
+            break
+        numbers.append(int(digits))
+    return tuple(numbers)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +109,10 @@ class EngineAdapter(Protocol):
         ...
 
     async def abort(self, rid: str) -> None: ...
+
+    async def tokenize(self, text: str) -> list[int]:
+        """The token ids the engine makes of `text` (as it would of a prompt)."""
+        ...
 
     async def pause(self) -> None: ...
 
@@ -217,6 +239,24 @@ class SGLangEngine:
         status = await self._post("/abort_request", {"rid": rid, "abort_all": False})
         if status != 200:
             raise EngineError(f"{self.url}: abort_request answered HTTP {status}")
+
+    async def tokenize(self, text: str) -> list[int]:
+        try:
+            async with await self._http.request(
+                "POST", self.url + "/v1/tokenize", msgspec.json.encode({"prompt": text}), _JSON
+            ) as resp:
+                raw = await resp.read()
+                status = resp.status
+        except TransportError as exc:
+            raise EngineError(f"POST {self.url}/v1/tokenize: {exc}") from exc
+        try:
+            reply = _json_decode(raw) if status == 200 and raw else None
+        except msgspec.DecodeError:
+            reply = None
+        tokens = reply.get("tokens") if isinstance(reply, dict) else None
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            raise EngineError(f"{self.url}: /v1/tokenize answered HTTP {status} without tokens")
+        return tokens
 
     async def pause(self) -> None:
         info = self._info or await self.server_info()

@@ -41,7 +41,7 @@ class Forwarder:
         self._deadline = flight.record.deadline_at
         self._out: DirectWriter | None = None
         self.finish = ""  # the engine's finish; "deadline" when the deadline passed
-        self.ended = False  # the segment is over (finish, [DONE], or the preemption abort)
+        self.ended = False  # the segment is over (its [DONE], or a passed deadline)
         self.pending = b""  # bytes the task writes (the first, with the headers)
         self._new_prompt = 0  # the engine's prompt size, read but not yet accounted
 
@@ -74,14 +74,19 @@ class Forwarder:
             if event.done:
                 self.ended = True
                 break
+            if self.finish == "abort":
+                # Preempted: nothing more reaches the client, but what follows the abort
+                # is read to the stream's end (a chat's token ids come after its last chunk).
+                self._read(event)
+                continue
             if self._skims and i < last and not batch[i + 1].done:
                 data.append(event.raw)  # the read's last event has the totals
                 continue
             step = self._read(event)
             if step.finish == "abort" and self._flight.preempt_mode:
                 self._reader.forget_last()
-                self.finish, self.ended = "abort", True
-                break
+                self.finish = "abort"
+                continue
             if step.forward is not None:
                 data.append(step.forward)
             if step.finish:
@@ -112,8 +117,9 @@ class Forwarder:
 
     async def run(self, stream: EngineStream, out: DirectWriter) -> str:
         """Relay the segment to `out`; returns the engine's finish: '' when the stream
-        ended without one, 'abort' (not forwarded) when it ended for this request's
-        preemption, 'deadline' when the request's deadline passed."""
+        ended without one, 'abort' (not forwarded, the rest of the stream read) when it
+        ended for this request's preemption, 'deadline' when the request's deadline
+        passed."""
         self._out = out
         while True:
             cut_through = self._skims and out.direct and out.chunked

@@ -67,6 +67,9 @@ class Intake:
     max_new_tokens: int
     priority: int
     recomputable: bool  # the prompt can be extended with what was generated
+    # The API the first engine request goes to when it is not the client's: a continued
+    # chat known by its token ids resumes through completions (Continuation.resume_api).
+    engine_api: EngineAPI | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +136,7 @@ def from_continuation(cont: Continuation, limits: Limits) -> Intake:
     extra = len(cont.generated_ids) or _text_tokens(cont.generated_text)
     return Intake(
         api=base.api,
+        engine_api=cont.resume_api,
         body=cont.engine_body(),
         model=base.model,
         stream=True,

@@ -135,6 +135,9 @@ class SidecarService:
         modes = policy.scheduling.preemption_modes
         self._may_recompute = PreemptionMode.RECOMPUTE in modes
         self._may_migrate = PreemptionMode.MIGRATE in modes
+        # Whether the engine's /generate streams carry each event's ids only (SGLang
+        # 0.5.5) or all so far (0.5.23): learnt from the first stream that shows it.
+        self.ids_delta: bool | None = None
 
     # -- routes ------------------------------------------------------------------------
 
@@ -178,6 +181,11 @@ class SidecarService:
             offset_tokens=len(cont.generated_ids),
             prefix_ids=list(cont.generated_ids),
             prefix_text=cont.generated_text,
+            prompt_ids=list(cont.prompt_ids),
+            client_id=cont.response_id,
+            client_created=cont.created,
+            prompt_tokens=cont.prompt_tokens,
+            cached_tokens=cont.cached_tokens,
         )
         origin = _Origin(dict(cont.body), cont.prompt_ids, len(cont.generated_ids))
         return await self._serve(request, intake, origin, reader, cont.preemptions)
@@ -288,7 +296,10 @@ class SidecarService:
             deadline_at=now + deadline_s if deadline_s else 0.0,
             priority=intake.priority,
             preemptions=preemptions,
-            recomputable=streamed and intake.recomputable and self._may_recompute,
+            # A completion prompted by token ids extends by the ids the engine reports.
+            recomputable=streamed
+            and (intake.recomputable or self.info.openai_token_ids)
+            and self._may_recompute,
             migratable=streamed
             and self._may_migrate
             and request.headers.get(wire.MIGRATABLE) == "1",
@@ -329,27 +340,51 @@ class SidecarService:
         await self._abort_engine(flight)
         self._end(flight, _S.ABORTED, FinishReason.ERROR, "internal_error")
 
-    def _engine_body(self, flight: Flight, reader: StreamReader, segment: int) -> dict[str, Any]:
+    def _engine_body(
+        self,
+        flight: Flight,
+        reader: StreamReader,
+        segment: int,
+        resume: Continuation | None,
+    ) -> tuple[EngineAPI, dict[str, Any]]:
+        """The engine API and body of the request's next segment: the client's body first
+        (or a continuation's), then `resume`'s."""
         rec = flight.record
-        if segment == 0:
-            body = dict(flight.intake.body)
+        if resume is None:
+            api, body = flight.intake.engine_api or flight.intake.api, dict(flight.intake.body)
         else:
-            body = self.continuation(flight, reader).engine_body()
+            api, body = resume.resume_api, resume.engine_body()
         flight.engine_rid = f"{rec.rid}s{segment:03d}"
         body["rid"] = flight.engine_rid
         body["stream"] = flight.intake.stream
-        if flight.intake.stream and flight.intake.api is not EngineAPI.GENERATE:
-            body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+        if flight.intake.stream and api is not EngineAPI.GENERATE:
+            self._ask_for_ids(api, body)
         if self.policy.scheduling.priority_scheduling:
             now = self.ledger.clock()
             slack = rec.deadline_at - now if rec.deadline_at else None
             body["priority"] = engine_priority(
                 rec.priority, now - rec.arrived_at, slack, self.policy.scheduling.aging_per_second
             )
-        return body
+        return api, body
 
-    def continuation(self, flight: Flight, reader: StreamReader) -> Continuation:
-        """Everything another engine request needs to carry on where the client is."""
+    def _ask_for_ids(self, api: EngineAPI, body: dict[str, Any]) -> None:
+        """An OpenAI stream resumes token for token only from its token ids: ask the engine
+        for them where it can say them (SGLang 0.5.23), and for a token count in every
+        chunk (an engine that does not say ids still counts). The reader takes out of the
+        client's stream what it did not ask for."""
+        options = body.get("stream_options")
+        asked = dict(options) if isinstance(options, dict) else {}
+        body["stream_options"] = asked | {"include_usage": True, "continuous_usage_stats": True}
+        if not self.info.openai_token_ids:
+            return
+        if api is EngineAPI.COMPLETIONS:
+            body["return_token_ids"] = True  # in every chunk, and the prompt's in the first
+        else:  # chat: in one chunk after the last
+            body["return_input_ids_in_sglext"] = body["return_output_ids_in_sglext"] = True
+
+    async def continuation(self, flight: Flight, reader: StreamReader) -> Continuation:
+        """Everything another engine request needs to carry on where the client is: token
+        ids wherever they are known (the engine then resumes token for token), else text."""
         rec = flight.record
         origin = self._origins[rec.rid]
         ids = reader.generated_ids()
@@ -360,13 +395,36 @@ class SidecarService:
             model=rec.model,
             api=flight.intake.api,
             body=origin.body,
-            prompt_ids=origin.prompt_ids,
+            prompt_ids=await self._prompt_ids(flight, reader) if complete_ids else (),
             generated_ids=tuple(ids) if complete_ids else (),
             generated_text=reader.generated_text(),
             max_new_tokens=(len(ids) if complete_ids else 0) + rec.remaining_tokens,
             priority=rec.priority,
             preemptions=rec.preemptions,
+            response_id=reader.client_id,
+            created=reader.client_created,
+            prompt_tokens=reader.prompt_tokens,
+            cached_tokens=reader.cached_tokens,
         )
+
+    async def _prompt_ids(self, flight: Flight, reader: StreamReader) -> tuple[int, ...]:
+        """The prompt as the engine tokenized it: the client's ids, the ids the engine
+        reported, or (a /generate text prompt) the engine's own tokenization of it, kept
+        only if it has as many tokens as the engine counted."""
+        origin = self._origins[flight.rid]
+        if origin.prompt_ids:
+            return origin.prompt_ids
+        if reader.prompt_ids:
+            return tuple(reader.prompt_ids)
+        text = origin.body.get("text")
+        if flight.intake.api is not EngineAPI.GENERATE or not isinstance(text, str):
+            return ()
+        try:
+            ids = await self.engine.tokenize(text)
+        except EngineError as exc:
+            log.info("request %s resumes from text: %s", flight.rid, exc)
+            return ()
+        return tuple(ids) if len(ids) == reader.prompt_tokens else ()
 
     def _note_tokens(self, flight: Flight, generated_here: int) -> None:
         if generated_here <= flight.generated:
@@ -391,15 +449,26 @@ class SidecarService:
         self, request: web.Request, flight: Flight, reader: StreamReader
     ) -> web.StreamResponse:
         reader.incremental_text = self.info.incremental_streaming
-        options = flight.intake.body.get("stream_options")
-        reader.client_usage = isinstance(options, dict) and options.get("include_usage") is True
+        reader.ids_delta = self.ids_delta
+        client = flight.intake.body
+        options = client.get("stream_options")
+        options = options if isinstance(options, dict) else {}
+        reader.client_usage = options.get("include_usage") is True
+        reader.client_chunk_usage = options.get("continuous_usage_stats") is True
+        reader.client_token_ids = client.get("return_token_ids") is True
+        reader.client_sglext = any(
+            client.get(key) is True
+            for key in ("return_input_ids_in_sglext", "return_output_ids_in_sglext")
+        )
+        reader.engine_api = flight.intake.engine_api
         base = reader.offset_tokens
         response: web.StreamResponse | None = None
         out: DirectWriter | None = None
         segment = 0
-        path = ENGINE_PATH[flight.intake.api]
+        resume: Continuation | None = None
         while True:
-            body = self._engine_body(flight, reader, segment)
+            api, body = self._engine_body(flight, reader, segment, resume)
+            path = ENGINE_PATH[api]
             if flight.record.state is _S.PREFILL_READY:
                 self.ledger.move(flight, _S.PREFILL_RUNNING)
             finish, lost = "", False
@@ -426,6 +495,8 @@ class SidecarService:
             except (EngineError, MalformedEventError) as exc:
                 log.warning("request %s lost its engine stream: %s", flight.rid, exc)
                 lost = True
+            if reader.ids_delta is not None:
+                self.ids_delta = reader.ids_delta  # learnt once per engine
             if not finish and not lost:
                 lost = True  # the stream ended without a finish: the engine went away
             if response is None:
@@ -459,7 +530,7 @@ class SidecarService:
                     return response
             self._preempted(flight, mode)
             if mode == "migrate":
-                cont = self.continuation(flight, reader)
+                cont = await self.continuation(flight, reader)
                 data = encode_json(cont)
                 await response.write_eof(PREEMPTED_EVENT + b"data: " + data + b"\n\n")
                 self.metrics.count("weir_sidecar_transferred_bytes_total", amount=len(data))
@@ -468,7 +539,8 @@ class SidecarService:
             if mode == "terminate":
                 await self._end_stream(response, flight, "aborted", "terminated by relief policy")
                 return response
-            reader.next_segment()
+            resume = await self.continuation(flight, reader)
+            reader.next_segment(resume.resume_api)
             try:
                 await self.ledger.admit(flight)
             except OverloadError as exc:
@@ -520,7 +592,7 @@ class SidecarService:
     async def _unary(self, flight: Flight) -> web.Response:
         api = flight.intake.api
         self.ledger.move(flight, _S.PREFILL_RUNNING)
-        body = self._engine_body(flight, StreamReader(api), 0)
+        api, body = self._engine_body(flight, StreamReader(api), 0, None)
         async with self.engine.open(ENGINE_PATH[api], body) as stream:
             status, payload = stream.status, await stream.body()
         if status != 200:

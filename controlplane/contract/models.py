@@ -200,6 +200,18 @@ class EngineAPI(enum.StrEnum):
     CHAT = "chat"
 
 
+# Chat request fields that completions has not, or reads differently: dropped when a chat
+# resumes through completions. Logprobs are among them (a bool there, a count here): a
+# resumed chat segment reports none.
+_CHAT_ONLY = frozenset({
+    "messages", "tools", "tool_choice", "parallel_tool_calls", "response_format",
+    "continue_final_message", "add_generation_prompt", "chat_template_kwargs",
+    "reasoning_effort", "separate_reasoning", "stream_reasoning", "max_completion_tokens",
+    "logprobs", "top_logprobs", "functions", "function_call", "return_prompt_token_ids",
+    "return_input_ids_in_sglext", "return_output_ids_in_sglext", "return_meta_info",
+})  # fmt: skip
+
+
 class Continuation(msgspec.Struct, frozen=True, kw_only=True):
     """Everything needed to resume a request later or elsewhere, as a fresh engine request.
 
@@ -209,11 +221,16 @@ class Continuation(msgspec.Struct, frozen=True, kw_only=True):
     `remaining_tokens` more; partial KV is never spliced across engines. How the prompt is
     extended depends on `api`:
 
-    - generate: `input_ids = prompt_ids + generated_ids` when the ids are known, else
-      `text = body.text + generated_text`;
-    - completions: `prompt = body.prompt + generated_text`;
-    - chat: `messages + [{"role": "assistant", "content": generated_text}]` with
-      `continue_final_message: true`.
+    - known as token ids (`exact`: the prompt as the engine tokenized it, and every
+      generated token): the prompt becomes `prompt_ids + generated_ids`, so the engine
+      resumes token for token (`input_ids` on generate, a token-id `prompt` on
+      completions; chat takes no token ids, so a chat resumes through completions,
+      `resume_api`, its chat-only fields dropped);
+    - known as text only: generate `text = body.text + generated_text`, completions
+      `prompt = body.prompt + generated_text`, chat `messages + [{"role": "assistant",
+      "content": generated_text}]` with `continue_final_message: true`. A tokenizer may
+      cut the joined text differently from what was generated, so such a resume can
+      diverge from the uninterrupted run (not with the reference engine's bytes).
 
     A migrating sidecar ends its response stream with an SSE event `weir.preempted` whose
     data is this record as JSON; the router then posts it to another endpoint's
@@ -233,10 +250,28 @@ class Continuation(msgspec.Struct, frozen=True, kw_only=True):
     priority: int = 0
     deadline_at: float = 0.0
     preemptions: int = 0
+    # What the client saw of the first segment, so that a resumed stream reads as its
+    # continuation: the response id (and an OpenAI chunk's `created`), the prompt's
+    # token count and its prefix-cache hit.
+    response_id: str = ""
+    created: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int | None = None
 
     @property
     def generated_tokens(self) -> int:
         return len(self.generated_ids)
+
+    @property
+    def exact(self) -> bool:
+        """Known as token ids throughout: the engine can resume it token for token."""
+        return bool(self.prompt_ids) and (bool(self.generated_ids) or not self.generated_text)
+
+    @property
+    def resume_api(self) -> EngineAPI:
+        """The engine API a resume goes to: a chat known by its ids resumes through
+        completions, the other APIs through their own."""
+        return EngineAPI.COMPLETIONS if self.api is EngineAPI.CHAT and self.exact else self.api
 
     @property
     def remaining_tokens(self) -> int:
@@ -254,12 +289,17 @@ class Continuation(msgspec.Struct, frozen=True, kw_only=True):
                 **(params if isinstance(params, dict) else {}),
                 "max_new_tokens": remaining,
             }
-            if self.prompt_ids and (self.generated_ids or not self.generated_text):
+            if self.exact:
                 body.pop("text", None)
                 body["input_ids"] = [*self.prompt_ids, *self.generated_ids]
             else:
                 body.pop("input_ids", None)
                 body["text"] = str(body.get("text", "")) + self.generated_text
+        elif self.exact:  # completions, and chat through completions
+            if self.api is EngineAPI.CHAT:
+                body = {k: v for k, v in body.items() if k not in _CHAT_ONLY}
+            body["prompt"] = [*self.prompt_ids, *self.generated_ids]
+            body["max_tokens"] = remaining
         elif self.api is EngineAPI.COMPLETIONS:
             body["prompt"] = str(body.get("prompt", "")) + self.generated_text
             body["max_tokens"] = remaining

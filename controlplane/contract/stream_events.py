@@ -21,6 +21,7 @@ class GenerateMeta(msgspec.Struct):
 
     completion_tokens: int | None = None
     prompt_tokens: int | None = None
+    cached_tokens: int | None = None
     id: str = ""
     finish_reason: dict[str, Any] | None = None
 

@@ -74,6 +74,7 @@ log = logging.getLogger(__name__)
 SATURATION = frozenset({"bounded-load", "watermark-below-critical"})
 MAX_HASHED_BLOCKS = 256
 _JSON = {"Content-Type": "application/json"}
+CONTINUE_PATH = "/weir/v1/continue"
 _API_PATHS = {
     EngineAPI.GENERATE: "/generate",
     EngineAPI.COMPLETIONS: "/v1/completions",
@@ -154,6 +155,7 @@ class _Exchange:
     failed: set[str] = field(default_factory=set)
     retry_after_s: float = 0.0
     credit: str = ""
+    continuation: bytes = b""  # a migrating sidecar's continuation, for the next sidecar
 
     @property
     def response(self) -> web.StreamResponse | None:
@@ -462,6 +464,11 @@ class Gateway:
                 resumes += 1
                 reserved = next_decision.endpoint_id
                 self.metrics.resumes.labels(self.config.pool, outcome).inc()
+                if outcome == "preempted" and ex.continuation:
+                    # The sidecar's own record: exact token ids, and a stream that already
+                    # continues the client's. It goes to the next sidecar as it came.
+                    continue
+                ex.continuation = b""
                 try:
                     body = resume_body(self._continuation(ex), ex.received.tokens)
                 except GatewayError as exc:  # e.g. a prompt the router cannot rebuild
@@ -532,7 +539,11 @@ class Gateway:
         ex.endpoint, ex.address = endpoint_id, view.state.address
         ex.upstream_rid = uuid.uuid4().hex
         client = ex.client
-        payload = msgspec.json.encode({**body, "rid": ex.upstream_rid, "stream": client.stream})
+        if ex.continuation:  # a sidecar's continuation: its next sidecar resumes it
+            payload, path = ex.continuation, CONTINUE_PATH
+        else:
+            payload = msgspec.json.encode({**body, "rid": ex.upstream_rid, "stream": client.stream})
+            path = _API_PATHS[client.api]
         headers = {
             "Content-Type": "application/json",
             TENANT_HEADER: ex.tenant,
@@ -546,7 +557,7 @@ class Gateway:
         if client.deadline_s:
             left = client.deadline_s - (self.clock() - ex.started)
             headers[wire.DEADLINE_MS] = str(max(1, int(left * 1000)))
-        url = view.state.address + _API_PATHS[client.api]
+        url = view.state.address + path
         pool = self.config.pool
         try:
             async with await self._http.request("POST", url, payload, headers) as upstream:
@@ -613,6 +624,7 @@ class Gateway:
                     data, relay.pending = bytes(relay.pending), bytearray()
                     await out.write_first(data)
                 if relay.outcome == "preempted":
+                    ex.continuation = relay.continuation
                     return "preempted", None
                 if relay.outcome == "done":
                     ex.finish = ex.received.finish_reason or "stop"

@@ -199,6 +199,7 @@ class SegmentRelay:
         self._out = out
         self._on_first_token = on_first_token
         self.outcome = ""
+        self.continuation = b""  # the sidecar's continuation, when it ended "preempted"
         self.pending = bytearray()  # bytes for the task to write (the first, with headers)
 
     @property
@@ -218,7 +219,7 @@ class SegmentRelay:
         data = bytearray()  # the events of one upstream read go out in one write
         for event in events:
             if event.event == PREEMPTED_EVENT:
-                self.outcome = "preempted"
+                self.outcome, self.continuation = "preempted", bytes(event.data)
                 break
             if event.data == DONE:
                 data += event.raw

@@ -49,6 +49,25 @@ STOP_TIMEOUT_S = 20.0
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
+def cpu_flags(version: str) -> list[str]:
+    """The launch flags that make `version` serve the tiny model on this machine's CPU,
+    with a small KV pool (4,096 tokens) that a handful of requests fills."""
+    return [
+        "--device", "cpu",
+        "--attention-backend", "torch_native",
+        "--disable-overlap-schedule",
+        "--max-total-tokens", "4096",
+        "--mem-fraction-static", "0.05",
+        "--skip-server-warmup",
+        *VERSION_FLAGS.get(version, ()),
+    ]  # fmt: skip
+
+
+def cpu_environment() -> dict[str, str]:
+    """SGLang's CPU engine, offline: what a server's environment adds to ours."""
+    return {"SGLANG_USE_CPU_ENGINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
 class SGLangUnavailableError(RuntimeError):
     """The version is not installed, or its server did not come up."""
 
@@ -156,17 +175,11 @@ class SGLangServer:
         return [
             str(venv_python(self.version)), "-m", "sglang.launch_server",
             "--model-path", str(model_dir()),
-            "--device", "cpu",
             "--host", "127.0.0.1",
             "--port", str(self.port),
             "--nccl-port", str(self.nccl_port),
-            "--attention-backend", "torch_native",
-            "--disable-overlap-schedule",
             "--enable-metrics",
-            "--max-total-tokens", "4096",
-            "--mem-fraction-static", "0.05",
-            "--skip-server-warmup",
-            *VERSION_FLAGS.get(self.version, ()),
+            *cpu_flags(self.version),
             *self.extra_args,
         ]  # fmt: skip
 
@@ -176,13 +189,7 @@ class SGLangServer:
             for key, value in os.environ.items()
             if key not in ("PYTHONPATH", "PROMETHEUS_MULTIPROC_DIR", "VIRTUAL_ENV")
         }
-        env.update(
-            SGLANG_USE_CPU_ENGINE="1",
-            HF_HUB_OFFLINE="1",
-            TRANSFORMERS_OFFLINE="1",
-            TMPDIR=str(tmp),
-            PYTHONUNBUFFERED="1",
-        )
+        env.update(cpu_environment(), TMPDIR=str(tmp), PYTHONUNBUFFERED="1")
         return env
 
     def __enter__(self) -> SGLangServer:

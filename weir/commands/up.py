@@ -20,9 +20,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add("--port", type=int, default=8080, help="the router's port (0: a free one)")
     add("--pool", default="local")
     add("--engine", choices=("reference", "sglang"), default="reference",
-        help="reference engines, or real SGLang servers (GPU machine, sglang installed)")  # fmt: skip
+        help="reference engines, or real SGLang servers")  # fmt: skip
     add("--model", default="meta-llama/Llama-3.1-8B-Instruct",
         help="the served model name; with --engine sglang, the weights' path")  # fmt: skip
+    add("--sglang-python", default="",
+        help="with --engine sglang: the Python that has SGLang (default: this one)")  # fmt: skip
+    add("--engine-arg", action="append", default=[], dest="engine_args", metavar="ARG",
+        help="with --engine sglang: a launch flag added to Weir's (repeatable), e.g. "
+             "--engine-arg=--device=cpu")  # fmt: skip
+    add("--startup-timeout-s", type=float, default=120.0,
+        help="how long each part may take to start (SGLang loads weights first)")  # fmt: skip
     add("--redis-url", default="", help="use this Redis instead of starting one")
     add("--speed-factor", type=float, default=1.0, help="reference engines' simulated speed")
     add("--requests", type=int, default=1, help="sample streamed requests sent at start")
@@ -51,6 +58,9 @@ def run(args: argparse.Namespace) -> int:
             model_path=args.model if args.engine == "sglang" else "",
             redis_url=args.redis_url,
             speed_factor=args.speed_factor,
+            sglang_python=args.sglang_python,
+            engine_args=tuple(args.engine_args),
+            startup_timeout_s=args.startup_timeout_s,
         )
     except (ValueError, FleetError) as exc:
         print(f"weir up: {exc}", file=sys.stderr)

@@ -60,6 +60,10 @@ class FleetConfig:
     model: str = "meta-llama/Llama-3.1-8B-Instruct"
     engine: str = "reference"  # or "sglang"
     model_path: str = ""  # SGLang: the weights to serve
+    # SGLang: the Python that has it installed (empty: this one), and launch flags added
+    # to Weir's (`--device cpu ...` on a machine without a GPU).
+    sglang_python: str = ""
+    engine_args: tuple[str, ...] = ()
     redis_url: str = ""  # empty: start a redis-server
     speed_factor: float = 1.0
     startup_timeout_s: float = 120.0
@@ -71,12 +75,18 @@ class FleetConfig:
         if self.engine not in ("reference", "sglang"):
             raise ValueError("engine must be 'reference' or 'sglang'")
         if self.engine == "sglang":
-            if importlib.util.find_spec("sglang") is None:
+            if self.sglang_python:
+                if not Path(self.sglang_python).is_file():
+                    raise FleetError(f"--sglang-python {self.sglang_python}: no such file")
+            elif importlib.util.find_spec("sglang") is None:
                 raise FleetError(
-                    "--engine sglang needs SGLang on a GPU machine: pip install 'weir[sglang]'"
+                    "--engine sglang needs SGLang: pip install 'weir[sglang]', or name the "
+                    "Python that has it with --sglang-python"
                 )
             if not self.model_path:
                 raise ValueError("--engine sglang needs --model PATH (the weights to serve)")
+        elif self.sglang_python or self.engine_args:
+            raise ValueError("--sglang-python and --engine-arg go with --engine sglang")
 
 
 @dataclass
@@ -114,10 +124,13 @@ class LocalFleet(LocalService):
             else:
                 self.redis = RedisServer().start()
                 self.redis_url = self.redis.url
-            for i in range(c.engines):
-                port = free_port()
-                self._spawn(f"engine-{i}", self._engine_command(port), port)
+            # Engines load weights side by side: started together, then waited for.
+            ports = [free_port() for _ in range(c.engines)]
+            for i, port in enumerate(ports):
+                self._spawn(f"engine-{i}", self._engine_command(port), port, wait=False)
                 self.engine_urls.append(f"http://127.0.0.1:{port}")
+            for child, port in zip(self._children[-c.engines :], ports, strict=True):
+                self._wait_listening(child, port)
             for i, engine_url in enumerate(self.engine_urls):
                 port = free_port()
                 self._spawn(
@@ -149,27 +162,39 @@ class LocalFleet(LocalService):
     def _engine_command(self, port: int) -> list[str]:
         c = self.config
         if c.engine == "sglang":
-            return [sys.executable, "-m", "sglang.launch_server", "--model-path", c.model_path,
-                    "--host", "127.0.0.1", "--port", str(port), "--enable-metrics"]  # fmt: skip
+            # torch.distributed's port, our pick: SGLang's own (its HTTP port plus a random
+            # offset) can collide between engines started together.
+            return [c.sglang_python or sys.executable, "-m", "sglang.launch_server",
+                    "--model-path", c.model_path, "--host", "127.0.0.1", "--port", str(port),
+                    "--nccl-port", str(free_port()), "--enable-metrics",
+                    *c.engine_args]  # fmt: skip
         return [*WEIR, "engine", "--port", str(port), "--model", c.model,
                 "--speed-factor", str(c.speed_factor)]  # fmt: skip
 
-    def _spawn(self, name: str, command: list[str], port: int) -> None:
+    def _spawn(self, name: str, command: list[str], port: int, wait: bool = True) -> None:
         log = self.workdir / f"{name}.log"
         with log.open("wb") as out:
             proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
         child = _Child(name, proc, log)
         self._children.append(child)
+        if wait:
+            self._wait_listening(child, port)
+
+    def _wait_listening(self, child: _Child, port: int) -> None:
         deadline = time.monotonic() + self.config.startup_timeout_s
         while True:
-            if proc.poll() is not None:
-                raise FleetError(f"{name} exited with {proc.returncode}:\n{_tail(log)}")
+            if child.proc.poll() is not None:
+                raise FleetError(
+                    f"{child.name} exited with {child.proc.returncode}:\n{_tail(child.log)}"
+                )
             try:
                 wait_for_port(port, timeout_s=0.5)
                 return
             except TimeoutError:
                 if time.monotonic() > deadline:
-                    raise FleetError(f"{name} did not listen on {port}:\n{_tail(log)}") from None
+                    raise FleetError(
+                        f"{child.name} did not listen on {port}:\n{_tail(child.log)}"
+                    ) from None
 
     def _wait_ready(self) -> None:
         """Until the router sees every sidecar's endpoint in its snapshot."""
