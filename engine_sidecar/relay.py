@@ -53,6 +53,7 @@ class _PromptDetails(msgspec.Struct):
 
 
 class _Usage(msgspec.Struct):
+    prompt_tokens: int = 0
     completion_tokens: int = 0
     prompt_tokens_details: _PromptDetails | None = None
 
@@ -260,6 +261,8 @@ class StreamReader:
         if not self.resumed:
             if not self.client_id:
                 self.client_id, self.client_created = event.id, event.created
+            if usage is not None and usage.prompt_tokens and not self.prompt_tokens:
+                self.prompt_tokens = usage.prompt_tokens  # what a resumed usage reports
             details = usage.prompt_tokens_details if usage is not None else None
             if details is not None and details.cached_tokens is not None:
                 self.cached_tokens = details.cached_tokens

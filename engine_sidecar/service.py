@@ -105,7 +105,6 @@ class _Origin:
 
     body: dict[str, Any]
     prompt_ids: tuple[int, ...]
-    base_tokens: int  # tokens generated elsewhere before this endpoint took it over
 
 
 class SidecarService:
@@ -166,7 +165,7 @@ class SidecarService:
             intake = parse(api, parse_json(await request.read()), self.limits)
         except RequestError as exc:
             return _bad(exc)
-        return await self._serve(request, intake, _Origin(intake.body, intake.prompt_ids, 0))
+        return await self._serve(request, intake, _Origin(intake.body, intake.prompt_ids))
 
     async def handle_continue(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -178,7 +177,7 @@ class SidecarService:
             return _bad(exc)
         reader = StreamReader(
             cont.api,
-            offset_tokens=len(cont.generated_ids),
+            offset_tokens=cont.generated,
             prefix_ids=list(cont.generated_ids),
             prefix_text=cont.generated_text,
             prompt_ids=list(cont.prompt_ids),
@@ -187,7 +186,7 @@ class SidecarService:
             prompt_tokens=cont.prompt_tokens,
             cached_tokens=cont.cached_tokens,
         )
-        origin = _Origin(dict(cont.body), cont.prompt_ids, len(cont.generated_ids))
+        origin = _Origin(dict(cont.body), cont.prompt_ids)
         return await self._serve(request, intake, origin, reader, cont.preemptions)
 
     async def handle_models(self, request: web.Request) -> web.Response:
@@ -398,7 +397,8 @@ class SidecarService:
             prompt_ids=await self._prompt_ids(flight, reader) if complete_ids else (),
             generated_ids=tuple(ids) if complete_ids else (),
             generated_text=reader.generated_text(),
-            max_new_tokens=(len(ids) if complete_ids else 0) + rec.remaining_tokens,
+            generated_tokens=reader.generated,
+            max_new_tokens=reader.generated + rec.remaining_tokens,
             priority=rec.priority,
             preemptions=rec.preemptions,
             response_id=reader.client_id,
@@ -752,9 +752,9 @@ class SidecarService:
         those that can move and abort the rest. Returns how many ended which way."""
         self.draining = True
         self.ledger.set_admission(False)
+        before = len(self.ledger.flights)  # now: some may finish while on_drain runs
         if self.on_drain is not None:
             await self.on_drain()
-        before = len(self.ledger.flights)
         await self.ledger.wait_idle(deadline_s)
         migrated = aborted = 0
         for rid, flight in list(self.ledger.flights.items()):

@@ -246,7 +246,10 @@ class Continuation(msgspec.Struct, frozen=True, kw_only=True):
     prompt_ids: tuple[int, ...] = ()
     generated_ids: tuple[int, ...] = ()
     generated_text: str = ""
-    max_new_tokens: int
+    # Tokens the client received before this continuation: `len(generated_ids)` where the
+    # ids are known, counted by the sender where only the text is (0: count the ids).
+    generated_tokens: int = 0
+    max_new_tokens: int  # the client's, over the whole request
     priority: int = 0
     deadline_at: float = 0.0
     preemptions: int = 0
@@ -259,8 +262,9 @@ class Continuation(msgspec.Struct, frozen=True, kw_only=True):
     cached_tokens: int | None = None
 
     @property
-    def generated_tokens(self) -> int:
-        return len(self.generated_ids)
+    def generated(self) -> int:
+        """Tokens generated before this continuation, ids known or not."""
+        return max(self.generated_tokens, len(self.generated_ids))
 
     @property
     def exact(self) -> bool:
@@ -275,14 +279,13 @@ class Continuation(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def remaining_tokens(self) -> int:
-        return max(0, self.max_new_tokens - len(self.generated_ids))
+        return max(0, self.max_new_tokens - self.generated)
 
-    def engine_body(self, remaining_tokens: int | None = None) -> dict[str, object]:
+    def engine_body(self) -> dict[str, object]:
         """The engine request that resumes this continuation, its prompt extended as the
-        class docstring says. `remaining_tokens` overrides the count from `generated_ids`
-        for callers that counted tokens themselves (OpenAI streams carry text, not ids)."""
+        class docstring says."""
         body: dict[str, object] = dict(self.body)
-        remaining = self.remaining_tokens if remaining_tokens is None else remaining_tokens
+        remaining = self.remaining_tokens
         if self.api is EngineAPI.GENERATE:
             params = body.get("sampling_params")
             body["sampling_params"] = {

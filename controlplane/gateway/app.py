@@ -53,6 +53,7 @@ from controlplane.gateway.requests import ClientRequest, Limits, decode_body, pa
 from controlplane.gateway.tenants import TENANT_HEADER, TenantKeys
 from controlplane.ownership import block_hashes, prefix_key
 from controlplane.routing import (
+    SATURATION,
     Decision,
     EndpointView,
     FairQueue,
@@ -71,7 +72,6 @@ log = logging.getLogger(__name__)
 
 # Filters that remove endpoints for being full right now: a request they leave without a
 # candidate waits in the fair queue; any other refusal means nothing could serve it.
-SATURATION = frozenset({"bounded-load", "watermark-below-critical"})
 MAX_HASHED_BLOCKS = 256
 _JSON = {"Content-Type": "application/json"}
 CONTINUE_PATH = "/weir/v1/continue"
@@ -254,11 +254,14 @@ class Gateway:
             owners=self.view.owners(key),
         )
 
-    def decide(self, route: RouteRequest, snapshot: PoolSnapshot, now: float) -> Decision:
+    def decide(
+        self, route: RouteRequest, snapshot: PoolSnapshot, now: float, resume: bool = False
+    ) -> Decision:
         """One pure decision, timed and counted, with the endpoint reserved if picked."""
         started = time.perf_counter()
         ctx = RoutingContext(snapshot, now, self.inflight, self.inflight_total, self.prefix_index)
-        decision = self.profile.decide(route, ctx)
+        decide = self.profile.decide_resume if resume else self.profile.decide
+        decision = decide(route, ctx)
         self._decision_seconds.observe(time.perf_counter() - started)
         key = (decision.reason if decision.endpoint_id else decision.refusal, decision.owner_hit)
         counter = self._decisions.get(key)
@@ -470,7 +473,7 @@ class Gateway:
                     continue
                 ex.continuation = b""
                 try:
-                    body = resume_body(self._continuation(ex), ex.received.tokens)
+                    body = resume_body(self._continuation(ex))
                 except GatewayError as exc:  # e.g. a prompt the router cannot rebuild
                     return await self._end_stream(ex, complete=False, refusal=exc)
                 ex.splicer.resumed()
@@ -497,7 +500,7 @@ class Gateway:
             exclude=frozenset(ex.failed),
             prompt_tokens=ex.route.prompt_tokens + ex.received.tokens,
         )
-        decision = self.decide(route, snapshot, now)
+        decision = self.decide(route, snapshot, now, resume=True)
         return decision if decision.endpoint_id else None
 
     def _continuation(self, ex: _Exchange) -> Continuation:
@@ -513,6 +516,7 @@ class Gateway:
             prompt_ids=client.prompt_ids,
             generated_ids=tuple(ex.received.ids),
             generated_text=ex.received.text,
+            generated_tokens=ex.received.tokens,
             max_new_tokens=client.max_new_tokens,
             priority=client.priority,
         )

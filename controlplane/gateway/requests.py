@@ -26,6 +26,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import msgspec
+
 from controlplane.contract import Continuation, EngineAPI
 from controlplane.contract import headers as wire
 from controlplane.contract import request_checks as checks
@@ -121,9 +123,8 @@ def parse(
     )
 
 
-def resume_body(continuation: Continuation, generated_tokens: int) -> dict[str, Any]:
-    """The engine request that resumes `continuation` after the client received
-    `generated_tokens` (counted here because OpenAI streams carry text, not token ids).
+def resume_body(continuation: Continuation) -> dict[str, Any]:
+    """The engine request that resumes `continuation`, at least one token long.
 
     A completion prompted by token ids has no such request: its prompt cannot be extended
     by the text the client received. That raises `GatewayError` (503 `not_resumable`)
@@ -132,7 +133,11 @@ def resume_body(continuation: Continuation, generated_tokens: int) -> dict[str, 
         raise unavailable(
             "not_resumable", "a completion prompted by token ids cannot resume from its text"
         )
-    return continuation.engine_body(max(1, continuation.max_new_tokens - generated_tokens))
+    if continuation.remaining_tokens < 1:
+        continuation = msgspec.structs.replace(
+            continuation, max_new_tokens=continuation.generated + 1
+        )
+    return continuation.engine_body()
 
 
 def _weir_value(

@@ -15,6 +15,7 @@ fleet simulator runs it in virtual time:
 from controlplane.routing.cost import CostModel
 from controlplane.routing.fair_queue import FairQueue, QueueEntry, QueueFullError
 from controlplane.routing.framework import (
+    SATURATION,
     Cycle,
     Decision,
     DecisionReason,
@@ -42,6 +43,7 @@ from controlplane.routing.snapshot import (
 )
 
 __all__ = [
+    "SATURATION",
     "CostModel",
     "Cycle",
     "Decision",

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from operator import mul
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Protocol
@@ -197,6 +197,11 @@ _DECISION_SLOTS: tuple[Callable[[Decision, object], None], ...] = tuple(
 )
 
 
+# Filters that keep new work off a full endpoint. A resume continues a stream already
+# accepted: for it they are preferences, not vetoes (`Profile.decide_resume`).
+SATURATION = frozenset({"bounded-load", "watermark-below-critical"})
+
+
 @dataclass(frozen=True, slots=True)
 class Profile:
     """A fixed pipeline. A decision looks at a shortlist, never the whole pool: the
@@ -216,6 +221,8 @@ class Profile:
     _weights: tuple[float, ...] = field(init=False, repr=False, compare=False)
     # The plugins fused into one loop when they are all built-ins it reproduces.
     _fused: FusedPipeline | None = field(init=False, repr=False, compare=False)
+    # This profile without its saturation filters, for resumes (itself if it has none).
+    _for_resumes: Profile = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.scorers:
@@ -228,6 +235,9 @@ class Profile:
         setattr_(self, "_score_fns", tuple(ws.scorer.score for ws in self.scorers))
         setattr_(self, "_weights", tuple(ws.weight for ws in self.scorers))
         setattr_(self, "_fused", fuse(self.filters, self.scorers, self.picker))
+        kept = tuple(f for f in self.filters if f.name not in SATURATION)
+        relaxed = self if kept == self.filters else replace(self, filters=kept)
+        setattr_(self, "_for_resumes", relaxed)
 
     @property
     def fused(self) -> bool:
@@ -245,6 +255,16 @@ class Profile:
         if fused is not None:
             return fused.decide(request, ctx, holders, mean_load, shortlist)
         return self._run_plugins(Cycle(request, ctx, holders, mean_load, {}), shortlist)
+
+    def decide_resume(self, request: RouteRequest, ctx: RoutingContext) -> Decision:
+        """Where a resume goes: the usual decision, or, when only saturation stood in its
+        way, the best endpoint the other filters allow. The stream was accepted already;
+        refusing it there loses it, while the endpoint's own admission can still queue it
+        or recompute elsewhere."""
+        decision = self.decide(request, ctx)
+        if decision.endpoint_id or not SATURATION.intersection(decision.rejected):
+            return decision
+        return self._for_resumes.decide(request, ctx)
 
     def decide_with_plugins(self, request: RouteRequest, ctx: RoutingContext) -> Decision:
         """The same decision by running each plugin in turn, fused or not: the reference

@@ -420,8 +420,10 @@ class WeirPolicy:
             owners=self._owners(flight, role),
             exclude=exclude,
         )
+        # A continuation (it has streamed) is routed as the router routes a resume.
+        decide = self.profile.decide_resume if flight.generated else self.profile.decide
         while True:
-            decision = self.profile.decide(request, self._context(now, role))
+            decision = decide(request, self._context(now, role))
             if not decision.endpoint_id:
                 return False
             index = int(decision.endpoint_id.rsplit("-", 1)[1])

@@ -198,6 +198,29 @@ async def test_killing_the_engine_mid_stream_resumes_with_exactly_the_same_token
         assert resumes == 1
 
 
+async def test_a_stream_whose_engine_dies_resumes_on_a_critical_endpoint(redis_url: str) -> None:
+    """The only other endpoint is at critical KV pressure: a new request would not be sent
+    there, but a resume is an accepted stream and is (its sidecar's admission decides)."""
+    async with make_fleet(redis_url, engines=2, speed_factor=2.0) as fleet:
+        path, body = _long_request("completions")
+        async with aiohttp.ClientSession() as session:
+            direct = await _stream_text(
+                session, fleet.engines["e1"].url + path, body, "completions"
+            )
+            async with session.post(fleet.url + path, json=body) as reply:
+                serving = reply.headers["x-weir-endpoint"]
+                other = next(e for e in fleet.engines if e != serving)
+                events = []
+                async for line in reply.content:
+                    if line.startswith(b"data: "):
+                        events.append(line[6:].strip())
+                        if len(events) == 5:
+                            await fleet.report(other, watermark=WatermarkState.CRITICAL)
+                            await fleet.engines[serving].kill()
+        assert events[-1] == b"[DONE]"
+        assert _text_of(events, "completions") == direct
+
+
 async def test_a_completion_prompted_by_token_ids_ends_with_an_error_event_when_its_engine_dies(
     redis_url: str,
 ) -> None:

@@ -84,9 +84,10 @@ def test_a_continuation_extends_the_prompt_by_what_the_client_received(
     api: EngineAPI, body: dict[str, object], expected: dict[str, object]
 ) -> None:
     continuation = Continuation(
-        request_id="r", model="m", api=api, body=body, generated_text="XYZ", max_new_tokens=10
-    )
-    assert resume_body(continuation, generated_tokens=3) == expected
+        request_id="r", model="m", api=api, body=body, generated_text="XYZ",
+        generated_tokens=3, max_new_tokens=10,
+    )  # fmt: skip
+    assert resume_body(continuation) == expected
 
 
 def test_a_generate_continuation_by_ids_appends_the_generated_ids() -> None:
@@ -95,7 +96,7 @@ def test_a_generate_continuation_by_ids_appends_the_generated_ids() -> None:
         body={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 5}},
         prompt_ids=(1, 2), generated_ids=(7, 8), generated_text="??", max_new_tokens=5,
     )  # fmt: skip
-    assert resume_body(continuation, 2) == {
+    assert resume_body(continuation) == {
         "input_ids": [1, 2, 7, 8],
         "sampling_params": {"max_new_tokens": 3},
     }
@@ -108,5 +109,5 @@ def test_a_completion_prompted_by_token_ids_is_not_resumed_from_its_text() -> No
         prompt_ids=request.prompt_ids, generated_text="ab", max_new_tokens=5,
     )  # fmt: skip
     with pytest.raises(GatewayError) as caught:
-        resume_body(continuation, generated_tokens=2)
+        resume_body(continuation)
     assert (caught.value.status, caught.value.reason) == (503, "not_resumable")

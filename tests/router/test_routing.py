@@ -122,6 +122,30 @@ def test_bounded_load_spills_a_hot_owner_and_counts_router_inflight() -> None:
     assert "e0" not in decision.fallbacks
 
 
+def test_a_resume_is_placed_where_only_saturation_would_refuse_it() -> None:
+    """Saturation keeps new work off full endpoints; a resume continues an accepted stream,
+    so it goes to the least pressured endpoint the other filters allow. What no endpoint
+    may take (draining, another model, its old endpoint) stays refused."""
+    states = [
+        _state("critical", watermark=WatermarkState.CRITICAL, kv_used_tokens=90_000),
+        _state("loaded", watermark=WatermarkState.PRESSURE, running_requests=40),
+        _state("draining", lifecycle=Lifecycle.DRAINING),
+        _state("old"),
+    ]  # fmt: skip
+    snapshot = PoolSnapshot.of("p", states, lease_deadline=10.0)
+    request = _request(exclude=frozenset({"old"}))
+    ctx = RoutingContext(snapshot, 0.0, inflight={"loaded": 4}, inflight_total=4)
+    refused = PROFILE.decide(request, ctx)
+    assert refused.endpoint_id == ""
+    assert set(refused.rejected) == {"not-draining", "watermark-below-critical", "bounded-load"}
+    resumed = PROFILE.decide_resume(request, ctx)
+    assert resumed.endpoint_id == "loaded"  # below critical: less pressured than "critical"
+    assert resumed.fallbacks == ("critical",)
+    # Nothing but a draining endpoint and the old one: refused, saturation or not.
+    alone = PoolSnapshot.of("p", states[2:], lease_deadline=10.0)
+    assert PROFILE.decide_resume(request, RoutingContext(alone, 0.0)).endpoint_id == ""
+
+
 def test_the_prefix_index_draws_repeated_prefixes_back_to_where_they_went() -> None:
     index = PrefixIndex(capacity_blocks=100)
     index.record("e2", (1, 2, 3, 4))

@@ -32,6 +32,14 @@ class Received:
                 )
         return "".join(parts)
 
+    def usage(self) -> list[dict[str, Any]]:
+        """The counts the client was sent: every OpenAI usage object, or the token counts
+        of /generate's last meta_info."""
+        if self.events and "meta_info" in self.events[-1]:
+            meta = self.events[-1]["meta_info"]
+            return [{key: meta[key] for key in ("prompt_tokens", "completion_tokens")}]
+        return [event["usage"] for event in self.events if event.get("usage")]
+
     def finish(self) -> object:
         for event in reversed(self.events):
             if "meta_info" in event:

@@ -46,6 +46,16 @@ def bodies() -> dict[str, tuple[str, dict[str, Any]]]:
                 "ignore_eos": True,
             },
         ),
+        "completions_usage": (
+            "/v1/completions",
+            {
+                "model": MODEL,
+                "prompt": "once upon a time",
+                "max_tokens": MAX_NEW,
+                "ignore_eos": True,
+                "stream_options": {"include_usage": True},
+            },
+        ),
         "chat": (
             "/v1/chat/completions",
             {
@@ -79,7 +89,13 @@ async def uninterrupted(
         return await read_sse(resp)
 
 
-@pytest.mark.parametrize("api", ["generate", "generate_ids", "completions", "chat"])
+def counts(received: Received) -> list[dict[str, Any]]:
+    return [{k: v for k, v in u.items() if k != "prompt_tokens_details"} for u in received.usage()]
+
+
+@pytest.mark.parametrize(
+    "api", ["generate", "generate_ids", "completions", "completions_usage", "chat"]
+)
 async def test_recompute_in_place_continues_the_stream_exactly(
     two: tuple[RunningEngine, RunningSidecar, RunningEngine, RunningSidecar], api: str
 ) -> None:
@@ -100,6 +116,8 @@ async def test_recompute_in_place_continues_the_stream_exactly(
     assert got.text() == expected.text()
     assert len(expected.text()) == MAX_NEW
     assert got.finish() == expected.finish()
+    # The uninterrupted run's counts, once if asked (the prefix-cache hit is this run's).
+    assert counts(got) == counts(expected)
     if api.startswith("generate"):
         texts = [e["text"] for e in got.events]
         assert all(b.startswith(a) for a, b in itertools.pairwise(texts))
@@ -109,7 +127,9 @@ async def test_recompute_in_place_continues_the_stream_exactly(
     assert engine.engine.loads().num_running_reqs == 0
 
 
-@pytest.mark.parametrize("api", ["generate", "generate_ids", "completions", "chat"])
+@pytest.mark.parametrize(
+    "api", ["generate", "generate_ids", "completions", "completions_usage", "chat"]
+)
 async def test_migrated_request_resumes_on_another_engine_exactly(
     two: tuple[RunningEngine, RunningSidecar, RunningEngine, RunningSidecar], api: str
 ) -> None:
@@ -142,9 +162,11 @@ async def test_migrated_request_resumes_on_another_engine_exactly(
         # /generate is cumulative: the continued stream carries the whole output.
         assert after.text() == expected.text()
         assert after.events[-1]["meta_info"]["completion_tokens"] == MAX_NEW
+        assert counts(after) == counts(expected)
     else:
         spliced = Received(first.events + before.events + after.events, True)
         assert spliced.text() == expected.text()
+        assert counts(spliced) == counts(expected)
     assert after.finish() == expected.finish()
     for sidecar, engine in ((sidecar_a, engine_a), (sidecar_b, engine_b)):
         assert sidecar.service.ledger.flights == {}
