@@ -2,7 +2,7 @@
 
 `EngineAdapter` is the interface (server info, load, streamed and plain requests, abort by
 rid, pause/continue); `SGLangEngine` implements it over SGLang's HTTP server, for both
-0.5.5 and 0.5.23 (see SGLANG_CONTRACT.md):
+0.5.5 and 0.5.23, as tests/sglang/test_adapter.py checks against both real servers:
 
 - server info: `/server_info` (0.5.23) or `/get_server_info` (0.5.5);
 - load: `/v1/loads?include=all` (0.5.23) or `/get_load` (0.5.5) — which one answers decides

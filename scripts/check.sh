@@ -11,5 +11,6 @@ step "lint (ruff check)";            $bin/ruff check .
 step "types (mypy --strict)";        $bin/mypy
 step "import contracts";             PYTHONPATH=operator $bin/lint-imports
 if [ "${1:-}" != "--no-tests" ]; then
-  step "tests (pytest)";             $bin/pytest -q
+  # The slowest tests, printed: the CI time budget (docs/testing.md) is kept with them.
+  step "tests (pytest)";             $bin/pytest -q --durations=25
 fi

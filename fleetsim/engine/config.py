@@ -10,8 +10,11 @@ from typing import Literal
 from fleetsim.engine.timing import TimingModel
 from fleetsim.engine.tokens import DEFAULT_EOS_PER_MILLE
 
-# SGLang clips each request's remaining output at this many tokens when it estimates growth.
+# SGLang clips each request's remaining output at this many tokens when it estimates growth
+# (SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION, sglang/srt/managers/schedule_policy.py).
 CLIP_MAX_NEW_TOKENS = 4096
+
+SGLangVersion = Literal["0.5.5", "0.5.23"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,14 +26,24 @@ class EngineConfig:
     """
 
     model: str = "meta-llama/Llama-3.1-8B-Instruct"
+    # Whose scheduler details to follow where the two versions differ (the page charged
+    # per admission, ignore_eos reservations, max_new_tokens clipped to memory); the
+    # server sets it to the HTTP surface it speaks.
+    sglang_version: SGLangVersion = "0.5.23"
     context_length: int | None = None
     max_total_tokens: int | None = None
     page_size: int = 1
     chunked_prefill_size: int = 8192  # -1 disables chunking
+    max_prefill_tokens: int = 16384  # new tokens one prefill batch may take
     max_running_requests: int | None = None
     max_queued_requests: int | None = None
     enable_priority_scheduling: bool = False
     schedule_low_priority_values_first: bool = False
+    # With priority scheduling, a newcomer at the running limit preempts running requests
+    # whose priority is more than this threshold below its own.
+    disable_priority_preemption: bool = False
+    priority_scheduling_preemption_threshold: int = 10
+    retraction_policy: Literal["length", "priority"] = "length"
     schedule_policy: Literal["fcfs", "lpm"] = "fcfs"
     disable_radix_cache: bool = False
     enable_mixed_chunk: bool = False
@@ -64,6 +77,10 @@ class EngineConfig:
         problems = []
         if self.page_size < 1:
             problems.append("page_size must be at least 1")
+        if self.max_prefill_tokens < 1:
+            problems.append("max_prefill_tokens must be at least 1")
+        if self.retraction_policy == "priority" and not self.enable_priority_scheduling:
+            problems.append("retraction_policy priority requires enable_priority_scheduling")
         if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
             problems.append("chunked_prefill_size must be positive or -1")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
@@ -96,14 +113,27 @@ class EngineConfig:
 
     @property
     def running_limit(self) -> int:
-        """SGLang sizes the running batch from the pool when not given; so do we."""
+        """SGLang's request slots: 512 per context length of pool, within [2048, 4096] when
+        not given, and never more than half the pool's tokens (resolve_max_num_reqs in
+        sglang/srt/mem_cache/kv_cache_configurator.py)."""
+        capacity = self.total_tokens
         if self.max_running_requests is not None:
-            return self.max_running_requests
-        return max(1, min(4096, self.total_tokens // 2))
+            return max(1, min(self.max_running_requests, capacity // 2))
+        estimated = max(min(int(capacity / self.context_len * 512), 4096), 2048)
+        return max(1, min(estimated, capacity // 2))
+
+    @property
+    def max_req_len(self) -> int:
+        """Prompt plus output a request may reach (sglang/srt/managers/tp_worker.py)."""
+        return min(self.context_len - 1, self.total_tokens - 1)
 
     @property
     def max_req_input_len(self) -> int:
-        return min(self.context_len - 1, self.total_tokens - 1)
+        return self.max_req_len - 5
+
+    @property
+    def priority_preemption(self) -> bool:
+        return self.enable_priority_scheduling and not self.disable_priority_preemption
 
     def replace(self, **changes: object) -> EngineConfig:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

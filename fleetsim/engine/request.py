@@ -67,6 +67,9 @@ class EngineRequest:
     priority: int = 0
     cache_salt: str = ""
     arrival: float = 0.0
+    # When it last entered the waiting queue: SGLang restamps a retracted request, which
+    # rejoins at the tail, and orders priorities' ties (and full-queue evictions) by it.
+    queued_at: float = 0.0
 
     output_ids: list[int] = field(default_factory=list)
     phase: Phase = Phase.WAITING
@@ -80,6 +83,7 @@ class EngineRequest:
     stop_at: int = -1
     retractions: int = 0
     prefill_yields: int = 0
+    prefill_end: int = 0  # where this iteration's chunk of its history ends (admission's plan)
     admitted_at: float = -1.0
     # Leading history tokens whose KV arrives by transfer from a prefill engine (P/D):
     # the scheduler allocates their pages without computing them. A retraction drops it.

@@ -4,19 +4,28 @@ Nothing here reads a clock or does I/O: `now` comes in, an iteration's duration 
 roofline timing model) goes out. The HTTP server sleeps that duration (over its speed
 factor) in real time; the fleet simulator adds it to virtual time.
 
-One iteration:
-1. admission (SGLang's PrefillAdder): waiting requests, in policy order, are admitted while
-   `available + evictable − Σ running min(max_new − generated, 4096) × new_token_ratio`
-   still covers their uncached history plus clipped max-new-tokens, the running limit
-   allows, and this iteration's prefill budget is not yet covered. The first one that does
-   not fit stops admission (SGLang's head-of-line behaviour).
-2. prefill: admitted requests compute their history in chunks, within a token budget
-   (`chunked_prefill_size`), an optional time budget and the KV that can be allocated. A
-   request that reaches the end of its history samples its first token and joins decode.
+One iteration, as SGLang's `Scheduler.get_next_batch_to_run` (sglang/srt/managers/
+scheduler.py) and `PrefillAdder` (schedule_policy.py, mem_cache/prefill_budget.py) do it:
+1. admission: the request mid-way through a chunked prefill takes its next chunk; then
+   waiting requests, in policy order, are admitted while `available + evictable − offset`
+   stays above their uncached history plus clipped remaining max-new-tokens (plus a page
+   on 0.5.23). The offset is Σ over decoding requests of `min(max_new − generated, 4096) ×
+   new_token_ratio` (ratio 1 for `ignore_eos` on 0.5.23), plus, for each request admitted
+   in this pass, its page-rounded extend, a page (0.5.23) and its whole clipped
+   max-new-tokens. The pass stops at the first request that does not fit, at the running
+   limit, or when the chunk budget (`chunked_prefill_size`) or `max_prefill_tokens` is
+   spent; the request that overflows the chunk budget is cut at a page boundary and
+   becomes the one chunked request. A request that does not fit sets `batch_is_full`:
+   nothing new is admitted until a running request leaves.
+2. prefill: admitted requests compute the chunk admission planned for them (with
+   `prefill_yield`, the iteration's token budget is shared out instead). A request that
+   reaches the end of its history samples its first token and joins decode.
 3. decode (in the same iteration with `enable_mixed_chunk`, else only when there was no
    prefill): every decoding request writes the KV of its last token and samples one more.
-   When the pages for that do not exist, the requests with the fewest output tokens are
-   retracted (KV freed, requeued for full recompute) until they do.
+   When the pages for that do not exist, requests are retracted — fewest output tokens
+   first — until they do: their KV is freed without entering the prefix cache, they
+   rejoin the tail of the queue, and the new-token ratio is re-estimated from what the
+   requests kept have decoded.
 """
 
 from __future__ import annotations
@@ -41,6 +50,17 @@ from fleetsim.engine.tokens import (
 
 _crc32 = zlib.crc32
 
+# SGLANG_RETRACT_DECODE_STEPS: decode steps of headroom a retraction frees per request kept,
+# and the steps credited to each in the new-token-ratio estimate after a retraction.
+RETRACT_DECODE_STEPS = 20
+# LPM sorts at most this many waiting requests; beyond, the queue is served in order.
+LPM_MAX_WAITING = 128
+# LPM's in-batch prefix caching: a request with at most this many tokens cached waits
+# behind an earlier waiting request that shares its first this-many tokens.
+IN_BATCH_PREFIX_TOKENS = 32
+# Admission results (SGLang's AddReqResult).
+_CONTINUE, _NO_TOKEN, _OTHER = "continue", "no_token", "other"
+
 
 class RequestError(ValueError):
     """A request the engine refuses outright (SGLang answers these with 400)."""
@@ -48,13 +68,15 @@ class RequestError(ValueError):
 
 @dataclass(slots=True)
 class StepResult:
-    """What one iteration did. `emitted` got exactly one new token each (its last
-    `output_ids` entry); `finished` ended this step (also listed in `emitted` when their
-    final token came this step); `retracted` lost their KV and wait for recompute."""
+    """What one iteration did. `admitted` left the queue for a prefill; `emitted` got
+    exactly one new token each (its last `output_ids` entry); `finished` ended this step
+    (also listed in `emitted` when their final token came this step); `retracted` lost
+    their KV and wait for recompute."""
 
     duration: float = 0.0
     prefill_tokens: int = 0
     decode_tokens: int = 0
+    admitted: list[EngineRequest] = field(default_factory=list)
     emitted: list[EngineRequest] = field(default_factory=list)
     finished: list[EngineRequest] = field(default_factory=list)
     retracted: list[EngineRequest] = field(default_factory=list)
@@ -83,6 +105,50 @@ class Loads:
     paused: bool
 
 
+@dataclass(slots=True)
+class _PrefillBudget:
+    """One admission pass's reservations, as SGLang's PrefillBudget and PrefillAdder keep
+    them: `total_offset` holds what admitted and running requests may still grow into,
+    `current_offset` what this pass allocates now."""
+
+    kv: KVCache
+    page_size: int
+    page_charge: int  # the page 0.5.23 adds per admitted request
+    total_offset: float
+    current_offset: float
+    rem_input: int
+    rem_chunk: int | None
+
+    @property
+    def remaining_total(self) -> float:
+        return self.kv.available_pages * self.page_size - self.total_offset
+
+    @property
+    def remaining_current(self) -> float:
+        return self.kv.available_pages * self.page_size - self.current_offset
+
+    def paged(self, tokens: int) -> int:
+        return -(-tokens // self.page_size) * self.page_size
+
+    def reserve(self, extend: int, compute: int, max_new: int) -> None:
+        """Charge an admission: `extend` tokens of KV now, `compute` of them computed,
+        `max_new` more tokens of KV later."""
+        now = self.paged(extend) + self.page_charge
+        self.total_offset += now + max_new
+        self.current_offset += now
+        charged = self.paged(compute)
+        self.rem_input -= charged
+        if self.rem_chunk is not None:
+            self.rem_chunk -= charged
+
+    def state(self) -> str:
+        if self.remaining_total <= 0 or self.remaining_current <= 0:
+            return _NO_TOKEN
+        if self.rem_input <= 0 or (self.rem_chunk is not None and self.rem_chunk <= 0):
+            return _OTHER
+        return _CONTINUE
+
+
 class EngineModel:
     """SGLang's scheduler over a KV pool. See the module docstring for one iteration."""
 
@@ -102,6 +168,8 @@ class EngineModel:
         self.prefilling: list[EngineRequest] = []
         self.decoding: list[EngineRequest] = []
         self.paused = False
+        self.batch_is_full = False
+        self.v0523 = config.sglang_version == "0.5.23"
         self.init_ratio = config.init_new_token_ratio
         self.min_ratio = config.init_new_token_ratio * config.min_new_token_ratio_factor
         self.ratio_decay = (self.init_ratio - self.min_ratio) / max(
@@ -125,7 +193,13 @@ class EngineModel:
         self._last_retracted = 0
         self._tp_window: tuple[float | None, int] = (None, 0)
         self.gen_throughput = 0.0
+        # SGLang's load report: decode steps' moments (count, Σ batch, Σ µs, Σ batch²,
+        # Σ batch·µs, Σ tokens) and the µs spent in iterations that prefilled.
+        self.decode_moments = [0.0] * 6
+        self.prefill_busy_us = 0
         self._firsts: list[EngineRequest] = []
+        # Requests a submit ended (evicted from a full queue), reported by the next step.
+        self._ended: list[EngineRequest] = []
 
     # -- requests in -----------------------------------------------------------------
     def make_request(
@@ -144,7 +218,11 @@ class EngineModel:
         now: float = 0.0,
     ) -> EngineRequest:
         """A validated request. Raises RequestError with SGLang's message on bad input;
-        `max_new_tokens=None` means "up to the context length".
+        `max_new_tokens=None` means "as many as fit".
+
+        As SGLang's scheduler does on arrival (`init_req_max_new_tokens`), max_new_tokens
+        is clipped so that the request fits the context, and on 0.5.23 an empty pool:
+        whatever it asked for, a request admitted alone always runs to its end.
 
         `kv_imported` (P/D decode side): the KV of the first `kv_imported` tokens was
         computed by a prefill engine and arrives by transfer, so admission still needs
@@ -154,26 +232,19 @@ class EngineModel:
         uninterrupted one; a backend holding real KV content has nothing to import.)"""
         if not input_ids:
             raise RequestError("The input must not be empty.")
-        low, high = min(input_ids), max(input_ids)
-        if low < 0 or high >= VOCAB_SIZE:
-            bad = low if low < 0 else high
-            raise RequestError(f"Token id {bad} is out of the vocabulary (0..{VOCAB_SIZE - 1}).")
         n = len(input_ids)
         if n >= self.context_len:
             raise RequestError(
                 f"The input ({n} tokens) is longer than the model's context length "
                 f"({self.context_len} tokens)."
             )
-        if n > self.config.max_req_input_len:
-            raise RequestError(
-                f"The input ({n} tokens) is longer than the maximum request input length "
-                f"({self.config.max_req_input_len} tokens)."
-            )
-        if max_new_tokens is None:
-            max_new_tokens = self.context_len - n
-        if max_new_tokens < 0:
+        low, high = min(input_ids), max(input_ids)
+        if low < 0 or high >= VOCAB_SIZE:
+            bad = low if low < 0 else high
+            raise RequestError(f"Token id {bad} is out of the vocabulary (0..{VOCAB_SIZE - 1}).")
+        if max_new_tokens is not None and max_new_tokens < 0:
             raise RequestError(f"max_new_tokens must be at least 0, got {max_new_tokens}.")
-        if n + max_new_tokens > self.context_len:
+        if max_new_tokens is not None and n + max_new_tokens > self.context_len:
             raise RequestError(
                 f"Requested token count exceeds the model's maximum context length of "
                 f"{self.context_len} tokens. You requested a total of {n + max_new_tokens} "
@@ -181,19 +252,29 @@ class EngineModel:
                 f"for the completion. Please reduce the number of tokens in the input "
                 f"messages or the completion to fit within the limit."
             )
+        limit = self.config.max_req_input_len
+        if n >= limit:
+            raise RequestError(
+                f"Input length ({n} tokens) exceeds the maximum allowed length ({limit} "
+                f"tokens). Use a shorter input or enable --allow-auto-truncate."
+            )
         if not 0 <= kv_imported < n:
             raise RequestError(f"kv_imported must be in [0, {n}), got {kv_imported}.")
-        if min_new_tokens < 0 or min_new_tokens > max_new_tokens:
+        wanted = self.context_len if max_new_tokens is None else max_new_tokens
+        if min_new_tokens < 0 or min_new_tokens > wanted:
             raise RequestError(
-                f"min_new_tokens must be in [0, max_new_tokens={max_new_tokens}], "
-                f"got {min_new_tokens}."
+                f"min_new_tokens must be in [0, max_new_tokens={wanted}], got {min_new_tokens}."
             )
+        clipped = max(0, min(wanted, self.config.max_req_len - n - 1))
+        if self.v0523:
+            ps = self.page_size
+            clipped = max(0, min(clipped, self.total_tokens - -(-n // ps) * ps - ps - 1))
         return EngineRequest(
             rid=rid,
             input_ids=list(input_ids),
-            max_new_tokens=max_new_tokens,
+            max_new_tokens=clipped,
             ignore_eos=ignore_eos,
-            min_new_tokens=min_new_tokens,
+            min_new_tokens=min(min_new_tokens, clipped),
             stop=tuple(s for s in stop if s),
             stop_token_ids=frozenset(stop_token_ids),
             priority=priority,
@@ -204,23 +285,47 @@ class EngineModel:
 
     def submit(self, req: EngineRequest, now: float) -> bool:
         """Queue a request. False when the queue is full: the request then is finished
-        with SGLang's 503 abort and never touches the pool."""
+        with SGLang's 503 abort and never touches the pool. With priority scheduling a
+        full queue drops its least preferred request instead, if the newcomer is
+        preferred to it; the next step reports that one among its finished."""
         if req.rid in self.requests:
-            raise RequestError(f"Duplicate request ID {req.rid!r}.")
-        limit = self.config.max_queued_requests
-        if limit is not None and len(self.waiting) >= limit:
-            req.finish = aborted("The request queue is full.", 503)
-            req.phase = Phase.FINISHED
-            req.finished_at = now
-            self.aborted_total += 1
-            return False
+            raise RequestError(f"Duplicate request ID detected: {req.rid}")
         req.arrival = now
         req.hash_state = prefix_hash(req.output_ids, prefix_hash(req.input_ids))
         self.requests[req.rid] = req
-        self.waiting.append(req)
         self.requests_total += 1
         self.prompt_tokens_total += len(req.input_ids)
+        victim = self._enqueue(req, now)
+        if victim is req:
+            self.requests_total -= 1
+            self.prompt_tokens_total -= len(req.input_ids)
+            return False
+        if victim is not None:
+            self._ended.append(victim)
         return True
+
+    def _enqueue(self, req: EngineRequest, now: float) -> EngineRequest | None:
+        """Put a request at the tail of the queue (SGLang's _add_request_to_queue). Over
+        `max_queued_requests`, one request is finished with a 503 abort and returned: the
+        newcomer, or with priority scheduling the least preferred waiting request (the
+        newest among equals) when the newcomer is strictly preferred to it."""
+        req.phase = Phase.WAITING
+        req.queued_at = now
+        cfg = self.config
+        limit = cfg.max_queued_requests
+        if limit is None or len(self.waiting) < limit:
+            self.waiting.append(req)
+            return None
+        victim, message = req, "The request queue is full."
+        if cfg.enable_priority_scheduling and self.waiting:
+            direction = 1 if cfg.schedule_low_priority_values_first else -1
+            worst = max(self.waiting, key=lambda r: (direction * r.priority, r.queued_at))
+            if direction * req.priority < direction * worst.priority:
+                victim, message = worst, "The request is aborted by a higher priority request."
+        self.waiting.append(req)
+        self._finish(victim, aborted(message, 503), now)
+        self.aborted_total += 1
+        return victim
 
     # -- control -----------------------------------------------------------------------
     def abort(
@@ -229,10 +334,12 @@ class EngineModel:
         *,
         abort_all: bool = False,
         now: float = 0.0,
-        message: str = "Abort request by the client.",
+        message: str = "Aborted",
     ) -> list[EngineRequest]:
-        """SGLang's abort: every live request whose rid starts with `rid` (or all).
-        An empty rid without `abort_all` aborts nothing; unknown rids are ignored."""
+        """SGLang's scheduler-side abort: every live request whose rid starts with `rid`
+        (or all). An empty rid without `abort_all` aborts nothing; unknown rids are
+        ignored. (Over HTTP, SGLang's tokenizer forwards an abort only for a live exact
+        rid: the server checks that before calling this.)"""
         if abort_all:
             victims = list(self.requests.values())
         elif rid:
@@ -245,7 +352,7 @@ class EngineModel:
         return victims
 
     def abort_request(
-        self, req: EngineRequest, now: float, message: str = "Abort request by the client."
+        self, req: EngineRequest, now: float, message: str = "Aborted"
     ) -> list[EngineRequest]:
         """Abort exactly this request (a client that went away); [] if already over."""
         if req.finish is not None or self.requests.get(req.rid) is not req:
@@ -256,20 +363,25 @@ class EngineModel:
 
     def pause(self, mode: str, now: float) -> list[EngineRequest]:
         """SGLang's /pause_generation: `abort` ends every request, `retract` frees every
-        running request's KV and requeues it, `in_place` just stops stepping. New requests
-        queue until `resume`. Returns the requests aborted."""
+        running request's KV and requeues it at the tail, `in_place` just stops stepping.
+        Returns the requests that ended (aborted, or dropped by a full queue)."""
         if mode not in ("abort", "retract", "in_place"):
             raise RequestError(f"Unknown pause mode {mode!r}: use abort, retract or in_place.")
         self.paused = True
         if mode == "abort":
-            return self.abort(abort_all=True, now=now, message="Abort by pause_generation.")
+            return self.abort(abort_all=True, now=now)
+        ended: list[EngineRequest] = []
         if mode == "retract":
-            for req in self.decoding + self.prefilling:
-                self._retract(req)
-            self.waiting[:0] = self.prefilling + self.decoding
-            self.decoding.clear()
-            self.prefilling.clear()
-        return []
+            running = self.decoding + self.prefilling
+            self.decoding, self.prefilling = [], []
+            for left, req in enumerate(running):
+                self._retract(req, len(running) - left)
+            for req in running:
+                victim = self._enqueue(req, now)
+                if victim is not None:
+                    ended.append(victim)
+            self.batch_is_full = False
+        return ended
 
     def resume(self) -> None:
         self.paused = False
@@ -329,14 +441,16 @@ class EngineModel:
     # -- one iteration -----------------------------------------------------------------
     def step(self, now: float) -> StepResult:
         result = StepResult()
+        if self._ended:
+            result.finished.extend(self._ended)
+            self._ended.clear()
         if self.paused:
             return result
         if not (self.waiting or self.prefilling or self.decoding):
             self.new_token_ratio = self.init_ratio
             return result
         self.steps += 1
-        if self.waiting:
-            self._admit(now, result)
+        self._admit(now, result)
         batch = list(self.decoding)  # requests that finish prefill now decode next step
         pf_tokens = pf_pairs = pf_context = 0
         if self.prefilling:
@@ -347,7 +461,7 @@ class EngineModel:
         if pf_tokens == 0 and dec_seqs == 0 and self.prefilling and not self.decoding:
             # Admitted prefills that cannot get a page while nothing else runs: requeue the
             # newest so the pool cannot deadlock.
-            self._requeue(self.prefilling.pop(), result)
+            self._requeue(self.prefilling.pop(), now, result)
         result.prefill_tokens = pf_tokens
         result.decode_tokens = dec_seqs
         result.duration = self.config.timing.iteration_s(
@@ -360,15 +474,23 @@ class EngineModel:
         for req in self._firsts:
             req.first_token_at = end
         self._firsts.clear()
-        if dec_seqs and not result.retracted:
-            self.new_token_ratio = max(self.min_ratio, self.new_token_ratio - self.ratio_decay)
         emitted = len(result.emitted)
         self.generation_tokens_total += emitted
         start, count = self._tp_window
         if start is None:
             start = now
         count += emitted
+        step_us = int(result.duration * 1e6)
+        if pf_tokens:
+            self.prefill_busy_us += step_us
         if dec_seqs:
+            moments = self.decode_moments
+            moments[0] += 1
+            moments[1] += dec_seqs
+            moments[2] += step_us
+            moments[3] += dec_seqs * dec_seqs
+            moments[4] += dec_seqs * step_us
+            moments[5] += dec_seqs
             self.decode_steps += 1
             if self.decode_steps % self.config.decode_log_interval == 0:
                 elapsed = now + result.duration - start
@@ -381,82 +503,216 @@ class EngineModel:
     def _order_waiting(self, now: float) -> None:
         cfg = self.config
         if cfg.schedule_policy == "lpm" and self.kv.prefix_cache:
-            self.waiting.sort(
-                key=lambda r: -self.kv.match(r.history(), r.total_len - 1, r.cache_salt)[1]
-            )
+            if len(self.waiting) <= LPM_MAX_WAITING:  # beyond, matching costs too much
+                self._sort_longest_prefix()
         elif cfg.enable_priority_scheduling:
             sign = 1 if cfg.schedule_low_priority_values_first else -1
             aging = cfg.priority_aging_s
             if aging:
                 self.waiting.sort(
-                    key=lambda r: (sign * r.priority - (now - r.arrival) / aging, r.arrival)
+                    key=lambda r: (sign * r.priority - (now - r.queued_at) / aging, r.queued_at)
                 )
             else:
-                self.waiting.sort(key=lambda r: (sign * r.priority, r.arrival))
+                self.waiting.sort(key=lambda r: (sign * r.priority, r.queued_at))
 
-    def _reserved_growth(self) -> float:
-        """Σ over running requests of their clipped remaining output × new_token_ratio,
-        plus the history admitted prefills still have to compute."""
-        growth = 0
-        for r in self.decoding:
-            growth += min(r.max_new_tokens - len(r.output_ids), CLIP_MAX_NEW_TOKENS)
-        pending = 0
-        for r in self.prefilling:
-            growth += min(r.max_new_tokens - len(r.output_ids), CLIP_MAX_NEW_TOKENS)
-            pending += r.total_len - r.computed
-        return growth * self.new_token_ratio + pending
+    def _sort_longest_prefix(self) -> None:
+        """LPM: the longest cached prefix first; a request with little cached that shares
+        its first tokens with an earlier waiting one goes last, so that one fills the
+        cache for it (SGLang's in-batch prefix caching)."""
+        heads: set[tuple[str, tuple[int, ...]]] = set()
+        keys: dict[int, float] = {}
+        for req in self.waiting:
+            history = req.history()
+            matched = self.kv.match(history, req.total_len - 1, req.cache_salt)[1]
+            keys[id(req)] = -matched
+            if matched <= IN_BATCH_PREFIX_TOKENS and len(history) >= IN_BATCH_PREFIX_TOKENS:
+                head = (req.cache_salt, tuple(history[:IN_BATCH_PREFIX_TOKENS]))
+                if head in heads:
+                    keys[id(req)] = math.inf
+                else:
+                    heads.add(head)
+        self.waiting.sort(key=lambda r: keys[id(r)])
+
+    def _running_offset(self, req: EngineRequest) -> float:
+        """What a decoding request may still grow into, as admission estimates it."""
+        ratio = 1.0 if req.ignore_eos and self.v0523 else self.new_token_ratio
+        return min(req.max_new_tokens - len(req.output_ids), CLIP_MAX_NEW_TOKENS) * ratio
 
     def _admit(self, now: float, result: StepResult) -> None:
-        self._order_waiting(now)
+        """One pass of SGLang's PrefillAdder (see the module docstring)."""
+        cfg = self.config
+        preemption = cfg.priority_preemption
+        if preemption or not self.decoding:
+            self.batch_is_full = False
+        continuing = self.prefilling
+        if (self.batch_is_full or not self.waiting) and not continuing:
+            return
+        limit = cfg.running_limit
+        if not continuing and len(self.decoding) >= limit and not preemption:
+            self.batch_is_full = True
+            return
+        if self.waiting:
+            self._order_waiting(now)
         kv, ps = self.kv, self.page_size
-        reserved = self._reserved_growth()
-        running = len(self.prefilling) + len(self.decoding)
-        limit = self.config.running_limit
-        # Admit about one iteration's prefill work. With yielding, work already admitted
-        # does not count: new short prompts must be able to overtake a long one.
-        pending = 0
-        if not self.config.prefill_yield:
-            pending = sum(r.total_len - r.computed for r in self.prefilling)
-        admitted = 0
+        yielding = cfg.prefill_yield
+        mixed = len(self.decoding) if cfg.enable_mixed_chunk else 0
+        chunk = cfg.chunked_prefill_size
+        budget = _PrefillBudget(
+            kv,
+            ps,
+            page_charge=ps if self.v0523 else 0,
+            total_offset=mixed + sum(self._running_offset(r) for r in self.decoding),
+            current_offset=mixed,
+            rem_input=cfg.max_prefill_tokens - mixed,
+            rem_chunk=chunk - mixed if chunk > 0 else None,
+        )
+        for req in continuing:
+            self._plan_continuation(req, budget, yielding)
+        admitted = len(continuing)
+        preempted: list[EngineRequest] = []
+        taken: set[int] = set()
         for req in self.waiting:
-            if running >= limit or pending >= self.prefill_budget:
+            if budget.state() == _OTHER:
                 break
-            history = req.history()
-            node, matched = kv.match(history, req.total_len - 1, req.cache_salt)
-            uncached = req.total_len - matched
-            clipped = min(req.max_new_tokens - len(req.output_ids), CLIP_MAX_NEW_TOKENS)
-            evictable_hit = kv.evictable_on_path(node) * ps
-            available = kv.available_pages * ps - evictable_hit
-            if uncached + clipped > available - reserved and (running or uncached > available):
-                # With nothing running the head is admitted if its history fits at all, or
-                # it would block the queue forever. A history that cannot fit even then
-                # (retracted after its last token filled the pool) never will: fail closed.
-                if not running:
-                    self._finish(req, aborted("The KV cache cannot hold this request.", 503), now)
-                    self.aborted_total += 1
-                    result.finished.append(req)
+            if admitted >= limit - len(self.decoding):
+                self.batch_is_full = True
+            if self.batch_is_full and not (
+                preemption and self._preempt_for(req, budget, preempted, result)
+            ):
                 break
-            kv.lock(node)
-            req.node, req.tree_len = node, matched
-            req.computed = matched
-            req.cached_tokens += matched
-            self.cached_tokens_total += matched if not req.output_ids else 0
-            req.phase = Phase.PREFILL
-            req.prefill_yields = 0
-            if req.admitted_at < 0:
-                req.admitted_at = now
-            self.prefilling.append(req)
-            reserved += uncached + clipped * self.new_token_ratio
-            pending += uncached
-            running += 1
-            admitted += 1
-        if admitted:
-            del self.waiting[:admitted]
+            verdict = self._add_one(req, budget, admitted, yielding, now)
+            if req.phase is Phase.PREFILL:
+                taken.add(id(req))
+                admitted += 1
+                result.admitted.append(req)
+            if verdict != _CONTINUE:
+                if verdict == _NO_TOKEN:
+                    self.batch_is_full = admitted > 0 or bool(self.decoding)
+                break
+        if taken:
+            self.waiting = [r for r in self.waiting if id(r) not in taken]
+        for req in preempted:
+            victim = self._enqueue(req, now)
+            if victim is not None:
+                result.finished.append(victim)
+
+    def _plan_continuation(
+        self, req: EngineRequest, budget: _PrefillBudget, yielding: bool
+    ) -> None:
+        """A request already prefilling takes its next chunk first (SGLang's
+        add_chunked_req): as much of the chunk budget and the pool as it can use, never
+        nothing. With `prefill_yield` it shares the iteration's budget in `_prefill`
+        instead, so only its KV is reserved here. (Transferred KV costs pages, not
+        compute: the budgets count only what is computed.)"""
+        start = max(req.computed, req.kv_imported)
+        remaining = req.total_len - start
+        max_new = min(req.max_new_tokens, CLIP_MAX_NEW_TOKENS)
+        if yielding:
+            req.prefill_end = req.total_len
+            budget.reserve(req.total_len - req.computed, 0, max_new)
+            return
+        room = remaining
+        if budget.rem_chunk is not None:
+            room = min(budget.rem_chunk, int(budget.remaining_total))
+            if room <= 0:
+                room = budget.rem_chunk
+        take = min(remaining, room)
+        req.prefill_end = start + take
+        last = take == remaining
+        budget.reserve(req.prefill_end - req.computed, take, max_new if last else 0)
+
+    def _add_one(
+        self,
+        req: EngineRequest,
+        budget: _PrefillBudget,
+        admitted: int,
+        yielding: bool,
+        now: float,
+    ) -> str:
+        """Admit a waiting request if the budget holds it (SGLang's add_one_req); the
+        verdict says whether the pass goes on."""
+        kv, ps = self.kv, self.page_size
+        node, matched = kv.match(req.history(), req.total_len - 1, req.cache_salt)
+        extend = req.total_len - matched
+        max_new = min(max(req.max_new_tokens - len(req.output_ids), 0), CLIP_MAX_NEW_TOKENS)
+        # Its cached prefix is locked while it is weighed: that part is not evictable.
+        held = kv.evictable_on_path(node) * ps
+        if extend + max_new + budget.page_charge >= budget.remaining_total - held:
+            return _NO_TOKEN
+        start = max(matched, req.kv_imported)  # transferred KV is placed, not computed
+        paged = budget.paged(req.total_len - start)
+        if admitted and paged >= budget.rem_input and (budget.rem_chunk is None or not self.v0523):
+            return _OTHER
+        end, reserved_new = req.total_len, min(req.max_new_tokens, CLIP_MAX_NEW_TOKENS)
+        if budget.rem_chunk is not None and paged > budget.rem_chunk and not yielding:
+            # The chunk budget's last request: cut at a page boundary, chunked from now on.
+            end, reserved_new = (start + budget.rem_chunk) // ps * ps, 0
+            if end <= start:
+                return _OTHER
+        kv.lock(node)
+        req.node, req.tree_len = node, matched
+        req.computed = matched
+        req.prefill_end = end
+        req.cached_tokens += matched
+        self.cached_tokens_total += matched if not req.output_ids else 0
+        req.phase = Phase.PREFILL
+        req.prefill_yields = 0
+        if req.admitted_at < 0:
+            req.admitted_at = now
+        self.prefilling.append(req)
+        budget.reserve(end - matched, end - start, reserved_new)
+        return budget.state()
+
+    def _preempt_for(
+        self,
+        req: EngineRequest,
+        budget: _PrefillBudget,
+        preempted: list[EngineRequest],
+        result: StepResult,
+    ) -> bool:
+        """At the running limit, retract running requests whose priority is more than the
+        threshold below the newcomer's — least preferred and newest first — until their
+        reservations would cover it (SGLang's preempt_to_schedule). They rejoin the queue
+        after the pass."""
+        cfg = self.config
+        sign = 1 if cfg.schedule_low_priority_values_first else -1
+        matched = self.kv.match(req.history(), req.total_len - 1, req.cache_salt)[1]
+        needed = (
+            req.total_len
+            - matched
+            + min(req.max_new_tokens, CLIP_MAX_NEW_TOKENS)
+            - budget.remaining_total
+        )
+        chosen: list[EngineRequest] = []
+        for running in sorted(self.decoding, key=lambda r: (-sign * r.priority, -r.queued_at)):
+            if (
+                -sign * (req.priority - running.priority)
+                <= cfg.priority_scheduling_preemption_threshold
+            ):
+                break
+            chosen.append(running)
+            needed -= self._running_offset(running)
+            if needed <= 0:
+                break
+        if not chosen or needed > 0:
+            return False
+        gone = {id(r) for r in chosen}
+        self.decoding = [r for r in self.decoding if id(r) not in gone]
+        for kept, running in enumerate(chosen, 1):
+            budget.total_offset -= self._running_offset(running)
+            self._retract(running, len(self.decoding) + len(chosen) - kept)
+        preempted.extend(chosen)
+        result.retracted.extend(chosen)
+        self.retracted_total += len(chosen)
+        return True
 
     # -- prefill -------------------------------------------------------------------------
     def _prefill(self, now: float, result: StepResult) -> tuple[int, int, int]:
+        """Compute the chunks admission planned; with `prefill_yield`, share the
+        iteration's token budget out instead, shortest remainder first (with aging)."""
         cfg = self.config
-        if cfg.prefill_yield:
+        yielding = cfg.prefill_yield
+        if yielding:
             limit = cfg.prefill_max_yields
             order = sorted(
                 self.prefilling,
@@ -469,14 +725,19 @@ class EngineModel:
         tokens = pairs = context = 0
         served: set[int] = set()
         for req in order:
-            if budget <= 0:
+            if yielding and budget <= 0:
                 break
             if req.kv_imported > req.computed:
                 self._import(req)
                 if req.computed < req.kv_imported:
                     continue  # not all of the transferred KV has a page yet
             start = req.computed
-            end = min(req.total_len, start + int(min(budget, req.total_len - start)))
+            if yielding:
+                end = min(req.total_len, start + int(min(budget, req.total_len - start)))
+            else:
+                end = req.prefill_end
+                if end <= start:
+                    continue
             if self.time_budget is not None:
                 end = self._fit_time(start, end, tokens, pairs, context)
                 if end <= start:
@@ -505,7 +766,7 @@ class EngineModel:
             self._cache_full_pages(req)
             if token is not None:
                 self._prefilled(req, token, now, result)
-        if tokens and cfg.prefill_yield:
+        if tokens and yielding:
             for req in self.prefilling:
                 if id(req) not in served:
                     req.prefill_yields += 1
@@ -582,12 +843,14 @@ class EngineModel:
         kv, ps = self.kv, self.page_size
         needing = [r for r in batch if r.computed == r.tree_len + len(r.pages) * ps]
         if len(needing) > kv.available_pages:
-            self._retract_for(len(needing), now, result)
+            self._retract_for(now, result)
             fresh = {id(r) for r in batch}
             batch = [r for r in self.decoding if id(r) in fresh]
             needing = [r for r in batch if r.computed == r.tree_len + len(r.pages) * ps]
             if not batch:
                 return 0, 0
+        else:
+            self.new_token_ratio = max(self.min_ratio, self.new_token_ratio - self.ratio_decay)
         if needing:
             pages = kv.allocate(len(needing))
             assert pages is not None
@@ -596,7 +859,6 @@ class EngineModel:
         tokens = self.backend.decode(batch)
         context = 0
         emitted = result.emitted
-        ctx_len = self.context_len
         for req, token in zip(batch, tokens, strict=True):
             context += req.computed
             req.computed += 1
@@ -604,13 +866,8 @@ class EngineModel:
             out.append(token)
             req.hash_state = _crc32(TOKEN_BYTES[token], req.hash_state)
             emitted.append(req)
-            n = len(out)
             if (
-                token == EOS_ID
-                or n >= req.max_new_tokens
-                or n + len(req.input_ids) >= ctx_len
-                or req.stop
-                or token in req.stop_token_ids
+                token == EOS_ID or len(out) >= req.max_new_tokens or req.stop or req.stop_token_ids
             ) and self._check_finish(req, token, now):
                 result.finished.append(req)
         return len(batch), context + len(batch)
@@ -628,7 +885,9 @@ class EngineModel:
         finish: Finish | None = None
         if token == EOS_ID:
             finish = Finish("stop", matched=EOS_ID)
-        elif token in req.stop_token_ids:
+        elif token in req.stop_token_ids and not req.eos_suppressed:
+            # As EOS: never with ignore_eos, and SGLang's sampler keeps stop tokens out
+            # until min_new_tokens.
             finish = Finish("stop", matched=token)
         elif req.stop:
             # Only the newest bytes can complete a stop string not seen before.
@@ -638,9 +897,7 @@ class EngineModel:
                     req.stop_at = decode(req.output_ids).find(stop)
                     finish = Finish("stop", matched=stop)
                     break
-        if finish is None and (
-            n >= req.max_new_tokens or n + len(req.input_ids) >= self.context_len
-        ):
+        if finish is None and n >= req.max_new_tokens:
             finish = Finish("length", length=n)
         if finish is None:
             return False
@@ -648,54 +905,90 @@ class EngineModel:
         return True
 
     # -- retraction ----------------------------------------------------------------------
-    def _retract_for(self, pages_needed: int, now: float, result: StepResult) -> None:
-        """Retract decoding requests, fewest output tokens first (longest prompt among
-        equals), until the rest can each get the page they need."""
+    def _retract_for(self, now: float, result: StepResult) -> None:
+        """Decode is out of pages: retract decoding requests, the least preferred first,
+        until the rest can each get the page they need — at least one, never the last
+        (SGLang's retract_decode). A last request that still cannot grow is aborted."""
         kv, ps = self.kv, self.page_size
-        order = sorted(self.decoding, key=lambda r: (len(r.output_ids), -len(r.input_ids)))
-        victims: set[int] = set()
-        for req in order:
-            if pages_needed <= kv.available_pages or len(victims) == len(order) - 1:
+        kept = self._retraction_order()
+        victims: list[EngineRequest] = []
+        while len(kept) > 1:
+            victim = kept.pop()
+            self._retract(victim, len(kept))
+            victims.append(victim)
+            needing = sum(r.computed == r.tree_len + len(r.pages) * ps for r in kept)
+            if needing <= kv.available_pages:
                 break
-            if req.computed == req.tree_len + len(req.pages) * ps:
-                pages_needed -= 1
-            self._retract(req)
-            victims.add(id(req))
-            result.retracted.append(req)
-        self.decoding = [r for r in self.decoding if id(r) not in victims]
-        self.waiting[:0] = [r for r in order if id(r) in victims]
-        while pages_needed > kv.available_pages and self.prefilling:
-            self._requeue(self.prefilling.pop(), result)  # partial prefills give way too
-        if pages_needed > kv.available_pages:
-            # A single sequence the whole pool cannot hold: fail closed.
-            doomed = list(self.decoding)
-            for req in doomed:
-                self._finish(req, aborted("The KV cache is exhausted.", 503), now)
-            result.finished.extend(doomed)
-            self.aborted_total += len(doomed)
+        self.decoding = [r for r in self.decoding if r.phase is Phase.DECODE]
+        if len(kept) == 1 and not kv.available_pages:
+            last = kept[0]
+            if last.computed == last.tree_len + len(last.pages) * ps:
+                message = (
+                    "Out of memory even after retracting all other requests in the decode "
+                    "batch. Aborting the last request."
+                )
+                self._finish(last, aborted(message, 500), now)
+                result.finished.append(last)
+                self.aborted_total += 1
+        # The estimate SGLang takes from the requests kept: what they decoded so far, plus
+        # the retraction's headroom each, over what they may decode.
+        decoded = sum(len(r.output_ids) for r in self.decoding)
+        allowed = sum(r.max_new_tokens for r in self.decoding)
+        self.new_token_ratio = min(
+            1.0, (decoded + RETRACT_DECODE_STEPS * len(self.decoding)) / (allowed + 1)
+        )
         self.retracted_total += len(victims)
         self._last_retracted = len(victims)
-        self.new_token_ratio = self.init_ratio
+        result.retracted.extend(victims)
+        for req in victims:
+            dropped = self._enqueue(req, now)
+            if dropped is not None:
+                result.finished.append(dropped)
 
-    def _retract(self, req: EngineRequest) -> None:
-        self._release(req)
+    def _retraction_order(self) -> list[EngineRequest]:
+        """Decoding requests, the one to keep most first: most output tokens, then the
+        shortest prompt (with retraction_policy priority, the most preferred priority
+        before that)."""
+        cfg = self.config
+        if cfg.retraction_policy == "priority":
+            sign = 1 if cfg.schedule_low_priority_values_first else -1
+            return sorted(
+                self.decoding,
+                key=lambda r: (-sign * r.priority, len(r.output_ids), -len(r.input_ids)),
+                reverse=True,
+            )
+        return sorted(
+            self.decoding, key=lambda r: (len(r.output_ids), -len(r.input_ids)), reverse=True
+        )
+
+    def _retract(self, req: EngineRequest, kept: int) -> None:
+        """Free a request's KV for a full recompute. What it decoded does not enter the
+        prefix cache (SGLang frees it at once), and the cache gives up what the `kept`
+        requests need for their next RETRACT_DECODE_STEPS steps."""
+        self._release(req, cache=False)
+        need = -(-kept * RETRACT_DECODE_STEPS // self.page_size) - self.kv.free_pages
+        if need > 0:
+            self.kv.evict(need)
         req.computed = 0
         req.kv_imported = 0  # the transferred KV is gone: a recompute computes it all
         req.retractions += 1
         req.phase = Phase.WAITING
+        self.batch_is_full = False
 
-    def _requeue(self, req: EngineRequest, result: StepResult) -> None:
-        self._retract(req)
-        self.waiting.insert(0, req)
+    def _requeue(self, req: EngineRequest, now: float, result: StepResult) -> None:
+        self._retract(req, len(self.decoding))
         result.retracted.append(req)
+        victim = self._enqueue(req, now)
+        if victim is not None:
+            result.finished.append(victim)
 
     # -- release -------------------------------------------------------------------------
-    def _release(self, req: EngineRequest) -> None:
-        """Give back the request's KV; its computed full pages stay cached (evictable), so
-        a recompute or a continuation of the same history hits the prefix cache."""
+    def _release(self, req: EngineRequest, cache: bool) -> None:
+        """Give back the request's KV. With `cache`, its computed full pages stay cached
+        (evictable), so a continuation of the same history hits the prefix cache."""
         kv = self.kv
         if req.node is not None or req.pages:
-            if req.phase is not Phase.WAITING:
+            if cache:
                 self._cache_full_pages(req)
             if req.node is not None:
                 kv.unlock(req.node)
@@ -708,7 +1001,7 @@ class EngineModel:
             return
         phase = req.phase
         req.finished_at = now
-        self._release(req)
+        self._release(req, cache=phase is not Phase.WAITING)
         req.finish = finish
         req.phase = Phase.FINISHED
         self.requests.pop(req.rid, None)
@@ -716,5 +1009,7 @@ class EngineModel:
             self.waiting.remove(req)
         elif phase is Phase.PREFILL:
             self.prefilling.remove(req)
+            self.batch_is_full = False
         elif phase is Phase.DECODE:
             self.decoding.remove(req)
+            self.batch_is_full = False

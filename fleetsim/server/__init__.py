@@ -111,6 +111,10 @@ async def serve_engine(
 async def start_engine(
     config: EngineConfig, *, host: str = "127.0.0.1", port: int = 0, api_version: str = "0.5.23"
 ) -> RunningEngine:
+    if api_version not in API_VERSIONS:
+        raise ValueError(f"api_version must be one of {API_VERSIONS}, got {api_version!r}")
+    # The scheduler follows the version whose surface is served.
+    config = config.replace(sglang_version=api_version)
     model = EngineModel(config, make_backend(config))
     metrics = EngineMetrics(model, api_version)
     driver = EngineDriver(model, metrics, config.speed_factor)

@@ -1,13 +1,23 @@
 """The HTTP surface of SGLang 0.5.5 and 0.5.23 over the engine model.
 
-Differences between the two surfaces, as in SGLANG_CONTRACT.md: 0.5.23 adds `/server_info`,
-`/model_info`, `/ready`, `/v1/loads` (which replaces `/get_load`), pause modes, and the
-`sglang:kv_*` gauges; 0.5.5's `/pause_generation` takes no body and aborts everything.
+Answers have the shapes SGLang's own server gives them (sglang/srt/entrypoints/
+http_server.py; meta_info from srt/managers/tokenizer_manager.py; OpenAI chunks from
+srt/entrypoints/openai/serving_chat.py and serving_completions.py), as
+tests/sglang/test_reference_fidelity.py checks against a real server of each version;
+docs/reference-engine.md lists what is deliberately different.
+
+Between the two surfaces: 0.5.23 adds `/server_info`, `/model_info`, `/ready` and
+`/v1/loads` (which replaces `/get_load`), takes pause modes in a required JSON body (an
+empty body is refused with 400 and changes nothing), labels metrics by `is_streaming` and
+`moe_ep_rank` and adds the `sglang:kv_*` gauges; 0.5.5 ignores any pause body (it aborts
+everything), streams `/generate`'s output_ids per chunk rather than cumulatively, and
+calls the retraction count `total_retractions`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import datetime
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -15,12 +25,12 @@ from typing import Any
 
 import msgspec
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from controlplane.transport.event_stream import EventStreamResponse
-from fleetsim.engine import EngineConfig, EngineModel, EngineRequest, RequestError
+from fleetsim.engine import EngineConfig, EngineModel, EngineRequest, RequestError, decode
 from fleetsim.server.driver import EngineDriver, Stream
-from fleetsim.server.metrics import EngineMetrics
+from fleetsim.server.metrics import EngineMetrics, exposition
 from fleetsim.server.protocol import (
     BadRequestError,
     GenerateSpec,
@@ -31,11 +41,24 @@ from fleetsim.server.protocol import (
 )
 
 API_VERSIONS = ("0.5.5", "0.5.23")
-_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+_SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8"}
 _DONE = b"data: [DONE]\n\n"
-_RECENT_OUTPUT_S = 5.0  # /health passes without generating when tokens flowed this recently
+_HEALTH_POLL_S = 1.0  # SGLang's /health checks for output once a second
+# 0.5.5 sends a non-streaming request's output every this many tokens, and times its first
+# token only from such an intermediate output (scheduler_output_processor_mixin.py).
+_FORCE_STREAM_INTERVAL = 50
+_WEIGHT_VERSION = "default"
+_NO_DISAGGREGATION = {
+    "mode": "null", "prefill_bootstrap_queue_reqs": 0, "prefill_inflight_queue_reqs": 0,
+    "decode_prealloc_queue_reqs": 0, "decode_transfer_queue_reqs": 0,
+    "decode_retracted_queue_reqs": 0, "kv_transfer_speed_gb_s": 0.0,
+    "kv_transfer_latency_ms": 0.0,
+}  # fmt: skip
+# Priorities an unprioritised request gets under priority scheduling: last in line.
+_LAST_PRIORITY = {True: 2**63 - 1, False: -(2**63)}
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Chunks = Callable[[Stream, bool], list[object]]
 
 
 def _json(data: object, status: int = 200) -> web.Response:
@@ -48,16 +71,54 @@ def _sse(data: object) -> bytes:
     return b"data: " + msgspec.json.encode(data) + b"\n\n"
 
 
-def _native_error(message: str, status: int) -> web.Response:
+def _native_error(message: str, status: int = 400) -> web.Response:
+    """A /generate handler's ValueError."""
     return _json({"error": {"message": message}}, status)
 
 
-def _openai_error(message: str, status: int) -> web.Response:
+def _openai_error(message: str, status: int = 400) -> web.Response:
     kind = "BadRequestError" if status < 500 else "ServiceUnavailableError"
     return _json(
         {"object": "error", "message": message, "type": kind, "param": None, "code": status},
         status,
     )
+
+
+def _schema_error(message: str) -> web.Response:
+    """What SGLang's FastAPI layer answers a body it cannot validate (any endpoint)."""
+    return _json(
+        {"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400},
+        400,
+    )
+
+
+def _http_error(message: str, status: int) -> web.Response:
+    """An HTTPException: how SGLang ends a unary request its scheduler aborted with a
+    status (a full queue's 503, say)."""
+    return _json(
+        {"object": "error", "message": message, "type": str(status), "param": None,
+         "code": status},
+        status,
+    )  # fmt: skip
+
+
+@web.middleware
+async def _json_http_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Unknown paths and methods answer as FastAPI does: {"detail": "Not Found"}."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status not in (404, 405):
+            raise
+        return _json({"detail": exc.reason}, exc.status)
+
+
+async def _json_body(request: web.Request) -> dict[str, Any]:
+    if request.content_type != "application/json":
+        raise BadRequestError(
+            "Input should be a dictionary: only 'application/json' is allowed.", schema=True
+        )
+    return parse_json(await request.read())
 
 
 class EngineServer:
@@ -76,13 +137,15 @@ class EngineServer:
         self.host = ""
         self.port = 0
         self.health_timeout_s = 20.0
+        self.started = time.time()
+        self._clock_offset = time.time() - driver.now()  # the driver's clock to epoch
 
     @property
     def new_api(self) -> bool:
         return self.api_version != "0.5.5"
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[_json_http_errors])
         r = app.router
         r.add_post("/generate", self.generate)
         r.add_post("/v1/completions", self.completions)
@@ -106,10 +169,22 @@ class EngineServer:
             r.add_get("/get_load", self.get_load)
         return app
 
+    def _wall(self, t: float) -> float:
+        return t + self._clock_offset
+
     # -- shared request path ------------------------------------------------------------
-    def _submit(self, spec: GenerateSpec) -> Stream:
-        """Validate against the engine (RequestError → 400) and queue."""
-        req = self.model.make_request(
+    def _request(self, spec: GenerateSpec) -> EngineRequest:
+        """The engine's request for a parsed body (RequestError when it refuses it)."""
+        if spec.rid in self.model.requests or any(s.req.rid == spec.rid for s in self.driver.held):
+            raise RequestError(f"Duplicate request ID detected: {spec.rid}")
+        cfg = self.config
+        if not cfg.enable_priority_scheduling:
+            priority = 0
+        elif spec.priority is None:
+            priority = _LAST_PRIORITY[cfg.schedule_low_priority_values_first]
+        else:
+            priority = spec.priority
+        return self.model.make_request(
             spec.rid,
             spec.input_ids,
             spec.max_new_tokens,
@@ -117,55 +192,35 @@ class EngineServer:
             min_new_tokens=spec.min_new_tokens,
             stop=spec.stop,
             stop_token_ids=spec.stop_token_ids,
-            priority=spec.priority if self.config.enable_priority_scheduling else 0,
+            priority=priority,
             cache_salt=spec.cache_salt,
             now=self.driver.now(),
         )
-        return self.driver.submit(req)
-
-    async def _accept(
-        self,
-        request: web.Request,
-        parse: Callable[[dict[str, Any]], GenerateSpec],
-        error: Callable[[str, int], web.Response],
-    ) -> tuple[Stream, GenerateSpec] | web.Response:
-        try:
-            spec = parse(parse_json(await request.read()))
-            stream = self._submit(spec)
-        except BadRequestError as exc:
-            return error(str(exc), exc.status)
-        except RequestError as exc:
-            return error(str(exc), 400)
-        finish = stream.req.finish
-        if finish is not None and finish.status_code is not None:
-            return error(finish.message, finish.status_code)
-        return stream, spec
 
     async def _follow(self, stream: Stream) -> AsyncIterator[bool]:
-        """Yield whenever the request has new tokens or finished (True on the last);
-        abort it if the client goes away first."""
-        req = stream.req
+        """Yield whenever the request has new published tokens or finished (True on the
+        last); abort it if the client goes away first."""
         try:
             while True:
-                if req.finish is None:
+                if not stream.finished:
                     await stream.wait()
-                last = req.finish is not None
-                if last or len(req.output_ids) > stream.sent:
+                last = stream.finished
+                if last or stream.shown > stream.sent:
                     yield last
                 if last:
                     return
         finally:
-            if req.finish is None:
-                self.driver.cancel(req)
+            if not stream.finished:
+                self.driver.cancel(stream.req)
 
     async def _stream(
-        self,
-        request: web.Request,
-        stream: Stream,
-        chunks: Callable[[Stream, bool], list[object]],
+        self, request: web.Request, req: EngineRequest, chunks: Chunks
     ) -> web.StreamResponse:
         response = EventStreamResponse(headers=_SSE_HEADERS)  # as a real server's first write
         await response.prepare(request)
+        # Queued only now, with nothing left to wait for before following it: the first
+        # token cannot be published before this handler listens.
+        stream = self.driver.submit(req, streaming=True)
         try:
             async for last in self._follow(stream):
                 for chunk in chunks(stream, last):
@@ -175,62 +230,183 @@ class EngineServer:
             self.driver.cancel(stream.req)
         return response
 
+    async def _sse_error(self, request: web.Request, message: str) -> web.StreamResponse:
+        """A /generate stream's ValueError: HTTP 200, one error event, then [DONE]."""
+        error: dict[str, object] = {"message": message}
+        if self.new_api:
+            error.update(type="invalid_request_error", code=400, retryable=False)
+        response = EventStreamResponse(headers=_SSE_HEADERS)
+        await response.prepare(request)
+        await response.write(_sse({"error": error}) + _DONE)
+        return response
+
     async def _complete(self, stream: Stream) -> None:
         async for _ in self._follow(stream):
-            stream.sent = len(stream.req.output_ids)
+            stream.sent = stream.shown
+
+    @staticmethod
+    def _aborted_with_status(req: EngineRequest) -> tuple[str, int] | None:
+        """An abort the scheduler gave a status (a full queue, no memory): a unary request
+        then answers with that status instead of a body."""
+        finish = req.finish
+        if finish is None or finish.kind != "abort" or finish.status_code is None:
+            return None
+        return finish.message, finish.status_code
 
     # -- /generate ----------------------------------------------------------------------
-    def _meta(self, req: EngineRequest) -> dict[str, object]:
+    def _meta(self, stream: Stream, first: bool) -> dict[str, object]:
+        """meta_info as SGLang's tokenizer manager builds it for this chunk: the timing
+        keys only with --enable-metrics, the end-of-request ones on the last chunk."""
+        req, done = stream.req, stream.finished
         meta: dict[str, object] = {
             "id": req.rid,
-            "finish_reason": req.finish.to_json() if req.finish else None,
+            "finish_reason": req.finish.to_json() if done and req.finish else None,
             "prompt_tokens": req.prompt_tokens,
-            "completion_tokens": req.completion_tokens,
-            "cached_tokens": req.cached_tokens,
-            "num_retractions": req.retractions,
+            "weight_version": _WEIGHT_VERSION,
         }
-        if req.finish is not None:
-            meta["e2e_latency"] = max(0.0, req.finished_at - req.arrival)
+        if self.new_api:
+            self._meta_0523(meta, stream, first)
+        else:
+            self._meta_055(meta, stream, first)
         return meta
 
-    def _native_body(self, req: EngineRequest) -> dict[str, object]:
+    def _meta_0523(self, meta: dict[str, object], stream: Stream, first: bool) -> None:
+        req, done, n, wall = stream.req, stream.finished, stream.shown, self._wall
+        metrics = self.config.enable_metrics
+        meta["num_retractions"] = req.retractions
+        if metrics:
+            meta.update(storage_prefetch_wait=0.0, storage_staging_wait=0.0)
+            if req.admitted_at >= 0:
+                meta["forward_entry_time"] = wall(req.admitted_at)
+            if req.first_token_at >= 0:
+                meta["prefill_finished_time"] = wall(req.first_token_at)
+            admitted = req.admitted_at if req.admitted_at >= 0 else req.finished_at
+            meta["queue_time"] = max(0.0, admitted - req.arrival)
+        meta.update(reasoning_tokens=0, completion_tokens=n, cached_tokens=req.cached_tokens)
+        if done:
+            meta["weight_versions"] = [{"version": _WEIGHT_VERSION, "start": 0, "end": n}]
+        cached = req.cached_tokens
+        meta["cached_tokens_details"] = {"device": cached, "host": 0} if cached else None
+        meta["dp_rank"] = None
+        if first or done:
+            meta["response_sent_to_client_ts"] = wall(self._sent_at(stream))
+        if not done:
+            return
+        meta["e2e_latency"] = max(0.0, req.finished_at - req.arrival)
+        if metrics:
+            meta["request_received_ts"] = wall(req.arrival)
+            if req.first_token_at > req.arrival:
+                meta["first_token_latency"] = req.first_token_at - req.arrival
+            meta["api_server_dispatch_finish_ts"] = wall(req.arrival)
+            meta["request_finished_ts"] = wall(req.finished_at)
+            decoding = req.finished_at - req.first_token_at
+            if n > 1 and req.first_token_at >= 0 and decoding > 0:
+                meta["decode_throughput"] = (n - 1) / decoding
+
+    def _meta_055(self, meta: dict[str, object], stream: Stream, first: bool) -> None:
+        req, done, n, wall = stream.req, stream.finished, stream.shown, self._wall
+        meta["total_retractions"] = req.retractions
+        admitted = req.admitted_at if req.admitted_at >= 0 else req.finished_at
+        first_token = req.first_token_at if req.first_token_at >= 0 else req.finished_at
+        meta.update(
+            queue_time=max(0.0, admitted - req.arrival),
+            prefill_delay=max(0.0, admitted - req.arrival),
+            prefill_latency=max(0.0, first_token - admitted),
+            completion_tokens=n,
+            cached_tokens=req.cached_tokens,
+        )
+        if first and not done:
+            meta["response_sent_ts"] = wall(self._sent_at(stream))
+        if not done:
+            return
+        meta.update(
+            e2e_latency=max(0.0, req.finished_at - req.arrival),
+            request_received_ts=wall(req.arrival),
+            request_scheduled_ts=wall(admitted),
+        )
+        # Its tokenizer times the first token from an output before the last one.
+        timed = n > 1 if stream.streaming else n > _FORCE_STREAM_INTERVAL
+        if timed:
+            meta["prefill_finished_ts"] = wall(first_token)
+        meta["response_sent_ts"] = wall(self._sent_at(stream))
+        meta["decode_finished_ts"] = wall(req.finished_at)
+        meta["forward_time"] = max(0.0, req.finished_at - admitted)
+        decoding = req.finished_at - first_token
+        if timed and decoding > 0:
+            meta["decode_throughput"] = n / decoding
+            meta["time_per_token"] = decoding / n
+
+    def _sent_at(self, stream: Stream) -> float:
+        if stream.first_sent_at < 0:
+            stream.first_sent_at = self.driver.now()
+        return stream.first_sent_at
+
+    def _native_body(self, stream: Stream) -> dict[str, object]:
+        req = stream.req
         return {
             "text": req.output_text(),
             "output_ids": list(req.output_ids),
-            "meta_info": self._meta(req),
+            "meta_info": self._meta(stream, first=False),
         }
 
     def _native_chunk(self, stream: Stream, last: bool) -> list[object]:
-        """Cumulative text and ids, or only the new ones with SGLang's
-        --incremental-streaming-output."""
-        req = stream.req
-        if not self.config.incremental_streaming_output:
-            stream.sent = len(req.output_ids)
-            return [self._native_body(req)]
-        ids, text = stream.delta(last)
-        if not (ids or text or last):
-            return []
-        return [{"text": text, "output_ids": ids, "meta_info": self._meta(req)}]
+        """Cumulative text; output_ids cumulative on 0.5.23, only the new ones on 0.5.5;
+        with --incremental-streaming-output (0.5.23) only the new text and ids."""
+        req, shown = stream.req, stream.shown
+        first = stream.first_sent_at < 0
+        if self.new_api and self.config.incremental_streaming_output:
+            ids, text = stream.delta(last)
+            if not (ids or text or last):
+                return []
+        else:
+            text = req.output_text() if last else decode(req.output_ids[:shown])
+            ids = req.output_ids[0 if self.new_api else stream.sent : shown]
+            stream.sent = shown
+        return [{"text": text, "output_ids": ids, "meta_info": self._meta(stream, first)}]
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
-        accepted = await self._accept(request, parse_generate, _native_error)
-        if isinstance(accepted, web.Response):
-            return accepted
-        stream, spec = accepted
-        if spec.stream:
-            return await self._stream(request, stream, self._native_chunk)
-        await self._complete(stream)
-        return _json(self._native_body(stream.req))
+        try:
+            body = await _json_body(request)
+        except BadRequestError as exc:
+            return _schema_error(str(exc))
+        streaming = body.get("stream") is True
+        try:
+            spec = parse_generate(body)
+            req = self._request(spec)
+        except BadRequestError as exc:
+            if exc.schema:
+                return _schema_error(str(exc))
+            message = str(exc)
+        except RequestError as exc:
+            message = str(exc)
+        else:
+            if spec.stream:
+                return await self._stream(request, req, self._native_chunk)
+            stream = self.driver.submit(req, streaming=False)
+            await self._complete(stream)
+            refused = self._aborted_with_status(stream.req)
+            if refused is not None:
+                message, status = refused
+                return _native_error(message) if status == 400 else _http_error(message, status)
+            return _json(self._native_body(stream))
+        if streaming:
+            return await self._sse_error(request, message)
+        return _native_error(message)
 
     # -- OpenAI ------------------------------------------------------------------------
-    @staticmethod
-    def _usage(req: EngineRequest) -> dict[str, object]:
-        return {
+    def _usage(self, req: EngineRequest, chat: bool, streamed: bool) -> dict[str, object]:
+        usage: dict[str, object] = {
             "prompt_tokens": req.prompt_tokens,
-            "completion_tokens": req.completion_tokens,
             "total_tokens": req.prompt_tokens + req.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": req.cached_tokens},
+            "completion_tokens": req.completion_tokens,
         }
+        if chat or not streamed:
+            # Cached tokens are reported only with --enable-cache-report.
+            usage["prompt_tokens_details"] = None
+        usage["reasoning_tokens"] = 0
+        if self.new_api and (chat or not streamed):
+            usage["completion_tokens_details"] = None
+        return usage
 
     @staticmethod
     def _finish_reason(req: EngineRequest) -> tuple[str | None, object]:
@@ -239,113 +415,132 @@ class EngineServer:
         matched = req.finish.matched if req.finish.kind == "stop" else None
         return req.finish.openai, matched
 
-    def _openai_chunks(
-        self, spec: GenerateSpec, kind: str
-    ) -> Callable[[Stream, bool], list[object]]:
+    def _delta(self, content: str | None, role: bool = False) -> dict[str, object]:
+        """A chat chunk's delta: 0.5.23 leaves out what it does not carry, 0.5.5 sends
+        every field."""
+        if self.new_api:
+            delta: dict[str, object] = {"reasoning_content": None}
+            if role:
+                delta["role"] = "assistant"
+            if content is not None:
+                delta["content"] = content
+            return delta
+        return {
+            "role": "assistant" if role else None,
+            "content": content,
+            "reasoning_content": None,
+            "tool_calls": None,
+        }
+
+    def _openai_chunks(self, spec: GenerateSpec, chat: bool) -> Chunks:
         created = int(time.time())
         model = spec.model or self.config.model
-        role_sent = False
-        chat = kind == "chat"
         obj = "chat.completion.chunk" if chat else "text_completion"
+        role_sent = False
+
+        def chunk(req: EngineRequest, body: object, finish: tuple[str | None, object]) -> object:
+            """One choice's chunk: `body` is its delta (chat) or text (completions)."""
+            reason, matched = finish
+            choice = {
+                "index": 0,
+                "delta" if chat else "text": body,
+                "logprobs": None,
+                "finish_reason": reason,
+                "matched_stop": matched,
+            }
+            out: dict[str, object] = {
+                "id": req.rid, "object": obj, "created": created, "model": model,
+                "choices": [choice],
+            }  # fmt: skip
+            if spec.include_usage and spec.continuous_usage:
+                out["usage"] = self._usage(req, chat, streamed=True)
+            elif not (chat and self.new_api):
+                out["usage"] = None
+            return out
 
         def chunks(stream: Stream, last: bool) -> list[object]:
             nonlocal role_sent
             req = stream.req
             out: list[object] = []
-            base = {"id": req.rid, "object": obj, "created": created, "model": model}
+            running: tuple[str | None, object] = (None, None)
             if chat and not role_sent:
                 role_sent = True
-                role = {"role": "assistant", "content": ""}
-                out.append(
-                    {
-                        **base,
-                        "choices": [
-                            {"index": 0, "delta": role, "logprobs": None, "finish_reason": None}
-                        ],
-                    }
-                )
-            _, delta = stream.delta(last)
-            reason, matched = self._finish_reason(req)
-            if delta or last:
-                choice: dict[str, object] = {"index": 0, "logprobs": None, "finish_reason": reason}
-                if chat:
-                    choice["delta"] = {"content": delta} if delta else {}
-                else:
-                    choice["text"] = delta
-                if last:
-                    choice["matched_stop"] = matched
-                chunk: dict[str, object] = {**base, "choices": [choice]}
-                if spec.include_usage and spec.continuous_usage:
-                    chunk["usage"] = self._usage(req)
-                out.append(chunk)
+                out.append(chunk(req, self._delta("", role=True), running))
+            _, text = stream.delta(last)
+            finish = self._finish_reason(req) if last else running
+            if chat:
+                if text:
+                    out.append(chunk(req, self._delta(text), running))
+                if last:  # the finish comes in a chunk of its own
+                    out.append(chunk(req, self._delta(None), finish))
+            elif text or last:
+                out.append(chunk(req, text, finish))
             if last and spec.include_usage:
-                out.append({**base, "choices": [], "usage": self._usage(req)})
+                usage = self._usage(req, chat, streamed=True)
+                out.append(
+                    {"id": req.rid, "object": obj, "created": created, "model": model,
+                     "choices": [], "usage": usage}
+                )  # fmt: skip
             return out
 
         return chunks
 
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        accepted = await self._accept(request, parse_completion, _openai_error)
-        if isinstance(accepted, web.Response):
-            return accepted
-        stream, spec = accepted
+    def _metadata(self, req: EngineRequest) -> dict[str, object]:
+        metadata: dict[str, object] = {"weight_version": _WEIGHT_VERSION}
+        if self.new_api:
+            end = req.completion_tokens
+            metadata["weight_versions"] = [{"version": _WEIGHT_VERSION, "start": 0, "end": end}]
+        return metadata
+
+    async def _openai(
+        self,
+        request: web.Request,
+        parse: Callable[[dict[str, Any]], GenerateSpec],
+        chat: bool,
+    ) -> web.StreamResponse:
+        try:
+            spec = parse(await _json_body(request))
+            req = self._request(spec)
+        except BadRequestError as exc:
+            return _schema_error(str(exc)) if exc.schema else _openai_error(str(exc))
+        except RequestError as exc:
+            return _openai_error(str(exc))
         if spec.stream:
-            return await self._stream(request, stream, self._openai_chunks(spec, "text"))
+            return await self._stream(request, req, self._openai_chunks(spec, chat))
+        stream = self.driver.submit(req, streaming=False)
         await self._complete(stream)
-        req = stream.req
+        refused = self._aborted_with_status(req)
+        if refused is not None:
+            return _openai_error(*refused)
         reason, matched = self._finish_reason(req)
+        choice: dict[str, object] = {"index": 0}
+        if chat:
+            message: dict[str, object] = {
+                "role": "assistant", "content": req.output_text(), "reasoning_content": None,
+            }  # fmt: skip
+            if not self.new_api:
+                message["tool_calls"] = None
+            choice["message"] = message
+        else:
+            choice["text"] = req.output_text()
+        choice.update(logprobs=None, finish_reason=reason, matched_stop=matched)
         return _json(
             {
                 "id": req.rid,
-                "object": "text_completion",
+                "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()),
                 "model": spec.model or self.config.model,
-                "choices": [
-                    {
-                        "index": 0,
-                        "text": req.output_text(),
-                        "logprobs": None,
-                        "finish_reason": reason,
-                        "matched_stop": matched,
-                    }
-                ],
-                "usage": self._usage(req),
+                "choices": [choice],
+                "usage": self._usage(req, chat, streamed=False),
+                "metadata": self._metadata(req),
             }
         )
 
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._openai(request, parse_completion, chat=False)
+
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        accepted = await self._accept(request, parse_chat, _openai_error)
-        if isinstance(accepted, web.Response):
-            return accepted
-        stream, spec = accepted
-        if spec.stream:
-            return await self._stream(request, stream, self._openai_chunks(spec, "chat"))
-        await self._complete(stream)
-        req = stream.req
-        reason, matched = self._finish_reason(req)
-        return _json(
-            {
-                "id": req.rid,
-                "object": "chat.completion",
-                "created": int(time.time()),
-                "model": spec.model or self.config.model,
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {
-                            "role": "assistant",
-                            "content": req.output_text(),
-                            "reasoning_content": None,
-                            "tool_calls": None,
-                        },
-                        "logprobs": None,
-                        "finish_reason": reason,
-                        "matched_stop": matched,
-                    }
-                ],
-                "usage": self._usage(req),
-            }
-        )
+        return await self._openai(request, parse_chat, chat=True)
 
     async def models(self, request: web.Request) -> web.Response:
         return _json(
@@ -355,9 +550,10 @@ class EngineServer:
                     {
                         "id": self.config.model,
                         "object": "model",
-                        "created": 0,
+                        "created": int(self.started),
                         "owned_by": "sglang",
                         "root": self.config.model,
+                        "parent": None,
                         "max_model_len": self.model.context_len,
                     }
                 ],
@@ -366,8 +562,9 @@ class EngineServer:
 
     # -- state -------------------------------------------------------------------------
     def _launch_args(self) -> dict[str, object]:
+        """The launch flags that mean something here, under SGLang's names."""
         cfg = self.config
-        return {
+        args: dict[str, object] = {
             "model_path": cfg.model,
             "tokenizer_path": cfg.model,
             "served_model_name": cfg.model,
@@ -377,42 +574,70 @@ class EngineServer:
             "max_total_tokens": cfg.max_total_tokens,
             "page_size": cfg.page_size,
             "chunked_prefill_size": cfg.chunked_prefill_size,
+            "max_prefill_tokens": cfg.max_prefill_tokens,
             "max_running_requests": cfg.max_running_requests,
             "max_queued_requests": cfg.max_queued_requests,
             "enable_priority_scheduling": cfg.enable_priority_scheduling,
             "schedule_low_priority_values_first": cfg.schedule_low_priority_values_first,
+            "priority_scheduling_preemption_threshold": (
+                cfg.priority_scheduling_preemption_threshold
+            ),
             "schedule_policy": cfg.schedule_policy,
             "disable_radix_cache": cfg.disable_radix_cache,
             "enable_mixed_chunk": cfg.enable_mixed_chunk,
             "enable_metrics": cfg.enable_metrics,
+            "enable_cache_report": False,
             "decode_log_interval": cfg.decode_log_interval,
-            "incremental_streaming_output": cfg.incremental_streaming_output,
             "tp_size": 1,
             "dp_size": 1,
         }
+        if self.new_api:
+            args.update(
+                disable_priority_preemption=cfg.disable_priority_preemption,
+                retraction_policy=cfg.retraction_policy,
+                incremental_streaming_output=cfg.incremental_streaming_output,
+            )
+        return args
+
+    def _memory_usage(self) -> dict[str, object]:
+        timing, tokens = self.config.timing, self.model.total_tokens
+        usage: dict[str, object] = {
+            "weight": round(timing.model.params * timing.model.bytes_per_param / 1e9, 3),
+            "kvcache": round(tokens * timing.model.kv_bytes_per_token / 1e9, 3),
+            "token_capacity": tokens,
+        }
+        if self.new_api:
+            graphs = ("prefill", "decode", "target_verify", "draft_prefill", "draft_decode",
+                      "draft_extend")  # fmt: skip
+            startup = round(timing.hardware.hbm_capacity_bytes / 1e9, 3)
+            usage.update(
+                startup_available=startup,
+                token_capacity_swa=None,
+                graph=dict.fromkeys(graphs, 0.0),
+            )
+        else:
+            usage["graph"] = 0
+        return usage
 
     async def server_info(self, request: web.Request) -> web.Response:
         cfg, model = self.config, self.model
         timing = cfg.timing
+        launch = self._launch_args()
+        internal: dict[str, object] = {
+            **launch,
+            "last_gen_throughput": model.gen_throughput,
+            "memory_usage": self._memory_usage(),
+        }
+        if self.new_api:
+            internal["effective_max_running_requests_per_dp"] = cfg.running_limit
         return _json(
             {
-                **self._launch_args(),
+                **launch,
+                "status": "ready",
                 "max_total_num_tokens": model.total_tokens,
                 "max_req_input_len": cfg.max_req_input_len,
                 "version": self.api_version,
-                "internal_states": [
-                    {
-                        "memory_usage": {
-                            "weight": timing.model.params * timing.model.bytes_per_param / 1e9,
-                            "kvcache": model.total_tokens * timing.model.kv_bytes_per_token / 1e9,
-                            "token_capacity": model.total_tokens,
-                            "graph": 0.0,
-                        },
-                        "effective_max_running_requests_per_dp": cfg.running_limit,
-                        "last_gen_throughput": model.gen_throughput,
-                        "new_token_ratio": model.new_token_ratio,
-                    }
-                ],
+                "internal_states": [internal],
                 "weir_reference_engine": {
                     "speed_factor": cfg.speed_factor,
                     "startup_s": cfg.startup_s,
@@ -424,26 +649,36 @@ class EngineServer:
         )
 
     async def model_info(self, request: web.Request) -> web.Response:
-        return _json(
-            {
-                "model_path": self.config.model,
-                "tokenizer_path": self.config.model,
-                "is_generation": True,
-                "preferred_sampling_params": None,
-                "weight_version": "default",
-                "has_image_understanding": False,
-                "has_audio_understanding": False,
-                "model_type": "llama",
-                "architectures": ["LlamaForCausalLM"],
-            }
-        )
+        model = self.config.model
+        info: dict[str, object] = {
+            "model_path": model,
+            "tokenizer_path": model,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": _WEIGHT_VERSION,
+        }
+        if self.new_api:
+            info.update(
+                served_model_name=model,
+                load_format="auto",
+                reasoning_parser=None,
+                tool_call_parser=None,
+                disaggregation_mode="null",
+                has_image_understanding=False,
+                has_audio_understanding=False,
+                model_type="llama",
+                architectures=["LlamaForCausalLM"],
+            )
+        return _json(info)
 
     async def get_load(self, request: web.Request) -> web.Response:
         loads = self.model.loads()
         return _json(
             [
                 {
-                    "dp_rank": 0,
+                    "rid": None,
+                    "http_worker_ipc": None,
+                    "dp_rank": None,
                     "num_reqs": loads.num_running_reqs + loads.num_waiting_reqs,
                     "num_waiting_reqs": loads.num_waiting_reqs,
                     "num_tokens": loads.num_used_tokens,
@@ -452,71 +687,92 @@ class EngineServer:
         )
 
     async def v1_loads(self, request: web.Request) -> web.Response:
-        loads = self.model.loads()
+        model, loads = self.model, self.model.loads()
+        now = time.time()
+        waiting = sum(r.total_len for r in model.waiting)
+        memory = self._memory_usage()
         rank = {
+            "timestamp": now,
             "dp_rank": 0,
             "num_running_reqs": loads.num_running_reqs,
             "num_waiting_reqs": loads.num_waiting_reqs,
             "num_waiting_uncached_tokens": loads.num_waiting_uncached_tokens,
             "num_used_tokens": loads.num_used_tokens,
-            "num_evictable_tokens": loads.num_evictable_tokens,
-            "num_available_tokens": loads.num_available_tokens,
+            "num_total_tokens": loads.num_used_tokens + waiting,
+            "num_active_tokens": loads.num_used_tokens + waiting,
+            "num_prealloc_ready_tokens": 0,
             "max_total_num_tokens": loads.max_total_num_tokens,
-            "token_usage": loads.token_usage,
-            "gen_throughput": loads.gen_throughput,
-            "cache_hit_rate": loads.cache_hit_rate,
-            "num_retracted_reqs": loads.num_retracted_reqs,
-            "paused": loads.paused,
+            "max_running_requests": self.config.running_limit,
+            "token_usage": round(loads.token_usage, 4),
+            "gen_throughput": round(loads.gen_throughput, 2),
+            "cache_hit_rate": round(loads.cache_hit_rate, 4),
+            "utilization": 0.0,
+            "total_prefill_uncached_tokens": model.prompt_tokens_total - model.cached_tokens_total,
+            "total_prefill_busy_us": model.prefill_busy_us,
+            "decode_moments": list(model.decode_moments) if model.decode_moments[0] else None,
+            "memory": {
+                "weight_gb": memory["weight"],
+                "kv_cache_gb": memory["kvcache"],
+                "graph_gb": 0.0,
+                "token_capacity": loads.max_total_num_tokens,
+            },
+            "disaggregation": _NO_DISAGGREGATION,
+            "queues": {
+                "waiting": loads.num_waiting_reqs,
+                "grammar": 0,
+                "paused": len(self.driver.held),
+                "retracted": 0,
+                "prealloc_ready": 0,
+            },
         }
-        return _json({"version": self.api_version, "dp_rank_count": 1, "loads": [rank]})
+        stamp = datetime.datetime.fromtimestamp(now, datetime.UTC).isoformat()
+        return _json(
+            {
+                "timestamp": stamp,
+                "version": self.api_version,
+                "accelerator": None,
+                "num_accelerators": 1,
+                "loads": [rank],
+            }
+        )
 
     async def prometheus(self, request: web.Request) -> web.Response:
         if not self.config.enable_metrics:
-            raise web.HTTPNotFound(text="Metrics are disabled; launch with --enable-metrics.")
+            raise web.HTTPNotFound()  # not served without --enable-metrics
         return web.Response(
-            body=generate_latest(self.metrics.registry),
-            headers={"Content-Type": CONTENT_TYPE_LATEST},
+            body=exposition(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
         )
 
     async def ready(self, request: web.Request) -> web.Response:
-        if not self.driver.ready:
-            return _json({"status": "not ready"}, 503)
-        return _json({"status": "ready"})
+        return web.Response(status=200 if self.driver.ready else 503)
 
     async def health(self, request: web.Request) -> web.Response:
-        """A one-token generation, unless tokens flowed moments ago (as SGLang does);
-        503 while starting."""
+        """SGLang's health check: 503 while starting; else a one-token generation, and
+        200 once any output came back — checked once a second, up to
+        `health_timeout_s` (http_server.health_generate)."""
         if not self.driver.ready:
             return web.Response(status=503)
-        if self.driver.last_output_at >= 0 and (
-            self.driver.now() - self.driver.last_output_at < _RECENT_OUTPUT_S
-        ):
-            return web.Response(status=200)
-        req = self.model.make_request(
-            f"HEALTH_CHECK_{uuid.uuid4().hex}", [ord("1")], 1, ignore_eos=True,
-            now=self.driver.now(),
-        )  # fmt: skip
-        stream = self.driver.submit(req)
-        try:
-            await asyncio.wait_for(self._complete(stream), self.health_timeout_s)
-        except TimeoutError:
-            return web.Response(status=503)
-        ok = req.finish is not None and req.finish.kind != "abort"
-        return web.Response(status=200 if ok else 503)
+        driver = self.driver
+        asked = driver.now()
+        req = self.model.make_request(f"HEALTH_CHECK_{uuid.uuid4().hex}", [0], 1, now=asked)
+        driver.submit(req, streaming=False, measured=False)
+        deadline = asked + self.health_timeout_s
+        while driver.now() < deadline:
+            await asyncio.sleep(_HEALTH_POLL_S)
+            if driver.last_output_at > asked:
+                return web.Response(status=200)
+        driver.cancel(req)
+        return web.Response(status=503)
 
     # -- control -----------------------------------------------------------------------
-    async def _body(self, request: web.Request) -> dict[str, Any]:
-        raw = await request.read()
-        return parse_json(raw) if raw.strip() else {}
-
     async def abort_request(self, request: web.Request) -> web.Response:
         try:
-            body = await self._body(request)
+            body = await _json_body(request)
         except BadRequestError as exc:
-            return _native_error(str(exc), exc.status)
+            return _schema_error(str(exc))
         rid, abort_all = body.get("rid", ""), body.get("abort_all", False)
         if not isinstance(rid, str) or not isinstance(abort_all, bool):
-            return _native_error("rid must be a string and abort_all a boolean.", 400)
+            return _schema_error("rid must be a string and abort_all a boolean.")
         self.driver.abort(rid, abort_all)
         return web.Response(status=200)
 
@@ -524,20 +780,25 @@ class EngineServer:
         mode = "abort"
         if self.new_api:
             try:
-                body = await self._body(request)
+                body = await _json_body(request)
             except BadRequestError as exc:
-                return _native_error(str(exc), exc.status)
+                return _schema_error(str(exc))
             mode = body.get("mode", "abort")
             if mode not in ("abort", "retract", "in_place"):
-                return _native_error(
-                    f"Unknown pause mode {mode!r}: use abort, retract or in_place.", 400
+                return _schema_error(
+                    f"Input should be 'abort', 'retract' or 'in_place', got {mode!r}."
                 )
         self.driver.pause(mode)
-        return _json({"message": "Generation paused successfully.", "mode": mode})
+        return _json({"message": "Generation paused successfully.", "status": "ok"})
 
     async def continue_generation(self, request: web.Request) -> web.Response:
+        if self.new_api:
+            try:
+                await _json_body(request)
+            except BadRequestError as exc:
+                return _schema_error(str(exc))
         self.driver.resume()
-        return _json({"message": "Generation continued successfully."})
+        return _json({"message": "Generation continued successfully.", "status": "ok"})
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         if self.model.flush_cache():
@@ -545,8 +806,10 @@ class EngineServer:
                 text="Cache flushed.\nPlease check backend logs for more details. "
                 "(When there are running or waiting requests, the operation will not be performed.)\n"
             )
+        if self.new_api:
+            return web.Response(status=400, text="Flush cache failed.\n")
         return web.Response(
             status=400,
-            text="Cache not flushed.\nPlease check backend logs for more details. "
+            text="Cache flushed.\nPlease check backend logs for more details. "
             "(When there are running or waiting requests, the operation will not be performed.)\n",
         )

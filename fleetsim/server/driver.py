@@ -1,9 +1,16 @@
 """The engine model in real time: one task steps it, sleeping each iteration's duration over
 the speed factor, and wakes the HTTP handlers whose requests moved.
 
-Handlers never touch the step loop; they submit, wait on their `Stream`'s event, and read
-the request's `output_ids`. Several iterations' tokens coalesce into one chunk when a
-client reads slower than the engine writes, as SGLang's detokenizer does.
+An iteration's tokens exist in the model from the moment it is stepped, but a client may
+see them only when the iteration ends, as with SGLang, which streams each decode step's
+token after its forward pass (stream_interval 1): each `Stream` keeps how much of its
+request has been published (`shown`, `finished`), and handlers read no further. After
+publishing, the loop yields before stepping again, so a handler writes each step's token
+on its own; several steps' tokens coalesce into one chunk only when a client reads slower
+than the engine writes, as SGLang's tokenizer manager does.
+
+While paused, new requests wait here rather than in the model's queue: SGLang holds them
+in its tokenizer manager until /continue_generation.
 """
 
 from __future__ import annotations
@@ -22,26 +29,47 @@ log = logging.getLogger(__name__)
 class Stream:
     """A handler's view of one request: woken whenever it got tokens or finished."""
 
-    __slots__ = ("event", "last_emit", "req", "sent", "sent_text")
+    __slots__ = (
+        "event",
+        "finished",
+        "first_sent_at",
+        "last_emit",
+        "measured",
+        "req",
+        "sent",
+        "sent_text",
+        "shown",
+        "streaming",
+    )
 
-    def __init__(self, req: EngineRequest) -> None:
+    def __init__(self, req: EngineRequest, streaming: bool, measured: bool = True) -> None:
         self.req = req
+        self.streaming = streaming
+        self.measured = measured  # counted in /metrics (SGLang's health checks are not)
         self.event = asyncio.Event()
+        self.shown = 0  # output tokens published to handlers
+        self.finished = False  # the finish is published
         self.sent = 0  # output tokens already written to the client
         self.sent_text = 0  # characters of output text already written
         self.last_emit = -1.0
+        self.first_sent_at = -1.0  # when the first chunk went out (SGLang's response_sent)
+
+    def publish(self, finished: bool = False) -> None:
+        self.shown = len(self.req.output_ids)
+        self.finished = self.finished or finished
+        self.event.set()
 
     def delta(self, last: bool) -> tuple[list[int], str]:
-        """The ids and text not yet written, marked as written. Generated tokens are ASCII
-        bytes (ids and characters match 1:1), so text is decoded from the new ids only;
-        until the end, what could still become a stop string is held back, and the final
-        text stops before a matched one."""
+        """The published ids and text not yet written, marked as written. Generated
+        tokens are ASCII bytes (ids and characters match 1:1), so text is decoded from
+        the new ids only; until the end, what could still become a stop string is held
+        back, and the final text stops before a matched one."""
         req = self.req
         if last:
-            upto = len(req.output_ids)
+            upto = self.shown
             text = req.output_text()[self.sent_text :]
         else:
-            upto = max(self.sent, len(req.output_ids) - max(0, req.stop_window - 1))
+            upto = max(self.sent, self.shown - max(0, req.stop_window - 1))
             text = decode(req.output_ids[self.sent : upto])
         ids = req.output_ids[self.sent : upto]
         self.sent = upto
@@ -59,6 +87,7 @@ class EngineDriver:
         self.metrics = metrics
         self.speed_factor = speed_factor
         self.streams: dict[int, Stream] = {}
+        self.held: list[Stream] = []  # submitted while paused
         self.last_output_at = -1.0
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -89,43 +118,66 @@ class EngineDriver:
         return self.alive and self.now() >= self.ready_at
 
     # -- requests ----------------------------------------------------------------------
-    def submit(self, req: EngineRequest) -> Stream:
-        """Queue the request and return its stream; a refused request (queue full) comes
-        back already finished."""
-        stream = Stream(req)
+    def submit(self, req: EngineRequest, streaming: bool, measured: bool = True) -> Stream:
+        """Queue the request (or hold it while paused) and return its stream; a refused
+        request (queue full) comes back already finished."""
+        stream = Stream(req, streaming, measured)
+        if self.model.paused:
+            self.held.append(stream)
+        else:
+            self._queue(stream)
+        return stream
+
+    def _queue(self, stream: Stream) -> None:
+        req = stream.req
+        self.streams[id(req)] = stream
         if self.model.submit(req, self.now()):
-            self.streams[id(req)] = stream
             self._wake.set()
         else:
-            self.metrics.finished(req)
-        return stream
+            self._ended([req])
 
     def cancel(self, req: EngineRequest) -> None:
         """The client went away: end exactly this request (not its rid's prefix)."""
-        if req.finish is None:
-            self._ended(self.model.abort_request(req, self.now()))
+        if req.finish is not None:
+            return
+        held = next((s for s in self.held if s.req is req), None)
+        if held is not None:
+            self.held.remove(held)
+            return
+        self._ended(self.model.abort_request(req, self.now()))
 
-    def abort(self, rid: str, abort_all: bool) -> int:
-        victims = self.model.abort(rid, abort_all=abort_all, now=self.now())
-        self._ended(victims)
-        return len(victims)
+    def abort(self, rid: str, abort_all: bool) -> None:
+        """SGLang's /abort_request: its tokenizer manager forwards an abort only for a
+        live request with exactly this rid; its scheduler then aborts every rid it
+        prefixes (sglang/srt/managers/tokenizer_manager.py, scheduler.py)."""
+        if not abort_all and rid not in self.model.requests:
+            return
+        self._ended(self.model.abort(rid, abort_all=abort_all, now=self.now()))
 
     def pause(self, mode: str) -> None:
+        """Requests already held stay held: SGLang's abort reaches only its scheduler."""
         self._ended(self.model.pause(mode, self.now()))
         self.metrics.refresh()
 
     def resume(self) -> None:
         self.model.resume()
+        held, self.held = self.held, []
+        for stream in held:
+            self._queue(stream)
         self._wake.set()
 
     def _ended(self, reqs: Iterable[EngineRequest]) -> None:
         for req in reqs:
-            self.metrics.finished(req)
             stream = self.streams.pop(id(req), None)
             if stream is not None:
-                stream.event.set()
+                self._finished(stream)
         if not self.model.has_work:
             self.metrics.refresh()
+
+    def _finished(self, stream: Stream) -> None:
+        stream.publish(finished=True)
+        if stream.measured:
+            self.metrics.finished(stream.req, stream.streaming)
 
     # -- the step loop ----------------------------------------------------------------
     async def _run(self) -> None:
@@ -144,7 +196,7 @@ class EngineDriver:
         deadline = loop.time()
         while True:
             if not model.has_work:
-                model.step(loop.time())  # idle: SGLang resets its new-token ratio
+                self._publish(model.step(loop.time()), loop.time())  # idle: resets the ratio
                 self.metrics.refresh()
                 self._wake.clear()
                 await self._wake.wait()
@@ -153,7 +205,12 @@ class EngineDriver:
             start = loop.time()
             result = model.step(start)
             deadline = max(deadline, start) + result.duration / self.speed_factor
+            for req in result.admitted:
+                stream = self.streams.get(id(req))
+                if stream is not None and stream.measured:
+                    self.metrics.queue_time.observe(max(0.0, start - req.queued_at))
             if result.idle:
+                self._publish(result, start)  # what ended without running (a full queue)
                 # Nothing could run (e.g. every admitted prefill waits for pages): let the
                 # handlers run before trying again.
                 self._wake.clear()
@@ -167,24 +224,26 @@ class EngineDriver:
                 result.decode_tokens and model.decode_steps % interval == 0
             ):
                 self.metrics.refresh()
+            await asyncio.sleep(0)  # the woken handlers write this step's tokens first
 
     def _publish(self, result: StepResult, t: float) -> None:
         streams, metrics = self.streams, self.metrics
-        ttft, itl = metrics.ttft, metrics.itl
         if result.emitted:
             self.last_output_at = t
         for req in result.emitted:
             stream = streams.get(id(req))
             if stream is None:
                 continue
-            if stream.last_emit < 0:
-                ttft.observe(t - req.arrival)
-            else:
-                itl.observe(t - stream.last_emit)
+            if stream.measured:
+                if stream.last_emit < 0:
+                    metrics.first_token(req, stream.streaming, t)
+                else:
+                    metrics.itl.observe(t - stream.last_emit)
             stream.last_emit = t
-            stream.event.set()
+            stream.publish()
+        for req in result.retracted:
+            metrics.retracted(req)
         for req in result.finished:
-            metrics.finished(req)
             stream = streams.pop(id(req), None)
             if stream is not None:
-                stream.event.set()
+                self._finished(stream)

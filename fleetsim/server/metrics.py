@@ -1,42 +1,80 @@
-"""SGLang's Prometheus metrics, with SGLang's names, labels and refresh cadence.
+"""SGLang's Prometheus metrics: the families Weir reads, with the names, types, labels and
+buckets each version's server gives them (0.5.23: sglang/srt/observability/
+metrics_collector.py; 0.5.5: sglang/srt/metrics/collector.py), and SGLang's refresh
+cadence. tests/sglang/test_reference_fidelity.py holds them to a real server's /metrics;
+docs/reference-engine.md lists the families left out.
 
 Scheduler gauges are refreshed only on prefill iterations, every `decode_log_interval`
 decode iterations and when the engine goes idle, as SGLang's scheduler does: readers must
-treat them as possibly stale. Counters and latency histograms move when requests finish
-(tokenizer-side in SGLang), so they are always current.
+treat them as possibly stale. Counters and latency histograms move as requests produce
+and finish (tokenizer-side in SGLang), so they are always current.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from fleetsim.engine import EngineModel, EngineRequest
 
-_LATENCY_BUCKETS = (
-    0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-    15.0, 20.0, 30.0, 60.0, 120.0, 300.0,
+_TTFT_BUCKETS = (
+    0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 2.0, 4.0, 6.0, 8.0, 10.0, 20.0, 40.0, 60.0, 80.0, 100.0,
+    200.0, 400.0,
 )  # fmt: skip
+_E2E_BUCKETS = (*_TTFT_BUCKETS, 600.0, 1200.0, 1800.0, 2400.0)
 _ITL_BUCKETS = (
     0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.025, 0.03, 0.035, 0.04, 0.06, 0.08,
     0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 2.0, 4.0, 6.0, 8.0,
 )  # fmt: skip
+_QUEUE_TAIL = (
+    1.0, 2.0, 3.0, 4.0, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 70.0, 80.0, 90.0,
+    100.0, 200.0, 300.0, 400.0, 500.0, 600.0, 700.0, 800.0, 900.0, 1000.0, 1200.0, 1400.0,
+    1600.0, 1800.0, 2000.0, 2500.0, 3000.0,
+)  # fmt: skip
+_QUEUE_BUCKETS = {
+    "0.5.5": (0.0, 0.1, 0.2, 0.5, *_QUEUE_TAIL),
+    "0.5.23": (0.0, 0.001, 0.005, 0.01, 0.05, 0.1, 0.2, 0.5, *_QUEUE_TAIL),
+}
+_RETRACTION_BUCKETS = (
+    0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 15.0, 20.0, 25.0, 30.0, 40.0,
+    50.0, 75.0, 100.0,
+)  # fmt: skip
 
-_GAUGES_055 = {
+_GAUGES = {
     "num_running_reqs": "The number of running requests.",
     "num_queue_reqs": "The number of requests in the waiting queue.",
     "num_used_tokens": "The number of used tokens.",
     "token_usage": "The token usage.",
     "gen_throughput": "The generation throughput (token/s).",
     "cache_hit_rate": "The prefix cache hit rate.",
-    "num_retracted_reqs": "The number of retracted requests.",
 }
 _GAUGES_0523 = {
     "kv_used_tokens": "KV cache tokens in use.",
     "kv_available_tokens": "KV cache tokens free.",
     "kv_evictable_tokens": "KV cache tokens held only by the prefix cache.",
-    "max_total_num_tokens": "KV cache capacity in tokens.",
-    "page_size": "KV cache page size in tokens.",
+    "max_total_num_tokens": "Maximum total number of tokens in the KV cache pool.",
+    "page_size": "The page size of the KV cache.",
+    "new_token_ratio": "The new token ratio.",
 }
+# Per-process gauges (prometheus_client's multiprocess mode "all"): SGLang's carry a pid.
+_PROCESS_GAUGES = {
+    "num_retracted_reqs": "The number of retracted requests.",
+    "num_paused_reqs": "The number of paused requests by async weight sync.",
+}
+
+
+def exposition(registry: CollectorRegistry) -> bytes:
+    """The registry in Prometheus' text format, without prometheus_client's `_created`
+    series: SGLang's multiprocess collector has none."""
+    lines = generate_latest(registry).split(b"\n")
+    return b"\n".join(line for line in lines if not _created(line))
+
+
+def _created(line: bytes) -> bool:
+    fields = line.split(b" ", 3)
+    name = fields[2] if line.startswith(b"# ") and len(fields) > 2 else line.split(b"{")[0]
+    return name.split(b" ")[0].endswith(b"_created")
 
 
 class EngineMetrics:
@@ -45,47 +83,96 @@ class EngineMetrics:
     def __init__(self, model: EngineModel, api_version: str) -> None:
         self.model = model
         self.registry = CollectorRegistry()
+        new = api_version != "0.5.5"
         name = model.config.model
-        sched = {"model_name": name, "engine_type": "unified", "tp_rank": "0", "pp_rank": "0"}
-        gauges = dict(_GAUGES_055)
-        if api_version != "0.5.5":
-            gauges.update(_GAUGES_0523)
+        sched = {"engine_type": "unified", "model_name": name, "pp_rank": "0", "tp_rank": "0"}
+        if new:
+            sched["moe_ep_rank"] = "0"
+        # The tokenizer side labels by model (and engine type on 0.5.23); 0.5.23 splits
+        # request counts and latencies by whether the request streamed.
+        self._tok = {"engine_type": "unified", "model_name": name} if new else {"model_name": name}
+        self._split = ["is_streaming"] if new else []
+        gauges = {**_GAUGES, **(_GAUGES_0523 if new else {})}
         self._gauges = {
             key: Gauge(f"sglang:{key}", doc, list(sched), registry=self.registry).labels(**sched)
             for key, doc in gauges.items()
         }
-        labels = {"model_name": name}
-
-        def counter(key: str, doc: str) -> Counter:
-            return Counter(f"sglang:{key}", doc, list(labels), registry=self.registry).labels(
-                **labels
+        per_process = {**sched, "pid": str(os.getpid())}
+        # num_paused_reqs stays 0: no weight sync pauses requests here.
+        self.retracted_now, _ = (
+            Gauge(f"sglang:{key}", doc, list(per_process), registry=self.registry).labels(
+                **per_process
             )
-
-        def histogram(key: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(
-                f"sglang:{key}", doc, list(labels), buckets=buckets, registry=self.registry
-            ).labels(**labels)
-
-        self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
-        self.generation_tokens = counter(
-            "generation_tokens", "Number of generation tokens processed."
+            for key, doc in _PROCESS_GAUGES.items()
         )
-        self.cached_tokens = counter("cached_tokens", "Number of cached prompt tokens.")
-        self.requests = counter("num_requests", "Number of requests processed.")
-        self.aborted = counter("num_aborted_requests", "Number of requests aborted.")
-        self.ttft = histogram(
-            "time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-            _LATENCY_BUCKETS,
+        self.queue_time = Histogram(
+            "sglang:queue_time_seconds", "Histogram of queueing time in seconds.",
+            list(sched), buckets=_QUEUE_BUCKETS[api_version], registry=self.registry,
+        ).labels(**sched)  # fmt: skip
+        self.retractions: Histogram | None = None
+        self.retracted_counters: tuple[Counter, Counter, Counter] | None = None
+        if new:
+            self.retracted_counters = (
+                self._counter("num_retracted_requests", "Number of retracted requests.", sched),
+                self._counter(
+                    "num_retracted_input_tokens", "Input tokens of retracted requests.", sched
+                ),
+                self._counter(
+                    "num_retracted_output_tokens", "Output tokens of retracted requests.", sched
+                ),
+            )
+        else:
+            self.retractions = Histogram(
+                "sglang:num_retractions", "Histogram of retraction counts per request.",
+                list(self._tok), buckets=_RETRACTION_BUCKETS, registry=self.registry,
+            ).labels(**self._tok)  # fmt: skip
+        names = [*self._tok, *self._split]
+        self._prompt = Counter(
+            "sglang:prompt_tokens", "Number of prefill tokens processed.", names,
+            registry=self.registry,
         )  # fmt: skip
-        self.itl = histogram(
-            "inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
-            _ITL_BUCKETS,
+        self._generation = Counter(
+            "sglang:generation_tokens", "Number of generation tokens processed.", names,
+            registry=self.registry,
         )  # fmt: skip
-        self.e2e = histogram(
-            "e2e_request_latency_seconds", "Histogram of end-to-end request latency in seconds.",
-            _LATENCY_BUCKETS,
+        self._requests = Counter(
+            "sglang:num_requests", "Number of requests processed.", names,
+            registry=self.registry,
+        )  # fmt: skip
+        cached_names = [*self._tok, "cache_source"] if new else list(self._tok)
+        cached = Counter(
+            "sglang:cached_tokens", "Number of cached prompt tokens.", cached_names,
+            registry=self.registry,
+        )  # fmt: skip
+        self.cached_tokens = (
+            cached.labels(**self._tok, cache_source="device") if new else cached.labels(**self._tok)
+        )
+        self.aborted = self._counter(
+            "num_aborted_requests", "Number of requests aborted.", self._tok
+        )
+        self._ttft = Histogram(
+            "sglang:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+            names, buckets=_TTFT_BUCKETS, registry=self.registry,
+        )  # fmt: skip
+        self.itl = Histogram(
+            "sglang:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+            list(self._tok), buckets=_ITL_BUCKETS, registry=self.registry,
+        ).labels(**self._tok)  # fmt: skip
+        self._e2e = Histogram(
+            "sglang:e2e_request_latency_seconds",
+            "Histogram of End-to-end request latency in seconds", names,
+            buckets=_E2E_BUCKETS, registry=self.registry,
         )  # fmt: skip
         self.refresh()
+
+    def _counter(self, key: str, doc: str, labels: dict[str, str]) -> Counter:
+        metric = Counter(f"sglang:{key}", doc, list(labels), registry=self.registry)
+        return metric.labels(**labels)
+
+    def _labels(self, streaming: bool) -> dict[str, str]:
+        if self._split:
+            return {**self._tok, "is_streaming": "true" if streaming else "false"}
+        return self._tok
 
     def refresh(self) -> None:
         """Copy the scheduler's state into the gauges (SGLang's log_stats moments)."""
@@ -97,23 +184,37 @@ class EngineMetrics:
             "token_usage": loads.token_usage,
             "gen_throughput": loads.gen_throughput,
             "cache_hit_rate": loads.cache_hit_rate,
-            "num_retracted_reqs": loads.num_retracted_reqs,
             "kv_used_tokens": loads.num_used_tokens,
             "kv_available_tokens": loads.num_available_tokens,
             "kv_evictable_tokens": loads.num_evictable_tokens,
             "max_total_num_tokens": loads.max_total_num_tokens,
             "page_size": self.model.page_size,
+            "new_token_ratio": loads.new_token_ratio,
         }
         for key, gauge in self._gauges.items():
             gauge.set(values[key])
+        self.retracted_now.set(loads.num_retracted_reqs)
 
-    def finished(self, req: EngineRequest) -> None:
+    def first_token(self, req: EngineRequest, streaming: bool, at: float) -> None:
+        self._ttft.labels(**self._labels(streaming)).observe(max(0.0, at - req.arrival))
+
+    def retracted(self, req: EngineRequest) -> None:
+        if self.retracted_counters is not None:
+            requests, inputs, outputs = self.retracted_counters
+            requests.inc()
+            inputs.inc(len(req.input_ids))
+            outputs.inc(len(req.output_ids))
+
+    def finished(self, req: EngineRequest, streaming: bool) -> None:
         """Count a request that ended, however it ended."""
-        self.requests.inc()
-        self.prompt_tokens.inc(req.prompt_tokens)
-        self.generation_tokens.inc(req.completion_tokens)
+        labels = self._labels(streaming)
+        self._requests.labels(**labels).inc()
+        self._prompt.labels(**labels).inc(req.prompt_tokens)
+        self._generation.labels(**labels).inc(req.completion_tokens)
         self.cached_tokens.inc(req.cached_tokens)
+        if self.retractions is not None:
+            self.retractions.observe(req.retractions)
         if req.finish is not None and req.finish.kind == "abort":
             self.aborted.inc()
         else:
-            self.e2e.observe(max(0.0, req.finished_at - req.arrival))
+            self._e2e.labels(**labels).observe(max(0.0, req.finished_at - req.arrival))

@@ -20,11 +20,13 @@ from fleetsim.engine.tokens import encode
 
 
 class BadRequestError(ValueError):
-    """The client's fault: answered with `status` (400 unless said otherwise)."""
+    """The client's fault, answered 400. `schema` marks what SGLang's FastAPI layer
+    refuses before its handler runs (malformed JSON, wrong types, missing fields), which
+    it answers in its validation-error shape; the rest are its handlers' ValueErrors."""
 
-    def __init__(self, message: str, status: int = 400) -> None:
+    def __init__(self, message: str, *, schema: bool = False) -> None:
         super().__init__(message)
-        self.status = status
+        self.schema = schema
 
 
 @dataclass(slots=True)
@@ -39,7 +41,7 @@ class GenerateSpec:
     min_new_tokens: int = 0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
-    priority: int = 0
+    priority: int | None = None
     cache_salt: str = ""
     include_usage: bool = False
     continuous_usage: bool = False
@@ -48,13 +50,13 @@ class GenerateSpec:
 
 def parse_json(raw: bytes) -> dict[str, Any]:
     if not raw.strip():
-        raise BadRequestError("The request body is empty; send a JSON object.")
+        raise BadRequestError("Field required: the request body is empty.", schema=True)
     try:
         body = msgspec.json.decode(raw)
     except msgspec.DecodeError as exc:
-        raise BadRequestError(f"The request body is not valid JSON: {exc}") from None
+        raise BadRequestError(f"JSON decode error (json_invalid): {exc}", schema=True) from None
     if not isinstance(body, dict):
-        raise BadRequestError("The request body must be a JSON object.")
+        raise BadRequestError("The request body must be a JSON object.", schema=True)
     return body
 
 
@@ -65,10 +67,10 @@ def _int(
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise BadRequestError(f"{key} must be an integer, got {type(value).__name__}.")
+        raise BadRequestError(f"{key} must be an integer, got {type(value).__name__}.", schema=True)
     if isinstance(value, float):
         if not math.isfinite(value) or value != int(value):
-            raise BadRequestError(f"{key} must be an integer, got {value}.")
+            raise BadRequestError(f"{key} must be an integer, got {value}.", schema=True)
         value = int(value)
     if lo is not None and value < lo:
         raise BadRequestError(f"{key} must be at least {lo}, got {value}.")
@@ -80,7 +82,7 @@ def _bool(body: Mapping[str, Any], key: str, default: bool = False) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise BadRequestError(f"{key} must be a boolean.")
+        raise BadRequestError(f"{key} must be a boolean.", schema=True)
     return value
 
 
@@ -91,14 +93,14 @@ def _stops(value: object) -> list[str]:
         return [value]
     if isinstance(value, list) and all(isinstance(s, str) for s in value):
         return list(value)
-    raise BadRequestError("stop must be a string or a list of strings.")
+    raise BadRequestError("stop must be a string or a list of strings.", schema=True)
 
 
 def _token_ids(value: object, key: str) -> list[int]:
     if not isinstance(value, list) or not all(
         isinstance(t, int) and not isinstance(t, bool) for t in value
     ):
-        raise BadRequestError(f"{key} must be a list of integer token ids.")
+        raise BadRequestError(f"{key} must be a list of integer token ids.", schema=True)
     return list(value)
 
 
@@ -111,8 +113,9 @@ def _rid(body: Mapping[str, Any]) -> str:
     return rid
 
 
-def _priority(body: Mapping[str, Any]) -> int:
-    return _int(body, "priority", 0) or 0
+def _priority(body: Mapping[str, Any]) -> int | None:
+    """None when not given: SGLang then ranks it last under priority scheduling."""
+    return _int(body, "priority", None)
 
 
 def _salt(body: Mapping[str, Any]) -> str:
@@ -120,7 +123,7 @@ def _salt(body: Mapping[str, Any]) -> str:
     if salt is None:
         return ""
     if not isinstance(salt, str):
-        raise BadRequestError("cache_salt must be a string.")
+        raise BadRequestError("cache_salt must be a string.", schema=True)
     return salt
 
 
@@ -128,18 +131,18 @@ def parse_generate(body: Mapping[str, Any]) -> GenerateSpec:
     """SGLang's /generate: `text` or `input_ids`, `sampling_params`, `stream`, `rid`…"""
     text, ids = body.get("text"), body.get("input_ids")
     if (text is None) == (ids is None):
-        raise BadRequestError("Either text or input_ids should be provided.")
+        raise BadRequestError("Either text, input_ids or input_embeds should be provided.")
     if isinstance(text, list) or (isinstance(ids, list) and ids and isinstance(ids[0], list)):
         raise BadRequestError("Batch requests are not supported by the reference engine.")
     if text is not None:
         if not isinstance(text, str):
-            raise BadRequestError("text must be a string.")
+            raise BadRequestError("text must be a string.", schema=True)
         input_ids = encode(text)
     else:
         input_ids = _token_ids(ids, "input_ids")
     params = body.get("sampling_params") or {}
     if not isinstance(params, dict):
-        raise BadRequestError("sampling_params must be an object.")
+        raise BadRequestError("sampling_params must be an object.", schema=True)
     max_new = _int(params, "max_new_tokens", 128)
     if max_new is not None and max_new < 0:
         raise BadRequestError(f"max_new_tokens must be at least 0, got {max_new}.")
@@ -164,12 +167,12 @@ def _openai_common(body: Mapping[str, Any], spec: GenerateSpec) -> GenerateSpec:
     options = body.get("stream_options")
     if options is not None:
         if not isinstance(options, dict):
-            raise BadRequestError("stream_options must be an object.")
+            raise BadRequestError("stream_options must be an object.", schema=True)
         spec.include_usage = _bool(options, "include_usage")
         spec.continuous_usage = _bool(options, "continuous_usage_stats")
     model = body.get("model", "")
     if not isinstance(model, str):
-        raise BadRequestError("model must be a string.")
+        raise BadRequestError("model must be a string.", schema=True)
     spec.model = model
     return spec
 
@@ -205,7 +208,7 @@ def parse_completion(body: Mapping[str, Any]) -> GenerateSpec:
     """/v1/completions: `prompt` is a string, a list of token ids, or a one-string list."""
     prompt = body.get("prompt")
     if prompt is None:
-        raise BadRequestError("prompt is required.")
+        raise BadRequestError("Field required: prompt.", schema=True)
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
     if isinstance(prompt, str):
@@ -215,7 +218,9 @@ def parse_completion(body: Mapping[str, Any]) -> GenerateSpec:
     ):
         ids = list(prompt)
     else:
-        raise BadRequestError("prompt must be a string or a list of token ids (one prompt only).")
+        raise BadRequestError(
+            "prompt must be a string or a list of token ids (one prompt only).", schema=True
+        )
     return _openai_spec(body, ids, 16)
 
 
@@ -223,7 +228,7 @@ def parse_chat(body: Mapping[str, Any]) -> GenerateSpec:
     """/v1/chat/completions: messages rendered with the engine's chat template."""
     messages = body.get("messages")
     if not isinstance(messages, list):
-        raise BadRequestError("messages must be a list of message objects.")
+        raise BadRequestError("Field required: messages, a list of message objects.", schema=True)
     try:
         text = chat_template.render(
             messages,

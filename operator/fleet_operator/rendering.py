@@ -112,7 +112,7 @@ def render_configmap(pool: Pool) -> dict[str, Any]:
 
 
 def engine_args(pool: Pool) -> list[str]:
-    """SGLang launch flags derived from the spec (see SGLANG_CONTRACT.md)."""
+    """SGLang launch flags derived from the spec (`python -m sglang.launch_server --help`)."""
     spec = pool.spec
     args = [
         "--model-path",

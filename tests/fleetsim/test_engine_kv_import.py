@@ -54,27 +54,36 @@ def test_an_imported_prompt_is_not_computed_again() -> None:
 
 
 def test_a_retracted_import_recomputes_its_whole_history() -> None:
-    """Two imported requests on a pool that admits both (SGLang's growth estimate) but
-    cannot hold both as they grow: decode retracts one, which then prefills everything it
-    had imported, and still continues exactly."""
-    decode = EngineModel(EngineConfig(max_total_tokens=12_700, page_size=16))
+    """The second imported request arrives while the first decodes: admission counts the
+    first's growth at the new-token ratio, so both run, and as they grow the pool runs
+    out: decode retracts the second, which then prefills everything it had imported, and
+    both still continue exactly."""
+    decode = EngineModel(EngineConfig(max_total_tokens=12_960, page_size=16, eos_per_mille=0.0))
     reqs, histories = [], []
+    now = 0.0
+    retracted = 0
     for i in range(2):
         history, imported = prefilled(prompt(10 + i))
-        req = decode.make_request(f"m{i}", history, 400, ignore_eos=True, kv_imported=imported)
-        decode.submit(req, 0.0)
+        req = decode.make_request(f"m{i}", history, 500, kv_imported=imported)
+        decode.submit(req, now)
         reqs.append(req)
         histories.append(history)
-    _, retracted = drain(decode)
+        result = decode.step(now)
+        now += result.duration
+        retracted += len(result.retracted)
+    assert all(r in decode.decoding for r in reqs)
+    now, more = drain(decode, now)
+    retracted += more
     assert retracted >= 1
     victim = next(r for r in reqs if r.retractions)
+    assert victim is reqs[1]
     assert victim.kv_imported == 0
     assert decode.imported_tokens_total == 2 * 6000
     assert decode.prompt_tokens_total == 2 * 6001
     for req, history in zip(reqs, histories, strict=True):
         assert req.finish is not None
         assert req.finish.kind == "length"
-        alone = run_alone(decode.make_request("solo", history[:-1], 401, ignore_eos=True))
+        alone = run_alone(decode.make_request("solo", history[:-1], 501), eos_per_mille=0.0)
         assert history[-1:] + req.output_ids == alone
 
 

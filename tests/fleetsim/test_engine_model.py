@@ -38,24 +38,35 @@ def drain(model: EngineModel, now: float = 0.0, check: bool = True) -> tuple[flo
 
 
 def test_flood_of_long_outputs_retracts_and_recomputes_exactly() -> None:
-    """A pool too small for the outputs it admitted retracts, recomputes, never crashes,
-    and every request's tokens equal an uninterrupted run's."""
-    model = EngineModel(EngineConfig(max_total_tokens=2048, page_size=4, chunked_prefill_size=256))
+    """Requests arriving one by one are admitted against the running ones' discounted
+    growth (new-token ratio 0.7): the pool overfills, decode retracts and recomputes,
+    never crashes, and every request's tokens equal an uninterrupted run's."""
+    config = EngineConfig(
+        max_total_tokens=2048, page_size=4, chunked_prefill_size=256, eos_per_mille=0.0
+    )
+    model = EngineModel(config)
     rng = random.Random(7)
-    reqs = []
+    arriving = []
     for i in range(24):
         prompt = encode(f"request {i} " + "lorem ipsum " * rng.randint(1, 12))
-        req = model.make_request(f"r{i:03d}", prompt, rng.randint(200, 600), ignore_eos=True)
-        assert model.submit(req, 0.0)
-        reqs.append(req)
-    _, retracted = drain(model)
+        arriving.append(model.make_request(f"r{i:03d}", prompt, rng.randint(200, 600)))
+    reqs = list(arriving)
+    now, retracted, steps = 0.0, 0, 0
+    while arriving or model.has_work:
+        if arriving and steps % 5 == 0:
+            assert model.submit(arriving.pop(0), now)
+        result = model.step(now)
+        now += result.duration
+        retracted += len(result.retracted)
+        steps += 1
+        model.check()
     assert retracted > 0
     assert sum(r.retractions for r in reqs) == retracted == model.retracted_total
     for req in reqs:
         assert req.finish is not None
         assert req.finish.kind == "length"
         assert len(req.output_ids) == req.max_new_tokens
-        assert req.output_ids == run_alone(req)
+        assert req.output_ids == run_alone(req, eos_per_mille=0.0)
     assert model.kv.used_pages == 0
     model.check()
 
@@ -171,7 +182,7 @@ def test_random_workloads_keep_invariants(
     for step in range(400):
         if rng.random() < 0.3 and len(reqs) < 60:
             prompt = [t for _ in range(rng.randint(1, 8)) for t in rng.choice(vocab)]
-            prompt = prompt[: model.config.max_req_input_len]
+            prompt = prompt[: model.config.max_req_input_len - 1]
             req = model.make_request(f"r{len(reqs)}", prompt, rng.randint(0, 40))
             model.submit(req, now)
             reqs.append(req)

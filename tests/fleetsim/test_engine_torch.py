@@ -11,21 +11,24 @@ from fleetsim.server import serve_engine
 
 
 def test_paged_attention_matches_dense_through_cache_hits_and_retraction() -> None:
-    # An optimistic new-token ratio admits more than fits: decode must retract.
+    # Admission charges each newcomer its whole output but running requests only their
+    # ratio's share: with an optimistic ratio, requests arriving one by one overfill the
+    # pool and decode must retract (0.5.5 applies the ratio to ignore_eos requests too).
     config = EngineConfig(
         max_total_tokens=160, page_size=4, chunked_prefill_size=16, token_backend="torch",
-        init_new_token_ratio=0.05,
+        init_new_token_ratio=0.05, sglang_version="0.5.5",
     )  # fmt: skip
     backend = TorchBackend(config)
     model = EngineModel(config, backend)
     prompts = ["shared system prompt: answer briefly. " + q for q in ("why?", "how?", "who?")]
-    reqs = []
-    for i, prompt in enumerate(prompts):
-        req = model.make_request(f"t{i}", encode(prompt), 45, ignore_eos=True)
-        model.submit(req, 0.0)
-        reqs.append(req)
-    now, retracted = 0.0, 0
-    while model.has_work:
+    reqs = [
+        model.make_request(f"t{i}", encode(prompt), 45, ignore_eos=True)
+        for i, prompt in enumerate(prompts)
+    ]
+    now, retracted, arriving = 0.0, 0, list(reqs)
+    while arriving or model.has_work:
+        if arriving:
+            model.submit(arriving.pop(0), now)
         result = model.step(now)
         now += result.duration
         retracted += len(result.retracted)

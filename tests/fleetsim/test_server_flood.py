@@ -11,7 +11,7 @@ import aiohttp
 from fleetsim.engine import EngineConfig, EngineModel, encode
 from fleetsim.server import serve_engine
 
-from .conftest import small_config
+from .conftest import small_config, until
 
 
 def uninterrupted(prompt: str, max_new: int) -> list[int]:
@@ -25,16 +25,22 @@ def uninterrupted(prompt: str, max_new: int) -> list[int]:
 
 
 async def test_flood_of_long_outputs_over_http() -> None:
-    config = small_config(max_total_tokens=2048, chunked_prefill_size=256, speed_factor=1e6)
+    """Requests arrive a few steps apart, so admission counts the running ones' growth at
+    the new-token ratio (never EOS, but not declared ignore_eos): the pool overfills."""
+    config = small_config(
+        max_total_tokens=2048, chunked_prefill_size=256, speed_factor=1e6, eos_per_mille=0.0
+    )
     prompts = [(f"flood {i}: " + "tell me more " * (i % 5 + 1), 300 + 25 * i) for i in range(16)]
     async with serve_engine(config) as eng, aiohttp.ClientSession() as http:
 
         async def stream(i: int, prompt: str, max_new: int) -> dict[str, object]:
+            steps = 3 * i
+            await until(lambda: eng.engine.steps >= steps)
             body = {
                 "text": prompt,
                 "rid": f"flood-{i:03d}",
                 "stream": True,
-                "sampling_params": {"max_new_tokens": max_new, "ignore_eos": True},
+                "sampling_params": {"max_new_tokens": max_new},
             }
             last: dict[str, object] = {}
             async with http.post(f"{eng.url}/generate", json=body) as resp:

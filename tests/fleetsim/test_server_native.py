@@ -94,7 +94,10 @@ async def test_surface_differs_by_version(version: str) -> None:
             assert body["meta_info"]["finish_reason"]["type"] == "abort"
             assert (await post(http, f"{eng.url}/continue_generation", None))[0] == 200
             _, load = await get(http, f"{eng.url}/get_load")
-            assert load == [{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}]
+            assert load == [
+                {"rid": None, "http_worker_ipc": None, "dp_rank": None, "num_reqs": 0,
+                 "num_waiting_reqs": 0, "num_tokens": 0}
+            ]  # fmt: skip
 
 
 async def test_loads_and_metrics_follow_running_requests(engine: RunningEngine) -> None:
@@ -176,9 +179,18 @@ async def test_full_queue_answers_503() -> None:
         await until(lambda: eng.engine.decoding)
         queued = asyncio.create_task(post(http, url, gen("b", 5)))
         await until(lambda: eng.engine.waiting)
+        # SGLang aborts the newcomer with a 503: a unary request answers its HTTP error,
+        # a stream carries the abort in its one event.
         status, body = await post(http, url, gen("c", 5))
         assert status == 503
-        assert "queue is full" in body["error"]["message"]
+        assert body["message"] == "The request queue is full."
+        assert (body["object"], body["code"]) == ("error", 503)
+        async with http.post(url, json=gen("s", 5, stream=True)) as resp:
+            assert resp.status == 200
+            events = [line async for line in resp.content if line.startswith(b"data: ")]
+        assert events[-1] == b"data: [DONE]\n"
+        finish = json.loads(events[0][6:])["meta_info"]["finish_reason"]
+        assert finish["status_code"] == 503
         status, body = await post(
             http, f"{eng.url}/v1/completions", {"prompt": "d", "max_tokens": 3}
         )
@@ -199,7 +211,8 @@ async def test_priority_scheduling_runs_higher_first() -> None:
     config = small_config(max_running_requests=1, enable_priority_scheduling=True)
     async with serve_engine(config) as eng, aiohttp.ClientSession() as http:
         url = f"{eng.url}/generate"
-        first = asyncio.create_task(post(http, url, gen("a", 50, rid="first")))
+        # An explicit priority: one left out ranks below every other (and is preempted).
+        first = asyncio.create_task(post(http, url, gen("a", 50, rid="first", priority=0)))
         await until(lambda: eng.engine.decoding)
         low = asyncio.create_task(post(http, url, gen("b", 5, rid="low", priority=0)))
         await until(lambda: len(eng.engine.waiting) == 1)
@@ -273,3 +286,93 @@ async def test_incremental_streaming_output_sends_only_new_text() -> None:
     assert "".join(e["text"] for e in events) == whole["text"]
     assert [t for e in events for t in e["output_ids"]] == whole["output_ids"]
     assert events[-1]["meta_info"]["completion_tokens"] == 60
+
+
+async def stream_events(http: aiohttp.ClientSession, url: str, body: object) -> list[Any]:
+    async with http.post(url, json=body) as resp:
+        assert resp.status == 200
+        lines = [line async for line in resp.content if line.startswith(b"data: ")]
+    assert lines[-1] == b"data: [DONE]\n"
+    return [json.loads(line[6:]) for line in lines[:-1]]
+
+
+@pytest.mark.parametrize("version", ["0.5.5", "0.5.23"])
+async def test_a_stream_publishes_one_token_per_decode_step(version: str) -> None:
+    """The first chunk carries the prefill's one token and each later chunk one more, as
+    SGLang streams at stream_interval 1: a step's token is published when its iteration
+    ends, never with the next one's."""
+    async with (
+        serve_engine(small_config(), api_version=version) as eng,
+        aiohttp.ClientSession() as http,
+    ):
+        runs = await asyncio.gather(
+            *(stream_events(http, f"{eng.url}/generate", gen(f"s{i}", 40, stream=True))
+              for i in range(4))
+        )  # fmt: skip
+    for events in runs:
+        assert [e["meta_info"]["completion_tokens"] for e in events] == list(range(1, 41))
+        # Cumulative ids on 0.5.23, only the new one on 0.5.5.
+        ids = [len(e["output_ids"]) for e in events]
+        assert ids == (list(range(1, 41)) if version == "0.5.23" else [1] * 40)
+
+
+async def test_an_abort_needs_a_live_exact_rid(engine: RunningEngine) -> None:
+    """SGLang's tokenizer forwards an abort only for a rid it knows exactly; its scheduler
+    then aborts every rid that starts with it."""
+    model = engine.engine
+    async with aiohttp.ClientSession() as http:
+        tasks = {
+            rid: asyncio.create_task(post(http, f"{engine.url}/generate", gen(rid, 100000, rid=rid)))
+            for rid in ("job-1", "job-10", "job-2")
+        }  # fmt: skip
+        await until(lambda: len(model.decoding) == 3)
+        assert (await post(http, f"{engine.url}/abort_request", {"rid": "job-"}))[0] == 200
+        await asyncio.sleep(0.05)
+        assert len(model.decoding) == 3  # a prefix alone: nothing
+        assert (await post(http, f"{engine.url}/abort_request", {"rid": "job-1"}))[0] == 200
+        for rid in ("job-1", "job-10"):
+            _, body = await tasks[rid]
+            assert body["meta_info"]["finish_reason"] == {
+                "type": "abort", "message": "Aborted", "status_code": None, "err_type": None,
+            }  # fmt: skip
+        assert [r.rid for r in model.decoding] == ["job-2"]
+        await post(http, f"{engine.url}/abort_request", {"rid": "job-2"})
+        await tasks["job-2"]
+
+
+async def test_a_paused_0523_engine_needs_a_json_body_to_continue(engine: RunningEngine) -> None:
+    """0.5.23 validates the pause and continue bodies: an empty one is refused with 400
+    and changes nothing. Requests that arrive while paused wait outside the queue, as in
+    SGLang's tokenizer manager."""
+    model = engine.engine
+    url = engine.url
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{url}/pause_generation", data=b"") as resp:
+            assert resp.status == 400
+        assert not model.paused
+        assert (await post(http, f"{url}/pause_generation", {"mode": "in_place"}))[0] == 200
+        task = asyncio.create_task(post(http, f"{url}/generate", gen("held", 5)))
+        await until(lambda: engine.driver.held)
+        assert not model.requests
+        _, loads = await get(http, f"{url}/v1/loads")
+        assert loads["loads"][0]["queues"]["paused"] == 1
+        async with http.post(f"{url}/continue_generation", data=b"") as resp:
+            assert resp.status == 400
+            assert (await resp.json())["type"] == "Bad Request"
+        assert model.paused
+        assert (await post(http, f"{url}/continue_generation", {}))[0] == 200
+        status, body = await task
+    assert (status, body["meta_info"]["completion_tokens"]) == (200, 5)
+
+
+async def test_health_answers_once_the_engine_produced_output(engine: RunningEngine) -> None:
+    """SGLang's /health sends a one-token generation and passes once any output came back
+    after it asked; a paused engine produces none and fails the check."""
+    engine.server.health_timeout_s = 1.5
+    async with aiohttp.ClientSession() as http:
+        assert (await get(http, f"{engine.url}/health"))[0] == 200
+        await post(http, f"{engine.url}/pause_generation", {"mode": "in_place"})
+        assert (await get(http, f"{engine.url}/health"))[0] == 503
+        assert not engine.driver.held  # the check's request went with it
+        await post(http, f"{engine.url}/continue_generation", {})
+        assert (await get(http, f"{engine.url}/health_generate"))[0] == 200

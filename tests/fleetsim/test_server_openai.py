@@ -114,7 +114,8 @@ async def test_abort_mid_stream_frees_pages_and_is_counted(engine: RunningEngine
                 if choice.finish_reason:
                     reasons.append(choice.finish_reason)
             if received >= 20 and not reasons:
-                async with http.post(f"{engine.url}/abort_request", json={"rid": "victim-"}) as r:
+                rid = {"rid": "victim-0001"}
+                async with http.post(f"{engine.url}/abort_request", json=rid) as r:
                     assert r.status == 200
         assert reasons == ["abort"]
         assert model.kv.used_pages == baseline
@@ -126,8 +127,8 @@ async def test_abort_mid_stream_frees_pages_and_is_counted(engine: RunningEngine
     assert loads["num_running_reqs"] == 0
     assert loads["num_used_tokens"] == 0
     assert (
-        'sglang:num_aborted_requests_total{model_name="meta-llama/Llama-3.1-8B-Instruct"} 1.0'
-        in metrics
+        'sglang:num_aborted_requests_total{engine_type="unified",'
+        'model_name="meta-llama/Llama-3.1-8B-Instruct"} 1.0' in metrics
     )
     assert "sglang:num_running_reqs{" in metrics
 

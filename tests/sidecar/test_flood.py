@@ -21,10 +21,15 @@ MAX_NEW = 500
 FLOOD_POLICY = pool_policy(low_watermark=0.6, high_watermark=0.75, emergency_watermark=0.85)
 
 
-async def _one(http: aiohttp.ClientSession, url: str, i: int) -> tuple[int, Any]:
+async def _one(
+    http: aiohttp.ClientSession, url: str, i: int, declared: bool = True
+) -> tuple[int, Any]:
+    """One long answer: `declared` fixed-length (ignore_eos), else one that only cannot
+    stop early (min_new_tokens), whose growth SGLang's admission discounts."""
+    fixed = {"ignore_eos": True} if declared else {"min_new_tokens": MAX_NEW}
     body = {
         "text": f"request {i}: write at length about weirs and rivers",
-        "sampling_params": {"max_new_tokens": MAX_NEW, "ignore_eos": True},
+        "sampling_params": {"max_new_tokens": MAX_NEW, **fixed},
         "stream": True,
     }
     async with http.post(url + "/generate", json=body) as resp:
@@ -53,10 +58,19 @@ async def _flood(engine: RunningEngine, sidecar: RunningSidecar) -> tuple[list[A
 
 
 async def test_flood_of_long_outputs_never_exhausts_the_engine() -> None:
-    # The same flood straight at an engine overflows its KV: it retracts.
+    # The same flood straight at an engine overflows its KV: it retracts. (SGLang 0.5.23
+    # reserves an ignore_eos request's whole output, so this flood's requests only cannot
+    # stop early, and arrive a step apart: admission counts the running ones' growth at
+    # the new-token ratio and admits more than fits.)
     async with serve_engine(engine_config(speed_factor=4.0)) as bare:
+
+        async def arriving(http: aiohttp.ClientSession, i: int) -> tuple[int, Any]:
+            while bare.engine.steps < i:  # noqa: ASYNC110 - the engine has no step event
+                await asyncio.sleep(0.001)
+            return await _one(http, bare.url, i, declared=False)
+
         async with aiohttp.ClientSession() as http:
-            await asyncio.gather(*(_one(http, bare.url, i) for i in range(REQUESTS)))
+            await asyncio.gather(*(arriving(http, i) for i in range(REQUESTS)))
         assert bare.engine.retracted_total > 0
     async with (
         # Slower decode steps than the bare run: the relief loop shares a loaded test
