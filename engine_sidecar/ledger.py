@@ -17,6 +17,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from controlplane.contract import FinishReason, PoolPolicy, WatermarkState
 from engine_sidecar.intake import Intake
@@ -75,6 +76,8 @@ class Flight:
     generated_ids: list[int] = field(default_factory=list)
     generated_text: list[str] = field(default_factory=list)
     engine_rid: str = ""
+    client_rid: str = ""  # the rid the client (a router) gave, for its /abort_request
+    task: asyncio.Task[Any] | None = None  # the handler serving it, cancelled by an abort
     preempt_mode: str = ""  # set by relief or a command: "recompute" or "migrate"
     first_token_mono: float = 0.0
     cancelled_mono: float = 0.0

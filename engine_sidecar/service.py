@@ -10,7 +10,9 @@ Routes:
   generated before);
 - `GET /v1/models`, `GET /health`, `GET /metrics`, `GET /weir/v1/state`;
 - `POST /weir/v1/preempt` `{"rid", "mode"}` and `POST /weir/v1/drain` `{"deadline_s"}` —
-  the same actions the control-plane commands trigger.
+  the same actions the control-plane commands trigger;
+- `POST /abort_request` `{"rid"}` — SGLang's: cancels the requests the client sent with
+  that `rid` (or with that sidecar rid), as if their clients had left.
 
 Request headers a router sets: `x-weir-tenant` (default "default"), `x-weir-migratable: 1`
 (the router can splice a `weir.preempted` continuation), `x-weir-deadline-ms` (relative).
@@ -154,6 +156,7 @@ class SidecarService:
             web.post("/weir/v1/continue", self.handle_continue),
             web.post("/weir/v1/preempt", self.handle_preempt),
             web.post("/weir/v1/drain", self.handle_drain),
+            web.post("/abort_request", self.handle_abort),
             web.get("/weir/v1/state", self.handle_state),
             web.get("/v1/models", self.handle_models),
             web.get("/health", self.handle_health),
@@ -162,10 +165,15 @@ class SidecarService:
 
     async def handle(self, request: web.Request, api: EngineAPI) -> web.StreamResponse:
         try:
-            intake = parse(api, parse_json(await request.read()), self.limits)
+            body = parse_json(await request.read())
+            intake = parse(api, body, self.limits)
         except RequestError as exc:
             return _bad(exc)
-        return await self._serve(request, intake, _Origin(intake.body, intake.prompt_ids))
+        rid = body.get("rid")
+        origin = _Origin(intake.body, intake.prompt_ids)
+        return await self._serve(
+            request, intake, origin, client_rid=rid if isinstance(rid, str) else ""
+        )
 
     async def handle_continue(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -250,6 +258,19 @@ class SidecarService:
         done = await self.preempt(rid, mode)
         return web.json_response({"preempted": done}, status=200 if done else 409)
 
+    async def handle_abort(self, request: web.Request) -> web.Response:
+        """SGLang's abort: 200 whether or not a request matched (as SGLang answers)."""
+        try:
+            rid = parse_json(await request.read()).get("rid")
+            if not isinstance(rid, str) or not rid:
+                raise RequestError('expected {"rid": str}')
+        except RequestError as exc:
+            return _bad(exc)
+        for flight in list(self.ledger.flights.values()):
+            if rid in (flight.client_rid, flight.rid) and flight.task is not None:
+                flight.task.cancel()
+        return web.Response(status=200)
+
     async def handle_drain(self, request: web.Request) -> web.Response:
         try:
             body = parse_json(await request.read() or b"{}")
@@ -271,6 +292,7 @@ class SidecarService:
         origin: _Origin,
         reader: StreamReader | None = None,
         preemptions: int = 0,
+        client_rid: str = "",
     ) -> web.StreamResponse:
         tenant = request.headers.get(wire.TENANT, "default")
         if not _TENANT.match(tenant):
@@ -303,7 +325,8 @@ class SidecarService:
             and self._may_migrate
             and request.headers.get(wire.MIGRATABLE) == "1",
         )
-        flight = Flight(intake, record, arrived_mono=now)
+        flight = Flight(intake, record, arrived_mono=now, client_rid=client_rid)
+        flight.task = asyncio.current_task()
         self.ledger.add(flight)
         self._origins[record.rid] = origin
         try:

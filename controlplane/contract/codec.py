@@ -58,6 +58,8 @@ def _decode_with(
         return decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
         raise SchemaError(f"malformed {record_type.__name__}: {exc}") from exc
+    except RecursionError:  # msgspec's guard against a stack overflow
+        raise SchemaError(f"malformed {record_type.__name__}: nested too deeply") from None
 
 
 def _checked(record: T, record_type: type[T]) -> T:

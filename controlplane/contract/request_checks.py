@@ -105,6 +105,10 @@ def decode_body(raw: bytes) -> dict[str, Any]:
         raise RequestCheckError(
             "malformed_json", f"the request body is not valid JSON: {exc}"
         ) from exc
+    except RecursionError:  # msgspec's guard against a stack overflow, not a bug here
+        raise RequestCheckError(
+            "malformed_json", "the request body nests too deeply to be a request"
+        ) from None
     if not isinstance(body, dict):
         raise RequestCheckError("malformed_json", "the request body must be a JSON object")
     return body

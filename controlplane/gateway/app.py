@@ -565,6 +565,9 @@ class Gateway:
         pool = self.config.pool
         try:
             async with await self._http.request("POST", url, payload, headers) as upstream:
+                # A sidecar names its request: its abort matches that even for a
+                # continuation, which carries no rid of the router's.
+                ex.upstream_rid = upstream.headers.get(wire.REQUEST_ID) or ex.upstream_rid
                 if upstream.status in (429, 503):
                     ex.retry_after_s = max(ex.retry_after_s, _retry_after(upstream))
                     self.metrics.retries.labels(pool, f"upstream_{upstream.status}").inc()
@@ -674,7 +677,10 @@ class Gateway:
         task.add_done_callback(self._background.discard)
 
     def _abort_upstream(self, ex: _Exchange) -> None:
-        """Tell the engine the client left: its rid is aborted at once."""
+        """Tell the endpoint the client left: its rid (the sidecar's, where it named one)
+        is aborted at once. Closing the upstream connection says the same to a server
+        that cancels handlers on disconnect; behind a proxy, or to one that does not,
+        only this call does."""
         if not ex.address or self._http is None:
             return
         http, url, rid = self._http, ex.address + "/abort_request", ex.upstream_rid

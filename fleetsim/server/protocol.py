@@ -55,6 +55,10 @@ def parse_json(raw: bytes) -> dict[str, Any]:
         body = msgspec.json.decode(raw)
     except msgspec.DecodeError as exc:
         raise BadRequestError(f"JSON decode error (json_invalid): {exc}", schema=True) from None
+    except RecursionError:  # msgspec's guard against a stack overflow
+        raise BadRequestError(
+            "JSON decode error (json_invalid): nested too deeply", schema=True
+        ) from None
     if not isinstance(body, dict):
         raise BadRequestError("The request body must be a JSON object.", schema=True)
     return body

@@ -9,6 +9,7 @@ from controlplane.contract import (
     SCHEMA_VERSION,
     Command,
     CommandKind,
+    Continuation,
     EndpointState,
     FinishReason,
     KVPolicy,
@@ -71,6 +72,13 @@ def test_unknown_schema_version_is_refused() -> None:
 def test_malformed_records_are_refused(payload: bytes) -> None:
     with pytest.raises(SchemaError, match="malformed EndpointState"):
         decode(payload, EndpointState)
+
+
+def test_a_record_nested_too_deeply_is_malformed_not_a_crash() -> None:
+    deep = b'{"request_id": "r", "model": "m", "api": "generate", "body": {"x": '
+    deep += b"[" * 1000 + b"]" * 1000 + b'}, "max_new_tokens": 4}'
+    with pytest.raises(SchemaError, match="nested too deeply"):
+        decode_json(deep, Continuation)
 
 
 def test_commands_reject_unknown_kinds() -> None:

@@ -24,6 +24,7 @@ async def short_context() -> AsyncIterator[RunningEngine]:
 
 CASES = [
     (NATIVE, b"{not json", "json_invalid"),
+    (NATIVE, b'{"text": ' + b"[" * 1000 + b"]" * 1000 + b"}", "json_invalid"),
     (NATIVE, b"", "Field required"),
     (NATIVE, b"[1, 2]", "JSON object"),
     (NATIVE, b'{"sampling_params": {}}', "Either text, input_ids"),

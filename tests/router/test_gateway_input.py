@@ -37,6 +37,7 @@ OK_CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     [
         (CHAT, b"{not json", AUTH, 400, "malformed_json"),
         (CHAT, b"[1, 2]", AUTH, 400, "malformed_json"),
+        (CHAT, b'{"messages": ' + b"[" * 1000 + b"]" * 1000 + b"}", AUTH, 400, "malformed_json"),
         (CHAT, b'{"model": "m"}', AUTH, 400, "missing_messages"),
         (CHAT, b'{"model": "m", "messages": []}', AUTH, 400, "missing_messages"),
         (CHAT, b'{"model": "m", "messages": [{"content": "x"}]}', AUTH, 400, "invalid_messages"),

@@ -4,6 +4,7 @@ client's stream with exactly the tokens of an uninterrupted run."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 
@@ -85,3 +86,45 @@ async def _migrate(session: aiohttp.ClientSession, sidecar_url: str) -> None:
 def _text(lines: list[bytes]) -> str:
     chunks = [json.loads(line[6:]) for line in lines if line.startswith(b"data: {")]
     return "".join(c["choices"][0]["text"] for c in chunks if c.get("choices"))
+
+
+async def test_a_client_that_leaves_while_queued_at_the_sidecar_is_cancelled_there(
+    redis_url: str,
+) -> None:
+    """A request waiting in the sidecar's local queue leaves it at once when its client
+    leaves the router (by the closed connection and by the router's /abort_request)."""
+    async with contextlib.AsyncExitStack() as stack:
+        # KV for one such request, not for two prompts.
+        config = EngineConfig(model=MODEL, max_total_tokens=3000, speed_factor=1)
+        engine = await stack.enter_async_context(serve_engine(config))
+        sidecar = await stack.enter_async_context(
+            serve_sidecar(
+                SidecarConfig(
+                    engine_url=engine.url, redis_url=redis_url, pool=POOL, endpoint_id="s0",
+                    heartbeat_s=0.2, lease_ttl_s=5.0,
+                )
+            )
+        )  # fmt: skip
+        running = await serve_gateway(GatewayConfig(pool=POOL, model=MODEL), redis_url=redis_url)
+        stack.push_async_callback(running.close)
+        await until(lambda: len(running.gateway.view.snapshot.endpoints) == 1, "the sidecar")
+        body = {
+            "model": MODEL, "prompt": "The weir keeper said: " * 70, "stream": True,
+            "max_tokens": 1000, "ignore_eos": True,
+        }  # fmt: skip
+        ledger = sidecar.service.ledger
+        async with aiohttp.ClientSession() as session:
+            first = await session.post(running.url + "/v1/completions", json=body)
+            await first.content.readline()
+            second = asyncio.create_task(session.post(running.url + "/v1/completions", json=body))
+            await until(lambda: ledger.queued == 1, "the second request to queue")
+            second.cancel()
+            # It leaves; the first streams on.
+            await until(lambda: (ledger.queued, len(ledger.flights)) == (0, 1),
+                        "the queued request to leave", timeout_s=5.0)  # fmt: skip
+            first.close()
+        cancelled = sidecar.service.metrics.registry.get_sample_value(
+            "weir_sidecar_requests_finished_total",
+            {"pool": POOL, "endpoint": sidecar.service.metrics.endpoint, "reason": "cancelled"},
+        )
+        assert cancelled == 1

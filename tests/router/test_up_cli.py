@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import socket
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,15 @@ def test_weir_up_with_sglang_but_without_it_installed_says_how_to_get_it(
 def test_weir_up_refuses_an_absurd_engine_count(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["up", "--engines", "0"]) == 2
     assert "engines must be between 1 and 64" in capsys.readouterr().err
+
+
+def test_weir_up_refuses_a_router_port_in_use(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["up", "--port", str(port), "--smoke"]) == 1
+    assert f"port {port} is in use" in capsys.readouterr().err
 
 
 def test_weir_router_refuses_a_bad_profile(

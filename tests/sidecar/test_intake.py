@@ -51,7 +51,7 @@ def test_sidecar_and_router_refuse_every_rule_alike(
 
 
 def test_a_body_that_is_not_a_json_object_is_refused() -> None:
-    for raw in (b"{not json", b"[1]", b"null"):
+    for raw in (b"{not json", b"[1]", b"null", b"[" * 1000 + b"]" * 1000):
         with pytest.raises(RequestError) as caught:
             parse_json(raw)
         assert (caught.value.status, caught.value.reason) == (400, "malformed_json")
@@ -121,6 +121,7 @@ BAD_BODIES: dict[str, list[tuple[bytes | dict[str, Any], int, str]]] = {
     "/generate": [
         (b"{not json", 400, "malformed_json"),
         (b"[1, 2]", 400, "malformed_json"),
+        (b'{"text": ' + b"[" * 1000 + b"]" * 1000 + b"}", 400, "malformed_json"),
         ({"sampling_params": {"max_new_tokens": 5}}, 400, "missing_prompt"),
         ({"text": "x", "stream": "yes"}, 400, "invalid_stream"),
         ({"text": "x", "model": "other"}, 404, "unknown_model"),

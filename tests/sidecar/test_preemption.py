@@ -3,6 +3,8 @@ second engine through /weir/v1/continue, and cancellation."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import itertools
 from collections.abc import AsyncIterator
 from typing import Any
@@ -13,6 +15,7 @@ import pytest
 from controlplane.contract import encode_json
 from engine_sidecar.server import RunningSidecar, SidecarConfig, serve_sidecar
 from fleetsim.server import RunningEngine, serve_engine
+from tests.router.conftest import until
 from tests.sidecar.conftest import MODEL, engine_config, pool_policy
 from tests.sidecar.streams import Received, read_sse
 
@@ -193,6 +196,46 @@ async def test_client_disconnect_aborts_in_the_engine_and_frees_kv(
     metrics = sidecar.service.metrics.exposition().decode()
     assert "weir_sidecar_cancel_to_freed_ms_count{endpoint=" in metrics
     assert 'reason="cancelled"' in metrics
+
+
+async def test_abort_request_cancels_by_the_clients_rid_running_or_queued() -> None:
+    """SGLang's /abort_request, as a router calls it when its client leaves: the request
+    it sent with that rid is cancelled at once, whether it streams or still waits in the
+    local queue (answered 404 before)."""
+    async with (
+        # KV for one such request and its growth, not two: the second waits its turn.
+        serve_engine(engine_config(**SLOW, max_total_tokens=480)) as engine,
+        serve_sidecar(
+            SidecarConfig(engine_url=engine.url, pool="p", policy=pool_policy())
+        ) as sidecar,
+        aiohttp.ClientSession() as http,
+    ):
+        path, body = bodies()["generate"]
+        running = await http.post(sidecar.url + path, json=body | {"stream": True, "rid": "c-1"})
+        await read_sse(running, stop_after=3)
+        queued = asyncio.create_task(
+            http.post(sidecar.url + path, json=body | {"stream": True, "rid": "c-2"})
+        )
+        ledger = sidecar.service.ledger
+        await until(lambda: ledger.queued == 1, "the second request to queue")
+        for rid in ("c-2", "c-1", "nobody"):
+            async with http.post(sidecar.url + "/abort_request", json={"rid": rid}) as answer:
+                assert (answer.status, await answer.read()) == (200, b"")
+        assert await ledger.wait_idle(10.0)
+        assert ledger.queued == 0
+        assert ledger.own_used == 0
+        assert engine.engine.loads().num_running_reqs == 0
+        with pytest.raises(aiohttp.ClientPayloadError):  # cut off: its client had left
+            await read_sse(running)
+        with contextlib.suppress(aiohttp.ClientError):
+            (await queued).close()
+        cancelled = sidecar.service.metrics.registry.get_sample_value(
+            "weir_sidecar_requests_finished_total",
+            {"pool": "p", "endpoint": sidecar.service.metrics.endpoint, "reason": "cancelled"},
+        )
+        assert cancelled == 2
+        async with http.post(sidecar.url + "/abort_request", data=b"{rid") as answer:
+            assert answer.status == 400
 
 
 async def test_preempt_refuses_what_cannot_be_preempted(

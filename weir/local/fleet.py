@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from controlplane.contract import PoolPolicy, TenantQuota, encode_json
-from weir.local.ports import free_port, wait_for_port
+from weir.local.ports import free_port, port_in_use, wait_for_port
 from weir.local.process import LocalService
 from weir.local.redis_server import RedisServer
 
@@ -118,6 +118,10 @@ class LocalFleet(LocalService):
 
     def start(self) -> LocalFleet:
         c = self.config
+        if c.router_port and port_in_use(c.router_port):
+            # Else the router could not bind, and waiting for the port would find the
+            # other listener and take it for ours.
+            raise FleetError(f"port {c.router_port} is in use; choose another with --port")
         try:
             if c.redis_url:
                 self.redis_url = c.redis_url

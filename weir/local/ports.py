@@ -14,6 +14,16 @@ def free_port(host: str = "127.0.0.1") -> int:
         return port
 
 
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether something already holds (host, port): binding it fails."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+        return False
+
+
 def wait_for_port(port: int, host: str = "127.0.0.1", timeout_s: float = 10.0) -> None:
     """Block until something accepts connections on (host, port), or raise TimeoutError."""
     deadline = time.monotonic() + timeout_s
