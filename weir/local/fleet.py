@@ -14,7 +14,6 @@ one that names none is tenant `default`.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -28,8 +27,9 @@ from typing import Any
 
 from controlplane.contract import PoolPolicy, TenantQuota, encode_json
 from weir.local.ports import free_port, port_in_use, wait_for_port
-from weir.local.process import LocalService
+from weir.local.process import LocalService, log_tail
 from weir.local.redis_server import RedisServer
+from weir.local.sglang import check_launch, launch_command
 
 WEIR = (sys.executable, "-m", "weir.cli")
 
@@ -75,16 +75,7 @@ class FleetConfig:
         if self.engine not in ("reference", "sglang"):
             raise ValueError("engine must be 'reference' or 'sglang'")
         if self.engine == "sglang":
-            if self.sglang_python:
-                if not Path(self.sglang_python).is_file():
-                    raise FleetError(f"--sglang-python {self.sglang_python}: no such file")
-            elif importlib.util.find_spec("sglang") is None:
-                raise FleetError(
-                    "--engine sglang needs SGLang: pip install 'weir[sglang]', or name the "
-                    "Python that has it with --sglang-python"
-                )
-            if not self.model_path:
-                raise ValueError("--engine sglang needs --model PATH (the weights to serve)")
+            check_launch(self.sglang_python, self.model_path)
         elif self.sglang_python or self.engine_args:
             raise ValueError("--sglang-python and --engine-arg go with --engine sglang")
 
@@ -166,12 +157,7 @@ class LocalFleet(LocalService):
     def _engine_command(self, port: int) -> list[str]:
         c = self.config
         if c.engine == "sglang":
-            # torch.distributed's port, our pick: SGLang's own (its HTTP port plus a random
-            # offset) can collide between engines started together.
-            return [c.sglang_python or sys.executable, "-m", "sglang.launch_server",
-                    "--model-path", c.model_path, "--host", "127.0.0.1", "--port", str(port),
-                    "--nccl-port", str(free_port()), "--enable-metrics",
-                    *c.engine_args]  # fmt: skip
+            return launch_command(c.sglang_python, c.model_path, port, c.engine_args)
         return [*WEIR, "engine", "--port", str(port), "--model", c.model,
                 "--speed-factor", str(c.speed_factor)]  # fmt: skip
 
@@ -189,7 +175,7 @@ class LocalFleet(LocalService):
         while True:
             if child.proc.poll() is not None:
                 raise FleetError(
-                    f"{child.name} exited with {child.proc.returncode}:\n{_tail(child.log)}"
+                    f"{child.name} exited with {child.proc.returncode}:\n{log_tail(child.log)}"
                 )
             try:
                 wait_for_port(port, timeout_s=0.5)
@@ -197,7 +183,7 @@ class LocalFleet(LocalService):
             except TimeoutError:
                 if time.monotonic() > deadline:
                     raise FleetError(
-                        f"{child.name} did not listen on {port}:\n{_tail(child.log)}"
+                        f"{child.name} did not listen on {port}:\n{log_tail(child.log)}"
                     ) from None
 
     def _wait_ready(self) -> None:
@@ -212,7 +198,7 @@ class LocalFleet(LocalService):
                 pass
             for child in self._children:
                 if child.proc.poll() is not None:
-                    raise FleetError(f"{child.name} exited:\n{_tail(child.log)}")
+                    raise FleetError(f"{child.name} exited:\n{log_tail(child.log)}")
             if time.monotonic() > deadline:
                 raise FleetError("the router did not see every endpoint in time")
             time.sleep(0.1)
@@ -240,13 +226,6 @@ class LocalFleet(LocalService):
         if self.redis is not None:
             self.redis.close()
             self.redis = None
-
-
-def _tail(log: Path, lines: int = 20) -> str:
-    try:
-        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
 
 
 def format_status(status: dict[str, Any]) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 from abc import ABC, abstractmethod
+from pathlib import Path
 from types import TracebackType
 from typing import Self
 
@@ -18,6 +19,14 @@ def stop_process(proc: subprocess.Popen[bytes] | None, timeout_s: float = 10.0) 
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def log_tail(log: Path, lines: int = 20) -> str:
+    """The last `lines` lines of a child's log, for an error that says why it failed."""
+    try:
+        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
 
 
 class LocalService(ABC):
