@@ -38,8 +38,12 @@ async def _beating(
     try:
         yield
     finally:
-        for task in tasks:
-            task.cancel()
+        # A cancel can be lost inside the Redis client while it reconnects (one full run
+        # in several hung here for 300 s, the beats going on): cancel until they end.
+        while pending := [task for task in tasks if not task.done()]:
+            for task in pending:
+                task.cancel()
+            await asyncio.wait(pending, timeout=1.0)
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
