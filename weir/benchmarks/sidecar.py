@@ -39,6 +39,7 @@ from contextlib import asynccontextmanager
 from typing import Any, NamedTuple
 
 from weir.benchmarks._report import Figure, Report, add_output_flags, median_p99
+from weir.local.sglang_flags import add_sglang_flags
 
 NAME = "sidecar"
 HELP = (
@@ -77,13 +78,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add("--engine", choices=("reference", "sglang"), default="reference",
         help="the engine measured in front of: the reference engine, or SGLang's server")  # fmt: skip
     add("--model", default="", help="with --engine sglang: the weights' path")
-    add("--sglang-python", default="",
-        help="with --engine sglang: the Python that has SGLang (default: this one)")  # fmt: skip
-    add("--engine-arg", action="append", default=[], dest="engine_args", metavar="ARG",
-        help="with --engine sglang: a launch flag added to Weir's (repeatable), e.g. "
-             "--engine-arg=--device=cpu")  # fmt: skip
-    add("--startup-timeout-s", type=float, default=300.0,
-        help="with --engine sglang: how long its server may take to become healthy")  # fmt: skip
+    add_sglang_flags(
+        parser,
+        startup_timeout_s=300.0,
+        startup_help="with --engine sglang: how long its server may take to become healthy",
+    )
 
 
 def _cpu_s(pid: int) -> float:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 
+from weir.local.sglang_flags import add_sglang_flags
+
 NAME = "up"
 HELP = "Start a local fleet (Redis, engines, sidecars, router) and serve requests."
 
@@ -23,13 +25,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="reference engines, or real SGLang servers")  # fmt: skip
     add("--model", default="meta-llama/Llama-3.1-8B-Instruct",
         help="the served model name; with --engine sglang, the weights' path")  # fmt: skip
-    add("--sglang-python", default="",
-        help="with --engine sglang: the Python that has SGLang (default: this one)")  # fmt: skip
-    add("--engine-arg", action="append", default=[], dest="engine_args", metavar="ARG",
-        help="with --engine sglang: a launch flag added to Weir's (repeatable), e.g. "
-             "--engine-arg=--device=cpu")  # fmt: skip
-    add("--startup-timeout-s", type=float, default=120.0,
-        help="how long each part may take to start (SGLang loads weights first)")  # fmt: skip
+    add_sglang_flags(
+        parser,
+        startup_timeout_s=120.0,
+        startup_help="how long each part may take to start (SGLang loads weights first)",
+    )
     add("--redis-url", default="", help="use this Redis instead of starting one")
     add("--speed-factor", type=float, default=1.0, help="reference engines' simulated speed")
     add("--requests", type=int, default=1, help="sample streamed requests sent at start")
