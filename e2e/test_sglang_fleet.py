@@ -10,23 +10,16 @@ import subprocess
 import pytest
 
 from e2e.conftest import WEIR
-from tests.sglang.server import cpu_environment, cpu_flags, model_dir, unavailable_reason
-from tests.sglang.server import venv_python as sglang_python
-from tests.tiers import unavailable
+from tests.sglang.server import cpu_environment, weir_sglang_args
 
 pytestmark = [pytest.mark.sglang, pytest.mark.redis, pytest.mark.slow, pytest.mark.timeout(420)]
 VERSION = "0.5.23"
 
 
 def test_weir_up_with_real_sglang_engines_serves_the_sample_requests() -> None:
-    reason = unavailable_reason(VERSION)
-    if reason is not None:
-        unavailable(f"SGLang {VERSION}", reason)
-    engine_args = [f"--engine-arg={flag}" for flag in cpu_flags(VERSION)]
     done = subprocess.run(
-        [*WEIR, "up", "--engine", "sglang", "--model", str(model_dir()),
-         "--sglang-python", str(sglang_python(VERSION)), *engine_args, "--engines", "2",
-         "--smoke", "--requests", "2", "--port", "0", "--startup-timeout-s", "300"],
+        [*WEIR, "up", *weir_sglang_args(VERSION), "--engines", "2", "--smoke",
+         "--requests", "2", "--port", "0", "--startup-timeout-s", "300"],
         capture_output=True, text=True, timeout=400, env={**os.environ, **cpu_environment()},
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -63,6 +63,23 @@ def cpu_flags(version: str) -> list[str]:
     ]  # fmt: skip
 
 
+def weir_sglang_args(version: str) -> list[str]:
+    """`weir`'s flags (`weir up`, `weir bench sidecar`) that launch `version`'s server with
+    the tiny model on this machine's CPU. Skips through `tests.tiers.unavailable` (fails in
+    CI) when the version cannot run."""
+    from tests.tiers import unavailable
+
+    reason = unavailable_reason(version)
+    if reason is not None:
+        unavailable(f"SGLang {version}", reason)
+    return [
+        "--engine", "sglang",
+        "--model", str(model_dir()),
+        "--sglang-python", str(venv_python(version)),
+        *(f"--engine-arg={flag}" for flag in cpu_flags(version)),
+    ]  # fmt: skip
+
+
 def cpu_environment() -> dict[str, str]:
     """SGLang's CPU engine, offline: what a server's environment adds to ours."""
     return {"SGLANG_USE_CPU_ENGINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}

@@ -14,9 +14,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from tests.sglang.server import cpu_environment, cpu_flags, model_dir, unavailable_reason
-from tests.sglang.server import venv_python as sglang_python
-from tests.tiers import unavailable
+from tests.sglang.server import cpu_environment, weir_sglang_args
 from weir.cli import main
 from weir.local.sglang import SGLangStartError, serve_sglang
 
@@ -103,14 +101,9 @@ async def test_a_server_that_exits_while_starting_is_reported_with_its_log(
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_bench_sidecar_measures_in_front_of_real_sglang() -> None:
-    reason = unavailable_reason(VERSION)
-    if reason is not None:
-        unavailable(f"SGLang {VERSION}", reason)
-    engine_args = [f"--engine-arg={flag}" for flag in cpu_flags(VERSION)]
     done = subprocess.run(
-        [sys.executable, "-m", "weir.cli", "bench", "sidecar", "--engine", "sglang",
-         "--model", str(model_dir()), "--sglang-python", str(sglang_python(VERSION)),
-         *engine_args, "--runs", "1", "--requests", "2", "--streams", "2",
+        [sys.executable, "-m", "weir.cli", "bench", "sidecar", *weir_sglang_args(VERSION),
+         "--runs", "1", "--requests", "2", "--streams", "2",
          "--stream-tokens", "16", "--probes", "2", "--startup-timeout-s", "150", "--json"],
         capture_output=True, text=True, timeout=220, env={**os.environ, **cpu_environment()},
     )  # fmt: skip
