@@ -7,19 +7,11 @@ from __future__ import annotations
 import pytest
 
 from fleetsim.engine import EngineConfig, EngineModel, EngineRequest, encode
+from tests.fleetsim.conftest import drain, submit
 
 
 def make(model: EngineModel, rid: str, text: str, max_new: int, **kw: object) -> EngineRequest:
-    req = model.make_request(rid, encode(text), max_new, ignore_eos=True, **kw)  # type: ignore[arg-type]
-    assert model.submit(req, 0.0)
-    return req
-
-
-def drain(model: EngineModel, now: float = 0.0) -> float:
-    while model.has_work:
-        now += model.step(now).duration
-        model.check()
-    return now
+    return submit(model, rid, text, max_new, ignore_eos=True, **kw)
 
 
 def test_cache_salt_separates_prefix_caches() -> None:

@@ -12,21 +12,7 @@ import pytest
 
 from fleetsim.engine import EngineConfig, EngineModel, EngineRequest, Phase, encode
 from fleetsim.engine.config import SGLangVersion
-
-
-def submit(
-    model: EngineModel, rid: str, text: str, max_new: int, now: float = 0.0, **kw: object
-) -> EngineRequest:
-    req = model.make_request(rid, encode(text), max_new, **kw)  # type: ignore[arg-type]
-    assert model.submit(req, now)
-    return req
-
-
-def drain(model: EngineModel, now: float = 0.0) -> float:
-    while model.has_work:
-        now += model.step(now).duration
-        model.check()
-    return now
+from tests.fleetsim.conftest import drain, submit
 
 
 @pytest.mark.parametrize(
