@@ -81,6 +81,7 @@ class Flight:
     preempt_mode: str = ""  # set by relief or a command: "recompute" or "migrate"
     first_token_mono: float = 0.0
     cancelled_mono: float = 0.0
+    resumed: bool = False  # a continuation from another endpoint: accepted work
 
     @property
     def record(self) -> RequestRecord:
@@ -350,7 +351,9 @@ class Ledger:
             reason = "queued_ahead"  # it fits, but others wait: no overtaking, join the queue
         if verdict is AdmissionVerdict.REFUSE:
             raise OverloadError(reason, 60, f"request can never fit this endpoint's KV ({reason})")
-        if len(self._queue) >= sched.local_queue_size:
+        rec = flight.record
+        resumed = flight.resumed or rec.state is _S.DECODE_PREEMPTED
+        if len(self._queue) >= sched.local_queue_size and not resumed:
             raise OverloadError(
                 "queue_full",
                 retry_after_s(
@@ -365,10 +368,9 @@ class Ledger:
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         # A preempted request waits as if queued since it first arrived: its aging carries
         # it ahead of newer arrivals of its class.
-        rec = flight.record
         since = rec.arrived_at if rec.state is _S.DECODE_PREEMPTED else now
         self._queue[flight.rid] = (
-            QueuedRequest(flight.rid, rec.priority, since, expires, rec.prompt_tokens),
+            QueuedRequest(flight.rid, rec.priority, since, expires, rec.prompt_tokens, resumed),
             future,
         )
         self.changed.set()

@@ -76,6 +76,7 @@ _S = RequestState
 _TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
 _SSE_HEADERS = {"content-type": "text/event-stream", "cache-control": "no-cache"}
 DONE = b"data: [DONE]\n\n"
+_RESUMABLE = frozenset({_S.DECODING, _S.DECODE_READY})
 PREEMPTED_EVENT = b"event: weir.preempted\n"
 
 
@@ -195,7 +196,7 @@ class SidecarService:
             cached_tokens=cont.cached_tokens,
         )
         origin = _Origin(dict(cont.body), cont.prompt_ids)
-        return await self._serve(request, intake, origin, reader, cont.preemptions)
+        return await self._serve(request, intake, origin, reader, cont.preemptions, resumed=True)
 
     async def handle_models(self, request: web.Request) -> web.Response:
         model = {"id": self.limits.model, "object": "model", "owned_by": "weir"}
@@ -293,6 +294,8 @@ class SidecarService:
         reader: StreamReader | None = None,
         preemptions: int = 0,
         client_rid: str = "",
+        *,
+        resumed: bool = False,
     ) -> web.StreamResponse:
         tenant = request.headers.get(wire.TENANT, "default")
         if not _TENANT.match(tenant):
@@ -325,7 +328,7 @@ class SidecarService:
             and self._may_migrate
             and request.headers.get(wire.MIGRATABLE) == "1",
         )
-        flight = Flight(intake, record, arrived_mono=now, client_rid=client_rid)
+        flight = Flight(intake, record, arrived_mono=now, client_rid=client_rid, resumed=resumed)
         flight.task = asyncio.current_task()
         self.ledger.add(flight)
         self._origins[record.rid] = origin
@@ -541,6 +544,10 @@ class SidecarService:
                 await response.write_eof(DONE)
                 self._finish(flight, finish_reason(finish))
                 return response
+            if lost and not mode and flight.record.migratable and flight.record.state in _RESUMABLE:
+                # The router can resume it elsewhere at once: waiting here for the engine
+                # to come back would stall the client's stream, perhaps for good.
+                mode = "migrate"
             if lost and not mode:
                 if not (flight.record.recomputable and self._resumable(flight)):
                     await self._end_stream(
@@ -577,7 +584,7 @@ class SidecarService:
 
     def _resumable(self, flight: Flight) -> bool:
         return (
-            flight.record.state in (_S.DECODING, _S.DECODE_READY)
+            flight.record.state in _RESUMABLE
             and flight.record.preemptions < self.policy.scheduling.max_preemptions_per_request
         )
 

@@ -85,7 +85,8 @@ _API_PATHS = {
 @dataclass(frozen=True, slots=True)
 class GatewayConfig:
     """How one gateway serves one pool. `max_attempts` bounds tries before the first
-    byte, `max_resumes` continuations after it."""
+    byte, `max_resumes` continuations after it (an engine or sidecar lost, a migration);
+    a resume that no endpoint can take yet waits for one up to `resume_wait_s`."""
 
     pool: str = "default"
     model: str = "reference"
@@ -96,6 +97,7 @@ class GatewayConfig:
     profile: Mapping[str, Any] | None = None
     max_attempts: int = 3
     max_resumes: int = 4
+    resume_wait_s: float = 60.0
     queue_capacity_per_band: int = 256
     queue_max_wait_s: float = 30.0
     connect_timeout_s: float = 2.0
@@ -152,7 +154,8 @@ class _Exchange:
     upstream_rid: str = ""
     first_token_at: float = 0.0
     finish: str = "error"
-    failed: set[str] = field(default_factory=set)
+    failed: set[str] = field(default_factory=set)  # lost mid-request: never tried again
+    refused: set[str] = field(default_factory=set)  # refused or migrated it: avoided a while
     retry_after_s: float = 0.0
     credit: str = ""
     continuation: bytes = b""  # a migrating sidecar's continuation, for the next sidecar
@@ -447,10 +450,10 @@ class Gateway:
                 if outcome == "done":
                     assert result is not None
                     return result
-                ex.failed.add(reserved)
                 self._release(reserved)
-                reserved = ""
-                if outcome == "refused":
+                if outcome == "refused" and ex.response is None:
+                    ex.failed.add(reserved)
+                    reserved = ""
                     attempts += 1
                     targets = [t for t in targets if t not in ex.failed]
                     if attempts >= self.config.max_attempts or not targets:
@@ -458,25 +461,35 @@ class Gateway:
                     reserved = targets[0]
                     self._reserve(reserved)
                     continue
-                # broken or preempted after bytes reached the client: resume elsewhere
-                if ex.received.finish_reason or resumes >= self.config.max_resumes:
-                    return await self._end_stream(ex, complete=bool(ex.received.finish_reason))
-                next_decision = self._resume_decision(ex)
+                if outcome == "refused":
+                    # A resume its target could not take yet: what it carries is intact.
+                    ex.refused.add(reserved)
+                    reserved = ""
+                else:
+                    # Broken or preempted after bytes reached the client: resume elsewhere.
+                    # A broken endpoint is not tried again; one that migrated the stream
+                    # away is only avoided while another can take it.
+                    ex.refused.clear()
+                    (ex.failed if outcome == "broken" else ex.refused).add(reserved)
+                    reserved = ""
+                    if ex.received.finish_reason or resumes >= self.config.max_resumes:
+                        return await self._end_stream(ex, complete=bool(ex.received.finish_reason))
+                    resumes += 1
+                    self.metrics.resumes.labels(self.config.pool, outcome).inc()
+                    if not (outcome == "preempted" and ex.continuation):
+                        # Rebuilt from what the client holds. A sidecar's own continuation
+                        # (exact token ids, a stream that already continues the client's)
+                        # instead goes to the next sidecar as it came.
+                        ex.continuation = b""
+                        try:
+                            body = resume_body(self._continuation(ex))
+                        except GatewayError as exc:  # e.g. a prompt the router cannot rebuild
+                            return await self._end_stream(ex, complete=False, refusal=exc)
+                        ex.splicer.resumed()
+                next_decision = await self._place_resume(ex)
                 if next_decision is None:
                     return await self._end_stream(ex, complete=False)
-                resumes += 1
                 reserved = next_decision.endpoint_id
-                self.metrics.resumes.labels(self.config.pool, outcome).inc()
-                if outcome == "preempted" and ex.continuation:
-                    # The sidecar's own record: exact token ids, and a stream that already
-                    # continues the client's. It goes to the next sidecar as it came.
-                    continue
-                ex.continuation = b""
-                try:
-                    body = resume_body(self._continuation(ex))
-                except GatewayError as exc:  # e.g. a prompt the router cannot rebuild
-                    return await self._end_stream(ex, complete=False, refusal=exc)
-                ex.splicer.resumed()
         except (asyncio.CancelledError, _ClientGoneError):
             ex.finish = "cancelled"
             self._abort_upstream(ex)
@@ -489,6 +502,24 @@ class Gateway:
             self._release_quota(ex.route.request_id, ex.client.prompt_tokens, ex.received.tokens)
             self._account(ex)
 
+    async def _place_resume(self, ex: _Exchange) -> Decision | None:
+        """Where an accepted stream resumes. It is never refused for saturation
+        (`Profile.decide_resume`); while every endpoint that could take it has just
+        refused it (a full local queue, a draining sidecar) or none is routable, it waits,
+        backing off, and asks them all again, for up to `resume_wait_s`."""
+        deadline = self.clock() + self.config.resume_wait_s
+        delay_s = 0.05
+        while True:
+            decision = self._resume_decision(ex)
+            if decision is not None:
+                return decision
+            left = deadline - self.clock()
+            if left <= 0:
+                return None
+            await asyncio.sleep(min(delay_s, left))
+            delay_s = min(1.0, delay_s * 2)
+            ex.refused.clear()
+
     def _resume_decision(self, ex: _Exchange) -> Decision | None:
         now = self.clock()
         try:
@@ -497,7 +528,7 @@ class Gateway:
             return None
         route = replace(
             ex.route,
-            exclude=frozenset(ex.failed),
+            exclude=frozenset(ex.failed | ex.refused),
             prompt_tokens=ex.route.prompt_tokens + ex.received.tokens,
         )
         decision = self.decide(route, snapshot, now, resume=True)
@@ -534,8 +565,9 @@ class Gateway:
     async def _attempt(
         self, request: web.Request, ex: _Exchange, endpoint_id: str, body: Mapping[str, Any]
     ) -> tuple[str, web.StreamResponse | None]:
-        """One upstream call: ("done", response) | ("refused", None) before any byte
-        reached the client | ("broken" or "preempted", None) after."""
+        """One upstream call: ("done", response) | ("refused", None) when the endpoint
+        did not take it (refused, unreachable; nothing of this call reached the client)
+        | ("broken" or "preempted", None) after bytes of it reached the client."""
         view = self.view.snapshot.by_id.get(endpoint_id)
         if view is None:  # it left the pool since the decision
             return ("refused" if ex.response is None else "broken"), None
@@ -563,6 +595,7 @@ class Gateway:
             headers[wire.DEADLINE_MS] = str(max(1, int(left * 1000)))
         url = view.state.address + path
         pool = self.config.pool
+        relaying = False
         try:
             async with await self._http.request("POST", url, payload, headers) as upstream:
                 # A sidecar names its request: its abort matches that even for a
@@ -571,7 +604,7 @@ class Gateway:
                 if upstream.status in (429, 503):
                     ex.retry_after_s = max(ex.retry_after_s, _retry_after(upstream))
                     self.metrics.retries.labels(pool, f"upstream_{upstream.status}").inc()
-                    return ("refused" if ex.response is None else "broken"), None
+                    return "refused", None
                 if ex.route.block_hashes:
                     # Indexed once this task next waits: a long prompt's blocks are not
                     # worth delaying its first byte for.
@@ -580,7 +613,6 @@ class Gateway:
                     )
                 if not client.stream:
                     raw = await upstream.read()
-                    ex.finish = "stop" if upstream.status == 200 else "error"
                     self._count_unary(ex, raw, upstream.status)
                     return "done", web.Response(
                         status=upstream.status,
@@ -596,10 +628,11 @@ class Gateway:
                     return "done", web.Response(
                         status=upstream.status, body=raw, content_type=upstream.content_type
                     )
+                relaying = True
                 return await self._relay(request, ex, upstream)
         except TransportError as exc:
             log.info("endpoint %s failed: %s", endpoint_id, exc)
-            if ex.response is None:
+            if not relaying:
                 self.metrics.retries.labels(pool, "connect_error").inc()
                 return "refused", None
             return "broken", None
@@ -634,7 +667,9 @@ class Gateway:
                     ex.continuation = relay.continuation
                     return "preempted", None
                 if relay.outcome == "done":
-                    ex.finish = ex.received.finish_reason or "stop"
+                    ex.finish = ex.received.finish_reason or (
+                        "error" if ex.received.error else "stop"
+                    )
                     await response.write_eof()
                     return "done", response
                 if body_ended:
@@ -652,7 +687,7 @@ class Gateway:
         response = ex.response
         assert response is not None
         if complete:
-            ex.finish = ex.received.finish_reason or "stop"
+            ex.finish = ex.received.finish_reason
         else:
             ex.finish = "error"
             reason, message = (
@@ -696,6 +731,8 @@ class Gateway:
         self._spawn(abort())
 
     def _count_unary(self, ex: _Exchange, raw: bytes, status: int) -> None:
+        """A whole answer's finish reason and output tokens, for the metrics."""
+        ex.finish = "error"
         if status != 200:
             return
         try:
@@ -704,6 +741,7 @@ class Gateway:
             return
         if not isinstance(reply, dict):
             return
+        ex.finish = _unary_finish(reply)
         usage = reply.get("usage") or reply.get("meta_info") or {}
         if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
             ex.received.tokens = usage["completion_tokens"]
@@ -818,6 +856,19 @@ class Gateway:
                 "endpoints": endpoints,
             }
         )
+
+
+def _unary_finish(reply: dict[str, Any]) -> str:
+    """The finish reason of a whole OpenAI or /generate answer ("stop" when unnamed)."""
+    choices = reply.get("choices")
+    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+        reason = choices[0].get("finish_reason")
+        return reason if isinstance(reason, str) else "stop"
+    meta = reply.get("meta_info")
+    finish = meta.get("finish_reason") if isinstance(meta, dict) else None
+    if isinstance(finish, dict) and isinstance(finish.get("type"), str):
+        return str(finish["type"])
+    return "stop"
 
 
 def _fair_cost(route: RouteRequest) -> float:

@@ -37,6 +37,7 @@ class Received:
     tokens: int = 0
     response_id: str = ""
     finish_reason: str = ""
+    error: bool = False  # an event said the stream failed (`{"error": ...}`)
     prompt_tokens: int = 0
     text_bytes: int = 0  # len(text) in UTF-8, kept as text grows (OpenAI deltas)
     latest: bytes = b""  # a cumulative /generate event not yet folded into text and ids
@@ -92,6 +93,8 @@ class Splicer:
             return None
         if not isinstance(chunk, dict):
             return None
+        if "error" in chunk:
+            self.received.error = True
         if self.received.api is EngineAPI.GENERATE:
             return self._generate(chunk)
         return self._openai(chunk)

@@ -3,9 +3,10 @@
 A request that does not fit right now waits here rather than being refused outright —
 but only a bounded number of them, and only until its deadline or the policy's maximum
 wait. Order is by effective priority, which rises with time waited (`aging_per_second`) so
-that a low-priority request is delayed, never starved. Resumes of preempted requests carry
-the priority they earned plus their wait, so they come back before new arrivals of the same
-class.
+that a low-priority request is delayed, never starved. A resume (a preempted request, or a
+continuation migrated here) is work the fleet already accepted: it waits as if it were one
+class higher (`RESUME_LEAD`), so it comes back before new arrivals of its class, and a full
+queue does not refuse it (the streams already running bound how many there can be).
 """
 
 from __future__ import annotations
@@ -20,6 +21,11 @@ class QueuedRequest:
     enqueued_at: float
     expires_at: float
     prompt_tokens: int
+    resumed: bool = False
+
+
+# How far ahead of new work of its class a resume waits, in priority classes.
+RESUME_LEAD = 1.0
 
 
 def effective_priority(priority: int, waited_s: float, aging_per_second: float) -> float:
@@ -38,12 +44,14 @@ def engine_priority(
 def queue_order(
     queue: tuple[QueuedRequest, ...], now: float, aging_per_second: float
 ) -> tuple[QueuedRequest, ...]:
-    """Highest effective priority first; ties go to the earliest arrival."""
+    """Highest effective priority first (a resume `RESUME_LEAD` ahead); ties go to the
+    earliest arrival."""
     return tuple(
         sorted(
             queue,
             key=lambda q: (
-                -effective_priority(q.priority, now - q.enqueued_at, aging_per_second),
+                -effective_priority(q.priority, now - q.enqueued_at, aging_per_second)
+                - (RESUME_LEAD if q.resumed else 0.0),
                 q.enqueued_at,
                 q.rid,
             ),

@@ -23,7 +23,8 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from controlplane.contract import PoolPolicy, PreemptionMode, WatermarkState
+from controlplane.contract import KVPolicy, PoolPolicy, PreemptionMode, WatermarkState
+from engine_sidecar.policy.admission import SequenceOutlook, growth_reserve
 from engine_sidecar.policy.watermark import KVUsage
 
 
@@ -150,15 +151,28 @@ def score_victim(
     )
 
 
-def _mode(cand: VictimCandidate, policy: PoolPolicy) -> Rung | None:
+def _mode(cand: VictimCandidate, policy: PoolPolicy, capacity_tokens: int) -> Rung | None:
     modes = policy.scheduling.preemption_modes
-    if cand.migratable and PreemptionMode.MIGRATE in modes:
+    resumable = resumable_anywhere(cand, capacity_tokens, policy.kv)
+    if resumable and cand.migratable and PreemptionMode.MIGRATE in modes:
         return Rung.MIGRATE
-    if cand.recomputable and PreemptionMode.RECOMPUTE in modes:
+    if resumable and cand.recomputable and PreemptionMode.RECOMPUTE in modes:
         return Rung.RECOMPUTE
     if policy.scheduling.overload_may_abort:
         return Rung.TERMINATE
     return None
+
+
+def resumable_anywhere(cand: VictimCandidate, capacity_tokens: int, kv: KVPolicy) -> bool:
+    """Whether the victim's continuation (its prompt and output so far, plus the growth it
+    reserves) can be admitted by an endpoint of the pool. The pool's endpoints are alike,
+    so that is whether this one would admit it when empty: a victim for which it is not
+    must not be preempted, or no endpoint could resume it."""
+    outlook = SequenceOutlook(
+        cand.generated_tokens, cand.max_new_tokens, cand.predicted_total_tokens
+    )
+    needed = cand.kv_tokens + growth_reserve(outlook, kv.growth_horizon_steps)
+    return needed <= capacity_tokens - kv.safety_tokens(capacity_tokens)
 
 
 def plan_relief(
@@ -168,7 +182,9 @@ def plan_relief(
     policy: PoolPolicy,
     now: float,
 ) -> ReliefPlan:
-    """The rungs to apply and, when exhausted, the victims to preempt, best victim first."""
+    """The rungs to apply and, when exhausted, the victims to preempt, best victim first.
+    A candidate whose continuation no endpoint could admit is never migrated or
+    recomputed (only terminated, where the pool allows that)."""
     kv = policy.kv
     near_done_tokens = max(1, kv.growth_horizon_steps // 8)
     rungs: list[Rung] = []
@@ -201,7 +217,7 @@ def plan_relief(
     for score, cand in scored:
         if freed >= needed:
             break
-        mode = _mode(cand, policy)
+        mode = _mode(cand, policy, usage.capacity_tokens)
         if mode is None:
             continue
         victims.append(VictimChoice(cand.rid, mode, score))

@@ -527,7 +527,8 @@ class WeirPolicy:
     # -- the sidecars ----------------------------------------------------------------------
     def _offer(self, sidecar: Sidecar, flight: Flight, now: float) -> None:
         policy = self._policy().scheduling
-        if len(sidecar.queue) >= policy.local_queue_size:
+        # A continuation is accepted work: a full queue takes it all the same.
+        if len(sidecar.queue) >= policy.local_queue_size and not flight.generated:
             self.sim.end(flight, FinishReason.OVERLOAD, now, "sidecar queue full")
             return
         spec = flight.spec
@@ -540,6 +541,7 @@ class WeirPolicy:
                 now,
                 self.give_up_at(flight),
                 spec.input_tokens + flight.generated,
+                resumed=bool(flight.generated),
             ),
             flight,
         )

@@ -70,6 +70,12 @@ def test_queue_orders_by_aged_priority_and_expires() -> None:
     # With aging the old low-priority request overtakes: never starved.
     assert [q.rid for q in queue_order((old_low, new_high), 9.0, 1.0)] == ["a", "b"]
     assert expired((old_low, new_high), 9.0) == (new_high,)
+    # A resume waits one class ahead of new work: of its own class, and the next one
+    # down however long that waited (without aging).
+    resume = QueuedRequest("r", 0, 9.0, 100.0, 1, resumed=True)
+    same = QueuedRequest("s", 0, 1.0, 100.0, 1)
+    above = QueuedRequest("t", 2, 9.0, 100.0, 1)
+    assert [q.rid for q in queue_order((same, resume, above), 9.0, 0.0)] == ["t", "r", "s"]
 
 
 def test_engine_priority_rises_with_wait_and_urgency() -> None:

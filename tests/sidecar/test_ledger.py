@@ -119,6 +119,33 @@ async def test_queue_keeps_order_refuses_when_full_and_times_out() -> None:
     assert never.value.reason == "too_large"
 
 
+async def test_a_continuation_joins_a_full_queue_and_goes_first() -> None:
+    """A stream migrated here was accepted by the fleet already: a full queue does not
+    refuse it, and it is admitted before the new requests that waited longer."""
+    ledger = Ledger(POLICY, 1000)
+    big = await admitted(ledger, flight("big", 700))
+    waiting = [flight(rid, 400) for rid in ("first", "second")]
+    tasks = []
+    for f in waiting:
+        ledger.add(f)
+        tasks.append(asyncio.create_task(ledger.admit(f)))
+        await asyncio.sleep(0)
+    assert ledger.queued == 2  # full
+    moved = flight("moved", 400)
+    moved.resumed = True
+    ledger.add(moved)
+    resumed = asyncio.create_task(ledger.admit(moved))
+    await asyncio.sleep(0)
+    assert ledger.queued == 3
+    ledger.move(big, S.CANCELLED, FinishReason.CANCELLED)  # room for two of the three
+    await asyncio.wait_for(resumed, 5)
+    assert moved.record.state is S.PREFILL_READY
+    assert [f.record.state for f in waiting] == [S.PREFILL_READY, S.WAITING_ADMISSION]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
 async def test_changes_are_measured_against_what_was_published() -> None:
     ledger = Ledger(POLICY, 10_000)  # 1 % = 100 tokens
     a = await admitted(ledger, flight("a", 150))

@@ -100,3 +100,21 @@ def test_preemption_cap_and_modes() -> None:
     plan = plan_relief(_exhausted(), W.EXHAUSTED, [pinned], may_abort, 0)
     assert plan.victims[0].mode is Rung.TERMINATE
     assert plan.rungs[-1] is Rung.TERMINATE
+
+
+def test_a_victim_whose_continuation_fits_nowhere_is_passed_over() -> None:
+    """The simulator's lost request: a long prompt far into its output, whose continuation
+    (prompt + output + growth reserve) is more than any endpoint of the pool admits. Moving
+    it would lose it; relief takes the next victim instead, and with no other only a pool
+    that allows aborts terminates it."""
+    huge = _cand("huge", prompt_tokens=700, generated_tokens=200, migratable=True)
+    small = _cand("small", priority=5, migratable=True)
+    assert POLICY.kv.safety_tokens(1000) > 1000 - (700 + 200 + 80)
+    plan = plan_relief(_exhausted(), W.EXHAUSTED, [huge, small], POLICY, 0)
+    assert [v.rid for v in plan.victims] == ["small"]
+    assert plan_relief(_exhausted(), W.EXHAUSTED, [huge], POLICY, 0).victims == ()
+    may_abort = msgspec.structs.replace(
+        POLICY, scheduling=SchedulingPolicy(overload_may_abort=True)
+    )
+    (victim,) = plan_relief(_exhausted(), W.EXHAUSTED, [huge], may_abort, 0).victims
+    assert victim.mode is Rung.TERMINATE

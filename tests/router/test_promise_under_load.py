@@ -1,0 +1,205 @@
+"""Weir's promise where it matters: a live fleet (router, sidecars, reference engines,
+real Redis) run into KV exhaustion, or losing an engine for good, keeps every admitted
+stream — each ends with its natural finish and exactly the text an uninterrupted run
+gives, none ends `resume_failed`, and KV and the router's reservations return to zero.
+
+Bounded: small-KV engines at many times real speed, a few dozen streams, loopback only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import aiohttp
+import pytest
+
+from controlplane.contract import PoolPolicy
+from controlplane.gateway import GatewayConfig, RunningGateway, serve_gateway
+from engine_sidecar.server import RunningSidecar, SidecarConfig, serve_sidecar
+from fleetsim.engine import EngineConfig
+from fleetsim.server import RunningEngine, serve_engine
+from tests.router.conftest import MODEL, until
+
+pytestmark = [pytest.mark.redis, pytest.mark.slow]
+POOL = "promise"
+KV_TOKENS = 6_000
+
+
+@dataclass
+class LiveFleet:
+    engines: dict[str, RunningEngine]
+    sidecars: dict[str, RunningSidecar]
+    router: RunningGateway
+    stack: contextlib.AsyncExitStack = field(repr=False)
+
+
+@contextlib.asynccontextmanager
+async def live_fleet(
+    redis_url: str, size: int = 2, kv_tokens: int = KV_TOKENS
+) -> AsyncIterator[LiveFleet]:
+    async with contextlib.AsyncExitStack() as stack:
+        engines, sidecars = {}, {}
+        policy = PoolPolicy(pool=POOL, model=MODEL, context_length=4096)
+        for i in range(size):
+            endpoint_id = f"s{i}"
+            engines[endpoint_id] = await stack.enter_async_context(
+                serve_engine(
+                    EngineConfig(
+                        model=MODEL, max_total_tokens=kv_tokens, context_length=4096,
+                        speed_factor=40.0, seed=7,
+                    )
+                )
+            )  # fmt: skip
+            sidecars[endpoint_id] = await stack.enter_async_context(
+                serve_sidecar(
+                    SidecarConfig(
+                        engine_url=engines[endpoint_id].url, redis_url=redis_url, pool=POOL,
+                        endpoint_id=endpoint_id, policy=policy, heartbeat_s=0.2,
+                        lease_ttl_s=3.0, engine_poll_s=0.1,
+                    )
+                )
+            )  # fmt: skip
+        router = await serve_gateway(
+            GatewayConfig.from_policy(policy, queue_max_wait_s=60.0), redis_url=redis_url
+        )
+        stack.push_async_callback(router.close)
+        view = router.gateway.view
+        await until(lambda: len(view.snapshot.endpoints) == size, "every sidecar registered")
+        yield LiveFleet(engines, sidecars, router, stack)
+
+
+@dataclass
+class Stream:
+    text: str = ""
+    finish: str = ""
+    error: dict[str, object] | None = None
+    done: bool = False
+    endpoint: str = ""  # where it started
+    chunks: int = 0
+    progress: asyncio.Event = field(default_factory=asyncio.Event)  # set at chunk 5
+
+
+async def _stream(
+    session: aiohttp.ClientSession, url: str, body: dict[str, object], out: Stream | None = None
+) -> Stream:
+    out = out or Stream()
+    async with session.post(url + "/v1/completions", json=body) as reply:
+        if reply.status != 200:
+            out.error = {"status": reply.status, "body": await reply.text()}
+            return out
+        out.endpoint = reply.headers.get("x-weir-endpoint", "")
+        async for line in reply.content:
+            if not line.startswith(b"data: "):
+                continue
+            data = line[6:].strip()
+            if data == b"[DONE]":
+                out.done = True
+                continue
+            chunk = json.loads(data)
+            out.chunks += 1
+            if out.chunks == 5:
+                out.progress.set()
+            if "error" in chunk:
+                out.error = chunk["error"]
+                continue
+            for choice in chunk.get("choices") or ():
+                out.text += choice.get("text") or ""
+                out.finish = choice.get("finish_reason") or out.finish
+    return out
+
+
+def _body(i: int, max_tokens: int) -> dict[str, object]:
+    prompt = f"{i:03d} " + "the river rises against the weir, " * 10
+    return {
+        "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+        "stream": True,
+    }  # fmt: skip
+
+
+async def _expected(bodies: list[dict[str, object]]) -> list[str]:
+    """What each request gives uninterrupted, from an engine with room for all of them."""
+    config = EngineConfig(model=MODEL, max_total_tokens=200_000, speed_factor=200.0, seed=7)
+    async with serve_engine(config) as engine, aiohttp.ClientSession() as session:
+        return [(await _stream(session, engine.url, body)).text for body in bodies]
+
+
+async def _settled(fleet: LiveFleet) -> None:
+    gateway = fleet.router.gateway
+    await until(lambda: gateway.inflight_total == 0, "the router to release every endpoint")
+    for sidecar in fleet.sidecars.values():
+        await until(lambda s=sidecar: not s.service.ledger.flights, "the sidecars to empty")
+        assert sidecar.service.ledger.own_used == 0
+        assert sidecar.service.ledger.reserved == 0
+    for engine in fleet.engines.values():
+        if not engine._closed:
+            await until(lambda e=engine: _idle(e), "the engines' KV to free")
+        engine.engine.check()
+
+
+def _idle(engine: RunningEngine) -> bool:
+    loads = engine.engine.loads()
+    return (loads.num_running_reqs, loads.num_waiting_reqs, loads.num_used_tokens) == (0, 0, 0)
+
+
+def _router_count(fleet: LiveFleet, name: str, **labels: str) -> float:
+    registry = fleet.router.gateway.metrics.registry
+    return registry.get_sample_value(name, {"pool": POOL, **labels}) or 0.0
+
+
+def _assert_whole(streams: list[Stream], expected: list[str]) -> None:
+    for i, stream in enumerate(streams):
+        assert stream.error is None, (i, stream.error)
+        assert stream.done, (i, stream)
+        assert stream.finish == "length", (i, stream)
+        assert stream.text == expected[i], i
+
+
+async def test_a_kv_burst_keeps_every_admitted_stream(redis_url: str) -> None:
+    """Twice the KV the fleet has, asked for at once: admission queues what does not fit,
+    relief preempts and migrates as outputs grow, and every stream still ends whole."""
+    bodies = [_body(i, 1500) for i in range(24)]
+    expected = await _expected(bodies)
+    async with live_fleet(redis_url) as fleet, aiohttp.ClientSession() as session:
+        streams = await asyncio.wait_for(
+            asyncio.gather(*(_stream(session, fleet.router.url, b) for b in bodies)), 120.0
+        )
+        preempted = sum(s.service.ledger.preemptions for s in fleet.sidecars.values())
+        _assert_whole(streams, expected)
+        assert preempted > 0, "the burst never ran into KV exhaustion"
+        finished = {"tenant": "default", "reason": "length"}
+        assert _router_count(fleet, "weir_router_requests_total", **finished) == len(bodies)
+        await _settled(fleet)
+
+
+async def test_an_engine_lost_for_good_hands_its_streams_back_at_once(redis_url: str) -> None:
+    """An engine dies mid-stream and does not come back: its sidecar does not wait for it
+    but hands each stream back to the router with its continuation, and the router resumes
+    them on the other endpoint, token for token."""
+    bodies = [_body(i, 400) for i in range(8)]
+    expected = await _expected(bodies)
+    # Room for every stream on one engine: no relief muddles the count of resumes.
+    async with (
+        live_fleet(redis_url, kv_tokens=20_000) as fleet,
+        aiohttp.ClientSession() as session,
+    ):
+        streams = [Stream() for _ in bodies]
+        running = asyncio.gather(
+            *(
+                _stream(session, fleet.router.url, b, s)
+                for b, s in zip(bodies, streams, strict=True)
+            )
+        )
+        await asyncio.wait_for(asyncio.gather(*(s.progress.wait() for s in streams)), 60.0)
+        await fleet.engines["s0"].kill()
+        await asyncio.wait_for(running, 60.0)
+        _assert_whole(streams, expected)
+        lost = sum(s.endpoint == "s0" for s in streams)
+        assert lost > 0
+        resumed = _router_count(fleet, "weir_router_resumes_total", reason="preempted")
+        assert resumed == lost  # each handed back by its sidecar, none found broken
+        assert _router_count(fleet, "weir_router_resumes_total", reason="broken") == 0
+        await _settled(fleet)
