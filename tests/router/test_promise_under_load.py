@@ -11,13 +11,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import signal
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import aiohttp
 import pytest
 
-from controlplane.contract import PoolPolicy
+from controlplane.contract import PoolPolicy, encode_json
 from controlplane.gateway import GatewayConfig, RunningGateway, serve_gateway
 from engine_sidecar.server import RunningSidecar, SidecarConfig, serve_sidecar
 from fleetsim.engine import EngineConfig
@@ -32,17 +37,25 @@ KV_TOKENS = 6_000
 @dataclass
 class LiveFleet:
     engines: dict[str, RunningEngine]
-    sidecars: dict[str, RunningSidecar]
+    sidecars: dict[str, RunningSidecar]  # in this process
+    processes: dict[str, subprocess.Popen[bytes]]  # sidecars of their own, to be killed
     router: RunningGateway
     stack: contextlib.AsyncExitStack = field(repr=False)
 
 
 @contextlib.asynccontextmanager
 async def live_fleet(
-    redis_url: str, size: int = 2, kv_tokens: int = KV_TOKENS
+    redis_url: str,
+    size: int = 2,
+    kv_tokens: int = KV_TOKENS,
+    *,
+    processes: frozenset[str] = frozenset(),
+    workdir: Path | None = None,
 ) -> AsyncIterator[LiveFleet]:
+    """`size` endpoints s0, s1, …; those named in `processes` run their sidecar as a
+    `weir sidecar` process of its own (in `workdir`), which a test may SIGKILL."""
     async with contextlib.AsyncExitStack() as stack:
-        engines, sidecars = {}, {}
+        engines, sidecars, procs = {}, {}, {}
         policy = PoolPolicy(pool=POOL, model=MODEL, context_length=4096)
         for i in range(size):
             endpoint_id = f"s{i}"
@@ -54,6 +67,13 @@ async def live_fleet(
                     )
                 )
             )  # fmt: skip
+            if endpoint_id in processes:
+                assert workdir is not None
+                procs[endpoint_id] = _sidecar_process(
+                    engines[endpoint_id].url, redis_url, endpoint_id, policy, workdir
+                )
+                stack.callback(_reap, procs[endpoint_id])
+                continue
             sidecars[endpoint_id] = await stack.enter_async_context(
                 serve_sidecar(
                     SidecarConfig(
@@ -69,7 +89,29 @@ async def live_fleet(
         stack.push_async_callback(router.close)
         view = router.gateway.view
         await until(lambda: len(view.snapshot.endpoints) == size, "every sidecar registered")
-        yield LiveFleet(engines, sidecars, router, stack)
+        yield LiveFleet(engines, sidecars, procs, router, stack)
+
+
+def _sidecar_process(
+    engine_url: str, redis_url: str, endpoint_id: str, policy: PoolPolicy, workdir: Path
+) -> subprocess.Popen[bytes]:
+    policy_file = workdir / f"{endpoint_id}-policy.json"
+    policy_file.write_bytes(encode_json(policy))
+    command = [
+        sys.executable, "-m", "weir.cli", "sidecar", "--engine-url", engine_url,
+        "--redis-url", redis_url, "--pool", POOL, "--endpoint-id", endpoint_id,
+        "--port", "0", "--policy-file", str(policy_file), "--heartbeat-s", "0.2",
+        "--lease-ttl-s", "3", "--log-level", "WARNING",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
+    with (workdir / f"{endpoint_id}.log").open("wb") as log:
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def _reap(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)
 
 
 @dataclass
@@ -202,4 +244,32 @@ async def test_an_engine_lost_for_good_hands_its_streams_back_at_once(redis_url:
         resumed = _router_count(fleet, "weir_router_resumes_total", reason="preempted")
         assert resumed == lost  # each handed back by its sidecar, none found broken
         assert _router_count(fleet, "weir_router_resumes_total", reason="broken") == 0
+        await _settled(fleet)
+
+
+async def test_a_sidecar_killed_mid_stream_loses_no_stream(redis_url: str, tmp_path: Path) -> None:
+    """A sidecar (as a pod's would be) is SIGKILLed while it streams: the router resumes
+    each of its streams on the other endpoint from what the client holds, exactly."""
+    bodies = [_body(i, 400) for i in range(8)]
+    expected = await _expected(bodies)
+    async with (
+        live_fleet(
+            redis_url, kv_tokens=20_000, processes=frozenset({"s0"}), workdir=tmp_path
+        ) as fleet,
+        aiohttp.ClientSession() as session,
+    ):
+        streams = [Stream() for _ in bodies]
+        running = asyncio.gather(
+            *(
+                _stream(session, fleet.router.url, b, s)
+                for b, s in zip(bodies, streams, strict=True)
+            )
+        )
+        await asyncio.wait_for(asyncio.gather(*(s.progress.wait() for s in streams)), 60.0)
+        fleet.processes["s0"].send_signal(signal.SIGKILL)
+        await asyncio.wait_for(running, 60.0)
+        _assert_whole(streams, expected)
+        lost = sum(s.endpoint == "s0" for s in streams)
+        assert lost > 0
+        assert _router_count(fleet, "weir_router_resumes_total", reason="broken") == lost
         await _settled(fleet)
