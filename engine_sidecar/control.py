@@ -50,8 +50,13 @@ class ControlLink:
         self.pool, self.endpoint_id, self.address = pool, endpoint_id, address
         self.heartbeat_s = heartbeat_s
         self.started_at = time.time()
+        self.lease_ttl_s = lease_ttl_s
         self.quota = KVQuota(
-            QuotaStore(redis, pool), service.ledger, f"sidecar.{endpoint_id}", lease_ttl_s
+            QuotaStore(redis, pool),
+            service.ledger,
+            f"sidecar.{endpoint_id}",
+            lease_ttl_s,
+            service.metrics,
         )
         service.quota = self.quota
         self.commands = CommandChannel(redis, pool)
@@ -175,8 +180,8 @@ class ControlLink:
         if self._heartbeat is not None:
             ends.append(self._heartbeat)
         await asyncio.gather(*ends, return_exceptions=True)
-        with contextlib.suppress(RedisError, OSError):
-            await self.quota.retry_releases()
+        # Bounded: with Redis gone, what is left comes back when the holder lease lapses.
+        await self.quota.close(timeout_s=max(0.5, self.lease_ttl_s / 3))
         with contextlib.suppress(RedisError, OSError):
             await self.lease.release()
         await self.redis.aclose()

@@ -30,6 +30,7 @@ _KNOWN_LABELS = {
         "draining",
         "tenant_kv_quota",
     ),
+    "weir_sidecar_kv_quota_charges_total": ("granted", "refused", "unavailable"),
     "weir_sidecar_preemptions_total": tuple(mode.value for mode in PreemptionMode),
 }
 # Active-sequence series stay (at zero) for the (priority, tenant) pairs seen, up to this

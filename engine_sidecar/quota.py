@@ -8,10 +8,21 @@ predicted output) times the predicted decode time — and released when it leave
 endpoint (finished, cancelled, refused, migrated away), reporting what it really used so
 an early finish is refunded. Recompute in place keeps the charge: the request stays here.
 
-A tenant the quota store does not know is not charged (the router enforces tenancy), and
-an unreachable Redis does not block admission (soft on control). The tenants that have a
-quota are read with every heartbeat, so a request of any other tenant reaches the engine
-without a Redis round trip; a quota set meanwhile applies from the next heartbeat.
+A tenant the quota store does not know is not charged (the router enforces tenancy). The
+tenants that have a quota are read with every heartbeat, so a request of any other tenant
+reaches the engine without a Redis round trip; a quota set meanwhile applies from the next
+heartbeat.
+
+A charge Redis does not answer does not block admission: soft on control. The KV itself
+is guarded by local admission, which fails closed, and the router has already charged the
+request's concurrency and token rates (failing closed there). The KV quota is a tenant's
+share over time, so a request admitted without it costs a tenant's fairness, not the
+pool's capacity. Such a charge is logged and counted
+(`weir_sidecar_kv_quota_charges_total{result="unavailable"}`), never skipped silently, and
+the request is released when it leaves as if charged: the charge may have landed.
+
+Releases and reconciliation are the `QuotaHolder`'s (shared with the router): a release
+Redis does not take waits in its outbox and is sent again with every heartbeat.
 """
 
 from __future__ import annotations
@@ -22,25 +33,34 @@ import time
 
 from redis.exceptions import RedisError
 
-from controlplane.store.quotas import Amounts, QuotaStore
+from controlplane.store import Amounts, QuotaHolder, QuotaStore
 from engine_sidecar.ledger import Flight, Ledger
+from engine_sidecar.metrics import SidecarMetrics
 
 log = logging.getLogger("weir.sidecar.quota")
 
 
 class KVQuota:
-    def __init__(self, store: QuotaStore, ledger: Ledger, holder: str, ttl_s: float) -> None:
+    def __init__(
+        self,
+        store: QuotaStore,
+        ledger: Ledger,
+        holder: str,
+        ttl_s: float,
+        metrics: SidecarMetrics | None = None,
+    ) -> None:
         self.store = store
         self.ledger = ledger
         self.holder = holder
         self.ttl_s = ttl_s
+        self.metrics = metrics
+        self.book = QuotaHolder(store, holder, ttl_s)
         self._charged: dict[str, float] = {}  # rid → wall time of the charge
-        self._unreleased: dict[str, Amounts] = {}  # releases Redis did not take yet
         # Tenants with a quota as of the last heartbeat; None until read: charge everyone.
         self._tenants: frozenset[str] | None = None
 
     async def renew(self) -> None:
-        await self.store.renew_holder(self.holder, self.ttl_s)
+        await self.book.renew()
 
     async def refresh_tenants(self) -> None:
         self._tenants = await self.store.tenants()
@@ -65,20 +85,21 @@ class KVQuota:
             return None
         amounts = Amounts(kv_token_seconds=self.estimate(flight))
         try:
-            result = await self.store.charge(flight.record.tenant, self.holder, flight.rid, amounts)
-            if result.reason == "holder_expired":
-                await self.renew()
-                result = await self.store.charge(
-                    flight.record.tenant, self.holder, flight.rid, amounts
-                )
+            result = await self.book.charge(flight.record.tenant, flight.rid, amounts)
         except (RedisError, OSError) as exc:
-            log.warning("quota charge for %s not made: %s", flight.rid, exc)
+            # Admitted on local admission alone (see the module's docstring); released
+            # when it leaves, as the charge may have landed.
+            self._charged[flight.rid] = time.time()
+            self._count("unavailable")
+            log.warning("quota charge for %s not made, admitted without it: %s", flight.rid, exc)
             return None
         if result.granted:
             self._charged[flight.rid] = time.time()
+            self._count("granted")
             return None
         if result.reason == "unknown_tenant":
             return None
+        self._count("refused")
         return max(1, math.ceil(result.retry_after_s or 60))
 
     async def release(self, flight: Flight) -> None:
@@ -88,20 +109,25 @@ class KVQuota:
         rec = flight.record
         held_s = max(0.0, time.time() - charged_at)
         used = math.ceil((rec.prompt_tokens + rec.generated_tokens / 2) * held_s)
-        self._unreleased[flight.rid] = Amounts(kv_token_seconds=used)
-        await self.retry_releases()
+        await self.book.release(flight.rid, Amounts(kv_token_seconds=used))
 
     async def retry_releases(self) -> None:
-        """Send the releases not yet taken (called again with every heartbeat)."""
-        for rid, used in list(self._unreleased.items()):
-            try:
-                await self.store.release(self.holder, rid, used)
-            except (RedisError, OSError) as exc:
-                log.warning("quota release for %s failed (will retry): %s", rid, exc)
-                return
-            self._unreleased.pop(rid, None)
+        """Send the releases not yet taken, and reconcile after a failure (called again
+        with every heartbeat; a Redis still unreachable leaves them for the next one)."""
+        try:
+            await self.book.settle()
+        except (RedisError, OSError) as exc:
+            log.warning("%d quota releases wait for Redis: %s", self.book.pending, exc)
+
+    async def close(self, timeout_s: float) -> None:
+        """At shutdown: one attempt, bounded by `timeout_s`, at the releases still waiting."""
+        await self.book.close(timeout_s)
 
     @property
     def held(self) -> int:
         """Charges this sidecar still holds or still has to return."""
-        return len(self._charged) + len(self._unreleased)
+        return len(self._charged) + self.book.pending
+
+    def _count(self, result: str) -> None:
+        if self.metrics is not None:
+            self.metrics.count("weir_sidecar_kv_quota_charges_total", result)

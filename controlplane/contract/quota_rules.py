@@ -215,9 +215,13 @@ class QuotaLedger:
 def quota_refusal(reason: str, retry_after_s: float | None) -> tuple[int, str, float | None]:
     """How a router answers a refused charge: (HTTP status, reason, Retry-After). A tenant
     without a quota is forbidden; a request larger than a whole minute's allowance (no
-    wait helps) is a bad request; anything else is an overload worth retrying."""
+    wait helps) is a bad request; a holder lease the control plane does not have (lost
+    again after the router renewed it) is the control plane's state, not the request's:
+    unavailable, retryable; anything else is an overload worth retrying."""
     if reason == "unknown_tenant":
         return 403, reason, None
+    if reason == "holder_expired":
+        return 503, "quota_unavailable", 1.0
     if retry_after_s is None:
         return 400, "exceeds_quota", None
     return 429, reason, retry_after_s

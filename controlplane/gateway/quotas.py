@@ -9,7 +9,8 @@ router dies, the control plane returns them once the lease lapses.
 
 Refusals: 429 `overload` with the exhausted limit as reason and a Retry-After; 403 for a
 tenant with no quota; 400 for a request larger than a whole minute's allowance (waiting
-cannot help); 503 when the control plane cannot be reached (capacity fails closed).
+cannot help); 503 when the control plane cannot be reached (capacity fails closed), or
+keeps losing this router's holder lease.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from redis.exceptions import RedisError
 from controlplane.contract import TenantQuota
 from controlplane.contract.quota_rules import quota_refusal
 from controlplane.gateway.errors import GatewayError, bad_request, overload, unavailable
-from controlplane.store import Amounts, QuotaStore
+from controlplane.store import Amounts, QuotaHolder, QuotaStore
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,11 @@ log = logging.getLogger(__name__)
 class QuotaGate:
     """`policy`: the tenants' quotas this router enforces. It publishes them at start and
     again whenever the control plane has lost them (a Redis restarted without persistence
-    answers `unknown_tenant` for a declared tenant)."""
+    answers `unknown_tenant` for a declared tenant).
+
+    The router's charges are kept by a `QuotaHolder`: a release Redis does not take (an
+    outage, a failover) waits in its outbox, and `keep_lease` sends it again, and
+    reconciles the store's charges with the requests in flight, once Redis answers."""
 
     def __init__(
         self, store: QuotaStore, policy: Sequence[TenantQuota] = (), lease_ttl_s: float = 15.0
@@ -41,6 +46,7 @@ class QuotaGate:
         self.policy = {quota.name: quota for quota in policy}
         self.holder = f"router-{uuid.uuid4().hex[:12]}"
         self.lease_ttl_s = lease_ttl_s
+        self.book = QuotaHolder(store, self.holder, lease_ttl_s)
         self.tenants: set[str] = set()
 
     async def publish(self) -> None:
@@ -50,32 +56,36 @@ class QuotaGate:
             await self.store.set_quota(quota)
 
     async def keep_lease(self) -> None:
-        """Renew the holder lease at a third of its time to live, for as long as it runs,
-        and return the charges of holders (other routers, sidecars) whose lease lapsed."""
+        """For as long as it runs: renew the holder lease, send the releases Redis did not
+        take, reconcile after a failure, and return the charges of holders (other routers,
+        sidecars) whose lease lapsed. Every third of the lease's time to live, or every
+        second while releases wait."""
         while True:
             try:
-                await self.store.renew_holder(self.holder, self.lease_ttl_s)
+                await self.book.renew()
+                await self.book.settle()
                 if reaped := await self.store.reap_holders():
                     log.info("returned the quota charges of lapsed holders: %s", reaped)
             except (RedisError, OSError) as exc:
-                log.warning("quota holder %s: cannot renew its lease (%s)", self.holder, exc)
-            await asyncio.sleep(self.lease_ttl_s / 3)
+                log.warning(
+                    "quota holder %s: the control plane did not answer (%s)", self.holder, exc
+                )
+            period_s = self.lease_ttl_s / 3
+            await asyncio.sleep(min(period_s, 1.0) if self.book.pending else period_s)
+
+    async def close(self, timeout_s: float = 5.0) -> None:
+        """At shutdown: one attempt, bounded by `timeout_s`, at the releases still waiting."""
+        await self.book.close(timeout_s)
 
     async def charge(
         self, tenant: str, request_id: str, input_tokens: int, output_tokens: int
     ) -> None:
         amounts = Amounts(concurrency=1, input_tokens=input_tokens, output_tokens=output_tokens)
+        republish = self.publish if tenant in self.policy else None
         try:
-            result = await self.store.charge(tenant, self.holder, request_id, amounts)
-            # After Redis lost its data: the holder lease, or the quotas themselves.
-            if result.reason == "holder_expired":
-                await self.store.renew_holder(self.holder, self.lease_ttl_s)
-                result = await self.store.charge(tenant, self.holder, request_id, amounts)
-            elif result.reason == "unknown_tenant" and tenant in self.policy:
-                log.warning("the control plane lost tenant quotas; publishing them again")
-                await self.publish()
-                result = await self.store.charge(tenant, self.holder, request_id, amounts)
+            result = await self.book.charge(tenant, request_id, amounts, republish)
         except (RedisError, OSError) as exc:
+            self.book.forget(request_id)  # refused here; released by reconciling if it landed
             raise unavailable(
                 "quota_unavailable", f"tenant quotas cannot be checked: {exc}"
             ) from exc
@@ -93,7 +103,11 @@ class QuotaGate:
                 f"the request is larger than tenant {tenant!r}'s whole {result.reason} "
                 "allowance per minute",
             )
-        assert retry_after_s is not None  # a 429 always names its wait
+        assert retry_after_s is not None  # a 429 or 503 always names its wait
+        if status == 503:
+            raise unavailable(
+                reason, "the control plane lost this router's quota lease", retry_after_s
+            )
         raise overload(
             reason,
             f"tenant {tenant!r} is over its {result.reason.replace('_', ' ')} quota",
@@ -101,18 +115,11 @@ class QuotaGate:
         )
 
     async def release(self, request_id: str, input_tokens: int, output_tokens: int) -> None:
-        """Return the charge, keeping only what was used; retried with backoff, because a
-        release lost while this router keeps its lease would hold the tenant's slot."""
+        """Return the charge, keeping only what was used. A release Redis does not take
+        now is sent again until it does (`keep_lease`): a release lost while this router
+        keeps its lease would hold the tenant's slot for good."""
         used = Amounts(input_tokens=input_tokens, output_tokens=output_tokens)
-        for delay_s in (0.1, 0.5, 2.0, None):
-            try:
-                await self.store.release(self.holder, request_id, used)
-                return
-            except (RedisError, OSError) as exc:
-                if delay_s is None:
-                    log.warning("quota release of %s failed for good: %s", request_id, exc)
-                    return
-                await asyncio.sleep(delay_s)
+        await self.book.release(request_id, used)
 
     async def utilization(self) -> dict[tuple[str, str], float]:
         """(tenant, resource) -> fraction of the quota in use, for the tenants seen."""

@@ -39,7 +39,9 @@ class RunningGateway:
 
     async def close(self) -> None:
         await cancel_loops(self._tasks)
-        await self._runner.cleanup()
+        await self._runner.cleanup()  # ends requests, and waits for their quota releases
+        if self.gateway.quotas is not None:
+            await self.gateway.quotas.close()  # bounded, even with Redis down
         if self._redis is not None:
             await self._redis.aclose()
 

@@ -20,7 +20,8 @@ slot and single-slot scripts.
 Public pieces: `connect(RedisSettings)`; `EndpointRegistry` (register, heartbeat, drain,
 deregister, reap, snapshot, changes, hot prefixes); `PoolFollower` (a reader's view kept
 current from the feed); `EndpointLease` (a sidecar's side of its lease) and
-`reap_forever`; `QuotaStore`; `CreditStore`; `CommandChannel`.
+`reap_forever`; `QuotaStore` and `QuotaHolder` (a holder's side of its charges: releases
+kept until Redis takes them, reconciliation); `CreditStore`; `CommandChannel`.
 
 Errors: `FencedError` (a zombie's write: a newer epoch holds the endpoint id) and
 `controlplane.contract.SchemaError` (a malformed record or an unknown schema version:
@@ -32,6 +33,7 @@ from controlplane.store.commands import CommandChannel, Delivery
 from controlplane.store.connection import RedisSettings, cancel_loops, connect
 from controlplane.store.credits import CreditRefusal, CreditStore
 from controlplane.store.follower import PoolFollower, Refresh
+from controlplane.store.holder import QuotaHolder
 from controlplane.store.keys import PoolKeys
 from controlplane.store.lease import EndpointLease, reap_forever
 from controlplane.store.quotas import Amounts, ChargeResult, QuotaStore, TenantUsage
@@ -69,6 +71,7 @@ __all__ = [
     "PoolFollower",
     "PoolKeys",
     "PoolSnapshot",
+    "QuotaHolder",
     "QuotaStore",
     "Reaped",
     "RedisSettings",

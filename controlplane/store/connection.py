@@ -5,6 +5,13 @@ sidecars does not reconnect in lock step after a Redis restart); each retry open
 connection, and behind Sentinel a fresh connection asks the sentinels who the master is
 now, so a failover is followed without any action from the caller. Scripts survive a
 failover through their NOSCRIPT reload (see `scripts`).
+
+Connections come from a blocking pool: a caller that finds all `max_connections` in use
+waits (up to `pool_timeout_s`) for one to come back instead of failing. redis-py's default
+pool refuses the caller at once ("Too many connections"), which turned a burst of more
+concurrent requests than connections into 503s at the router and skipped KV quota charges
+at the sidecars. Redis runs one command at a time, so a few dozen connections keep it busy;
+more connections add nothing but file descriptors on the server.
 """
 
 from __future__ import annotations
@@ -15,9 +22,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
-from redis.asyncio.sentinel import Sentinel
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import ConnectionError, TimeoutError
 
@@ -31,6 +38,9 @@ class RedisSettings:
     `url` is used when `sentinels` is empty (`redis://`, `rediss://` for TLS, or
     `unix://`); with sentinels, the master of `sentinel_service` is discovered through them.
     Timeouts bound every command: keep them above any blocking read a caller asks for.
+    `max_connections` caps the connections one client opens (not the callers: beyond it
+    they wait, up to `pool_timeout_s`, for a connection to come back); keep it above the
+    number of blocking reads (change feed, command channel) the process holds at once.
     """
 
     url: str = "redis://127.0.0.1:6379/0"
@@ -50,10 +60,17 @@ class RedisSettings:
     backoff_base_s: float = 0.05
     backoff_cap_s: float = 2.0
     max_connections: int = 64
+    pool_timeout_s: float = 5.0
     client_name: str = "weir"
 
     def __post_init__(self) -> None:
-        for name in ("connect_timeout_s", "command_timeout_s", "backoff_base_s", "backoff_cap_s"):
+        for name in (
+            "connect_timeout_s",
+            "command_timeout_s",
+            "backoff_base_s",
+            "backoff_cap_s",
+            "pool_timeout_s",
+        ):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and 0 < value < 3600):
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
@@ -98,7 +115,8 @@ def connect(settings: RedisSettings) -> Redis:
         url = settings.url
         if settings.tls and url.startswith("redis://"):
             url = "rediss://" + url.removeprefix("redis://")
-        return Redis.from_url(url, **kwargs)
+        pool = BlockingConnectionPool.from_url(url, timeout=settings.pool_timeout_s, **kwargs)
+        return Redis.from_pool(pool)
     # Sentinel pools pick their TLS connection class from `ssl`.
     sentinel_kwargs: dict[str, Any] = {
         "socket_connect_timeout": settings.connect_timeout_s,
@@ -117,10 +135,20 @@ def connect(settings: RedisSettings) -> Redis:
         list(settings.sentinels), sentinel_kwargs=sentinel_kwargs, **kwargs
     )
     master: _SentinelMaster = sentinel.master_for(
-        settings.sentinel_service, redis_class=_SentinelMaster, db=settings.db
+        settings.sentinel_service,
+        redis_class=_SentinelMaster,
+        connection_pool_class=_BlockingSentinelPool,
+        db=settings.db,
+        timeout=settings.pool_timeout_s,
     )
     master.sentinels = list(sentinel.sentinels)
     return master
+
+
+class _BlockingSentinelPool(SentinelConnectionPool, BlockingConnectionPool):
+    """The master's pool behind Sentinel: connections to whichever master the sentinels
+    name (SentinelConnectionPool), handed out as a blocking pool does: a caller waits for
+    a free connection (`timeout`) rather than failing when all are in use."""
 
 
 class _SentinelMaster(Redis):

@@ -8,7 +8,9 @@ buckets holding one minute's allowance, refilled continuously by Redis server ti
 Every charge belongs to a holder (a router replica, a sidecar) with a lease. A holder that
 crashes stops renewing; `reap_holders` then returns everything it held, so no ghost
 reservation outlives its holder. Charging and releasing are idempotent per
-(holder, request id): retrying either is safe.
+(holder, request id): retrying either is safe. A live holder keeps its side of the account
+with `controlplane.store.holder.QuotaHolder` (releases kept until Redis takes them, and
+reconciled against `held`).
 
 Priority classes: with a pool concurrency capacity set, each class keeps
 `reserved_fraction * capacity` slots that only its tenants may use; the rest is shared.
@@ -193,6 +195,12 @@ class QuotaStore:
             (holder, request_id, *spent),
         )
         return bool(done)
+
+    async def held(self, holder: str) -> frozenset[str]:
+        """The request ids `holder` has charges for (what it reconciles against the
+        requests it really has in flight)."""
+        members = await self.redis.smembers(self.keys.held_by(holder))
+        return frozenset(as_text(member) for member in members)
 
     async def reap_holders(self) -> dict[str, int]:
         """Return the charges of every holder whose lease lapsed: {holder: charges}."""

@@ -114,6 +114,14 @@ SIDECAR: tuple[MetricSpec, ...] = (
         (*_EP, "reason"),
     ),
     MetricSpec(
+        "weir_sidecar_kv_quota_charges_total",
+        _C,
+        "KV quota charges by result: granted, refused, unavailable (Redis did not answer; "
+        "the request was admitted on local admission alone and its charge is released "
+        "when it leaves, in case it landed).",
+        (*_EP, "result"),
+    ),
+    MetricSpec(
         "weir_sidecar_requests_finished_total",
         _C,
         "Requests ended, by finish reason.",

@@ -1,4 +1,5 @@
-"""Connection settings against real servers: TLS with AUTH, and refused bad settings; and
+"""Connection settings against real servers: TLS with AUTH, refused bad settings, callers
+beyond the pool's size waiting for a connection (standalone and behind Sentinel); and
 stopping loops over Redis commands."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import redis
 
 from controlplane.store import EndpointRegistry, RedisSettings, cancel_loops, connect
 from tests.controlplane.records import POOL, endpoint
+from tests.controlplane.sentinel_topology import SERVICE, SentinelTopology
 from weir.local.ports import free_port
 from weir.local.redis_server import RedisServer
 
@@ -82,11 +84,46 @@ async def test_tls_and_auth(tls_redis: tuple[int, Path]) -> None:
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("connect_timeout_s", 0), ("command_timeout_s", -1), ("retries", 101), ("max_connections", 0)],
-)
+    [("connect_timeout_s", 0), ("command_timeout_s", -1), ("retries", 101), ("max_connections", 0),
+     ("pool_timeout_s", 0)],
+)  # fmt: skip
 def test_bad_settings_are_refused(field: str, value: float) -> None:
     with pytest.raises(ValueError, match=field):
         RedisSettings(**{field: value})  # type: ignore[arg-type]
+
+
+async def _callers_share_two_connections(settings: RedisSettings, server_port: int) -> None:
+    """Twenty callers each hold a connection for a blocking read; the client has two: the
+    others wait their turn (redis-py's default pool refused the third one at once with
+    "Too many connections") and the server never sees more than two."""
+    client = connect(settings)
+    server = redis.Redis(port=server_port)
+    try:
+        replies = await asyncio.gather(
+            *(client.blpop([f"empty-{i}"], timeout=0.05) for i in range(20))
+        )
+        assert replies == [None] * 20
+        names = [c["name"] for c in await asyncio.to_thread(server.client_list)]
+        assert names.count(settings.client_name) == 2
+    finally:
+        server.close()
+        await client.aclose()
+
+
+async def test_callers_beyond_the_pool_wait_for_a_connection(redis_server: RedisServer) -> None:
+    settings = RedisSettings(url=redis_server.url, max_connections=2, client_name="weir-two")
+    await _callers_share_two_connections(settings, redis_server.port)
+
+
+async def test_callers_beyond_the_pool_wait_for_a_connection_behind_sentinel() -> None:
+    with SentinelTopology() as topology:
+        settings = RedisSettings(
+            sentinels=(("127.0.0.1", topology.sentinel_port),),
+            sentinel_service=SERVICE,
+            max_connections=2,
+            client_name="weir-two-sentinel",
+        )
+        await _callers_share_two_connections(settings, topology.master.port)
 
 
 async def test_a_loop_that_takes_a_cancellation_for_a_redis_timeout_is_still_stopped() -> None:

@@ -9,9 +9,10 @@ import pytest
 from redis.asyncio import Redis
 
 from controlplane.contract import SCHEMA_VERSION, SchemaError, TenantQuota
-from controlplane.store import Amounts, QuotaStore
+from controlplane.store import Amounts, QuotaHolder, QuotaStore, RedisSettings, connect
 from controlplane.store.scripts import as_text
 from tests.controlplane.records import POOL
+from weir.local.redis_server import RedisServer
 
 pytestmark = pytest.mark.redis
 
@@ -114,6 +115,50 @@ async def test_crashed_holder_charges_come_back(quotas: QuotaStore) -> None:
     late = await quotas.charge("acme", "router-2", "d", Amounts(concurrency=1))
     assert (late.granted, late.reason) == (False, "holder_expired")
     assert not await quotas.release("router-2", "a")
+
+
+async def test_a_holder_lists_the_requests_it_holds_charges_for(quotas: QuotaStore) -> None:
+    """What a live holder reconciles against: its own charges, not another holder's, not a
+    refused or released one."""
+    await quotas.set_quota(TenantQuota(name="acme", max_concurrency=3))
+    await quotas.renew_holder("router-2", ttl_s=30)
+    assert await quotas.held("router-1") == frozenset()
+    for holder, rid in (("router-1", "a"), ("router-1", "b"), ("router-2", "c")):
+        assert (await quotas.charge("acme", holder, rid, Amounts(concurrency=1))).granted
+    assert not (await quotas.charge("acme", "router-1", "d", Amounts(concurrency=1))).granted
+    assert await quotas.held("router-1") == {"a", "b"}
+    assert await quotas.held("router-2") == {"c"}
+    assert await quotas.release("router-1", "a")
+    assert await quotas.held("router-1") == {"b"}
+    with pytest.raises(ValueError, match="holder"):
+        await quotas.held("router 1")
+
+
+async def test_a_request_charged_again_before_its_release_landed_keeps_the_new_charge() -> None:
+    """A sidecar may see a request id again (a request migrated back) while the release of
+    its earlier charge still waits for Redis: that release lands first, so the new charge
+    is made (not taken for a duplicate) and no late release returns it."""
+    aof = ("--appendonly", "yes", "--appendfsync", "always")
+    with RedisServer(extra_args=aof) as server:
+        client = connect(RedisSettings(url=server.url, retries=1, backoff_cap_s=0.1))
+        try:
+            store = QuotaStore(client, POOL)
+            await store.set_quota(TenantQuota(name="acme", max_concurrency=1))
+            book = QuotaHolder(store, "sidecar.e1", lease_ttl_s=30)
+            await book.renew()
+            one = Amounts(concurrency=1)
+            assert (await book.charge("acme", "r1", one)).granted
+            await asyncio.to_thread(server.stop)
+            assert not await book.release("r1")
+            assert book.pending == 1
+            await asyncio.to_thread(server.start)
+            again = await book.charge("acme", "r1", one)
+            assert (again.granted, again.reason, book.pending) == (True, "", 0)
+            await book.settle()  # reconciles (a call failed): r1 is in flight, it stays
+            assert await store.held("sidecar.e1") == {"r1"}
+            assert (await store.usage("acme")).concurrency == 1
+        finally:
+            await client.aclose()
 
 
 async def test_priority_class_reserved_capacity(quotas: QuotaStore) -> None:

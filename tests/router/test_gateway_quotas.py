@@ -3,6 +3,8 @@ unknown tenants, and slots that come back when a request ends."""
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
@@ -187,3 +189,28 @@ async def test_quotas_the_control_plane_lost_are_published_again_from_the_policy
         # A tenant the policy does not declare is still unknown.
         status, _, body = await _short(session, fleet.url, "sk-x")
         assert (status, body["error"]["reason"]) == (403, "unknown_tenant")
+
+
+async def test_a_burst_of_concurrent_requests_waits_for_redis_connections_rather_than_failing(
+    redis_url: str,
+) -> None:
+    """More requests at once than the Redis client has connections: each quota charge waits
+    for a connection instead of failing with 503 quota_unavailable (redis-py's default
+    pool refuses the 65th caller with "Too many connections")."""
+    burst = 200
+    policy = (TenantQuota(name="team-a", max_concurrency=burst),)
+    async with (
+        make_fleet(redis_url, engines=2, keys=KEYS, enforce_quotas=True, tenants=policy) as fleet,
+        aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session,
+    ):
+        replies = await asyncio.gather(
+            *(_short(session, fleet.url, "sk-a", f"burst {i}") for i in range(burst))
+        )
+        statuses = collections.Counter(status for status, _, _ in replies)
+        assert statuses == {200: burst}, [body for status, _, body in replies if status != 200][:3]
+        store = QuotaStore(fleet.registry.redis, POOL)
+
+        async def released() -> bool:
+            return (await store.usage("team-a")).concurrency == 0
+
+        await eventually(released, "every charge to be released")

@@ -17,9 +17,10 @@ from controlplane.store.commands import CommandChannel
 from controlplane.store.connection import RedisSettings
 from controlplane.store.quotas import QuotaStore
 from engine_sidecar.server import SidecarConfig, serve_sidecar
-from fleetsim.server import RunningEngine
-from tests.sidecar.conftest import MODEL, pool_policy
+from fleetsim.server import RunningEngine, serve_engine
+from tests.sidecar.conftest import MODEL, engine_config, pool_policy
 from tests.sidecar.streams import read_sse
+from weir.local.redis_server import RedisServer
 
 pytestmark = pytest.mark.redis
 
@@ -219,6 +220,61 @@ async def test_kv_quota_skips_unknown_tenants_and_applies_from_the_next_heartbea
             assert await sidecar.service.ledger.wait_idle(10.0)
     finally:
         await redis.aclose()
+
+
+async def test_a_kv_charge_redis_missed_is_counted_and_releases_land_once_it_is_back() -> None:
+    """Soft on control: with Redis down a request is admitted on local admission alone, and
+    the skipped charge is counted (it was only logged). Releases made during the outage land
+    once Redis is back with its data (AOF), so nothing stays charged."""
+    async with serve_engine(engine_config(speed_factor=1.0)) as engine:
+        with RedisServer(extra_args=("--appendonly", "yes", "--appendfsync", "always")) as server:
+            redis = connect(RedisSettings(url=server.url, retries=1))
+            quotas = QuotaStore(redis, "p")
+            await quotas.set_quota(TenantQuota(name="acme", kv_token_seconds_per_min=10**9))
+            config = SidecarConfig(
+                engine_url=engine.url, redis_url=server.url, pool="p", endpoint_id="pod-o",
+                policy=pool_policy(), heartbeat_s=0.2,
+            )  # fmt: skip
+            body = {
+                "text": "charge me",
+                "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True},
+                "stream": True,
+            }
+            headers = {"x-weir-tenant": "acme"}
+            held = PoolKeys("p").held_by("sidecar.pod-o")
+            unavailable = (
+                'weir_sidecar_kv_quota_charges_total{endpoint="pod-o",pool="p",'
+                'result="unavailable"} 1.0'
+            )
+            try:
+                async with serve_sidecar(config) as sidecar, aiohttp.ClientSession() as http:
+                    service = sidecar.service
+                    charged = await http.post(sidecar.url + "/generate", json=body, headers=headers)
+                    rid = charged.headers["x-weir-request-id"]
+                    await read_sse(charged, stop_after=3)
+                    assert await redis.smembers(held) == {rid.encode()}
+                    await asyncio.to_thread(server.stop)
+                    uncharged = await http.post(
+                        sidecar.url + "/generate", json=body, headers=headers
+                    )
+                    assert uncharged.status == 200
+                    await read_sse(uncharged, stop_after=3)
+                    assert unavailable in service.metrics.exposition().decode()
+                    charged.close()
+                    uncharged.close()
+                    assert await service.ledger.wait_idle(10.0)
+                    await service.settled()  # both releases tried against the stopped Redis
+                    await asyncio.to_thread(server.start)
+                    assert await redis.smembers(held) == {rid.encode()}  # kept by AOF
+
+                    async def returned() -> bool:
+                        assert service.quota is not None
+                        return service.quota.held == 0 and not await redis.smembers(held)
+
+                    await _until(returned, timeout_s=30.0)
+                    assert await redis.hlen(PoolKeys("p").charges) == 0
+            finally:
+                await redis.aclose()
 
 
 async def test_commands_are_executed_once_and_acknowledged(

@@ -11,12 +11,18 @@
    `weir router`); the same streamed requests go direct to an engine and through the
    router, alternating, so the added time to first token (goal: p50 <= 1 ms) and the
    streaming throughput are measured against a baseline from the same run.
+4. With `--quota-streams N`: N streams opened at once through a router with tenant quotas
+   on (its own redis-server, the engine registered there, one tenant allowed N at once),
+   held together, and counted: each admission is a quota charge in Redis at the same
+   moment as the others', so this is where a Redis client that runs out of connections
+   shows (goal: all N held, no 503).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import os
 import random
@@ -42,11 +48,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--skip-proxy", action="store_true", help="measure decisions only (no subprocesses)"
     )
+    parser.add_argument(
+        "--quota-streams", type=int, default=0, metavar="N",
+        help="also open N streams at once through a router with tenant quotas on (a "
+             "redis-server of its own) and count how many it holds; 0 skips it",
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
     if args.endpoints < 1 or args.decisions < 1 or args.runs < 1:
         raise SystemExit("--endpoints, --decisions and --runs must be positive")
+    if args.quota_streams < 0:
+        raise SystemExit("--quota-streams must not be negative")
     report = Report(
         NAME,
         params={
@@ -55,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
             "runs": args.runs,
             "streams": 0 if args.skip_proxy else args.streams,
             "tokens": args.tokens,
+            "quota_streams": args.quota_streams,
             # Latency figures from a shared machine are only comparable at similar load.
             "load_avg_1m": round(os.getloadavg()[0], 2),
             "cpus": os.cpu_count(),
@@ -64,6 +78,8 @@ def run(args: argparse.Namespace) -> int:
     _event_reads(report, args)
     if not args.skip_proxy:
         asyncio.run(_proxy(report, args))
+    if args.quota_streams:
+        asyncio.run(_quota_streams(report, args.quota_streams))
     report.emit(args.json)
     return 0
 
@@ -250,35 +266,35 @@ def _calibrate(work: Callable[[], object], items: int) -> int:
     return max(1, round(per_item / per_loop))
 
 
+_WEIR = (sys.executable, "-m", "weir.cli")
+
+
+@contextlib.contextmanager
+def _running(*args: str, port: int) -> Iterator[str]:
+    """`weir <args>` as a subprocess, until it accepts connections on `port`; its URL."""
+    from weir.local.ports import wait_for_port
+
+    proc = subprocess.Popen([*_WEIR, *args, "--port", str(port)], stdout=subprocess.DEVNULL)
+    try:
+        wait_for_port(port, timeout_s=60)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
 @contextlib.contextmanager
 def _fleet() -> Iterator[tuple[str, str]]:
     """A fast reference engine and a router in front of it, as subprocesses."""
-    from weir.local.ports import free_port, wait_for_port
+    from weir.local.ports import free_port
 
-    engine_port, router_port = free_port(), free_port()
-    weir = [sys.executable, "-m", "weir.cli"]
-    engine_url = f"http://127.0.0.1:{engine_port}"
-    procs = [
-        subprocess.Popen(
-            [*weir, "engine", "--port", str(engine_port), "--model", "bench",
-             "--speed-factor", "1000"],
-            stdout=subprocess.DEVNULL,
-        ),
-        subprocess.Popen(
-            [*weir, "router", "--port", str(router_port), "--model", "bench",
-             "--endpoint", engine_url, "--bytes-per-token", "1"],
-            stdout=subprocess.DEVNULL,
-        ),
-    ]  # fmt: skip
-    try:
-        wait_for_port(engine_port, timeout_s=60)
-        wait_for_port(router_port, timeout_s=60)
-        yield engine_url, f"http://127.0.0.1:{router_port}"
-    finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            proc.wait(timeout=10)
+    with (
+        _running("engine", "--model", "bench", "--speed-factor", "1000",
+                 port=free_port()) as engine_url,
+        _running("router", "--model", "bench", "--endpoint", engine_url,
+                 "--bytes-per-token", "1", port=free_port()) as router_url,
+    ):  # fmt: skip
+        yield engine_url, router_url
 
 
 async def _stream_once(session: object, url: str, tokens: int, i: int) -> tuple[float, float]:
@@ -350,3 +366,107 @@ async def _proxy(report: Report, args: argparse.Namespace) -> None:
             "x",
         )
     )
+
+
+async def _quota_streams(report: Report, streams: int) -> None:
+    import tempfile
+    from pathlib import Path
+
+    import msgspec
+
+    from controlplane.contract import EndpointState, PoolPolicy, TenantQuota
+    from controlplane.store import EndpointRegistry, RedisSettings, connect
+    from weir.local.ports import free_port
+    from weir.local.redis_server import RedisServer
+
+    policy = PoolPolicy(
+        pool="bench", model="bench", tenants=(TenantQuota(name="bench", max_concurrency=streams),)
+    )
+    with (
+        RedisServer() as redis_server,
+        tempfile.TemporaryDirectory(prefix="weir-bench-") as folder,
+        # Real-time decoding: every stream is still running when the last one starts.
+        _running("engine", "--model", "bench", "--max-running-requests", str(streams),
+                 "--max-total-tokens", str(streams * 5000), port=free_port()) as engine_url,
+    ):  # fmt: skip
+        policy_file = Path(folder) / "policy.json"
+        policy_file.write_bytes(msgspec.json.encode(policy))
+        client = connect(RedisSettings(url=redis_server.url))
+        try:
+            endpoint = EndpointState(
+                pool="bench", endpoint_id="e0", address=engine_url, model="bench",
+                kv_capacity_tokens=streams * 5000,
+            )  # fmt: skip
+            await EndpointRegistry(client, "bench").register(endpoint, ttl_s=3600)
+        finally:
+            await client.aclose()
+        with _running("router", "--redis-url", redis_server.url, "--policy-file",
+                      str(policy_file), "--bytes-per-token", "1",
+                      port=free_port()) as router_url:  # fmt: skip
+            await _ready(router_url)
+            started = time.perf_counter()
+            outcomes = await _hold(router_url, streams)
+            opened_s = time.perf_counter() - started
+    held = outcomes.pop("held", 0)
+    refused = ", ".join(f"{n} x {why}" for why, n in sorted(outcomes.items())) or "none"
+    report.add(
+        Figure(
+            f"streams held at once, {streams} opened together, quotas on",
+            held,
+            "streams",
+            goal=f"all {streams}",
+            met=held == streams,
+            note=f"refused: {refused}; all answered within {opened_s:.2f} s",
+        )
+    )
+
+
+async def _ready(url: str) -> None:
+    """Wait until the router sees a ready endpoint (it follows the pool from Redis)."""
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session, asyncio.timeout(60):
+        while True:
+            async with session.get(url + "/ready") as reply:
+                if reply.status == 200:
+                    return
+            await asyncio.sleep(0.1)
+
+
+async def _hold(url: str, streams: int) -> collections.Counter[str]:
+    """Open `streams` streams at once and keep each open until every one has its answer:
+    'held' (streaming) or the refusal's status and reason."""
+    import aiohttp
+
+    outcomes: collections.Counter[str] = collections.Counter()
+    answered = asyncio.Event()
+    body = {"model": "bench", "prompt": "hold me", "stream": True, "max_tokens": 4000,
+            "ignore_eos": True}  # fmt: skip
+
+    def tell(outcome: str) -> None:
+        outcomes[outcome] += 1
+        if sum(outcomes.values()) == streams:
+            answered.set()
+
+    async def one(session: aiohttp.ClientSession) -> None:
+        try:
+            async with session.post(
+                url + "/v1/completions", json=body, headers={"x-weir-tenant": "bench"}
+            ) as reply:
+                if reply.status != 200:
+                    reason = (await reply.json()).get("error", {}).get("reason", "")
+                    tell(f"{reply.status} {reason}")
+                    return
+                async for line in reply.content:
+                    if line.startswith(b"data: {"):
+                        break
+                tell("held")
+                await answered.wait()  # a held stream stays open until all have answered
+        except aiohttp.ClientError as exc:
+            if not answered.is_set():
+                tell(f"failed ({type(exc).__name__})")
+
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session, asyncio.timeout(120):
+        await asyncio.gather(*(one(session) for _ in range(streams)))
+    return outcomes
