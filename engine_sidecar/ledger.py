@@ -22,6 +22,7 @@ from typing import Any
 from controlplane.contract import FinishReason, PoolPolicy, WatermarkState
 from engine_sidecar.intake import Intake
 from engine_sidecar.policy import (
+    AdmissionQueue,
     AdmissionVerdict,
     GrowthRate,
     KVUsage,
@@ -36,7 +37,6 @@ from engine_sidecar.policy import (
     classify,
     decide_admission,
     growth_reserve,
-    queue_order,
     reconcile_used,
     retry_after_s,
     steady_range,
@@ -142,7 +142,10 @@ class Ledger:
         self.changed_at: float | None = None
         self.pressure = asyncio.Event()  # wakes the relief loop
         self._published_used = 0
-        self._queue: dict[str, tuple[QueuedRequest, asyncio.Future[None]]] = {}
+        sched = policy.scheduling
+        self._queue: AdmissionQueue[asyncio.Future[None]] = AdmissionQueue(
+            sched.local_queue_size, sched.aging_per_second
+        )
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -160,11 +163,11 @@ class Ledger:
     @property
     def queued(self) -> int:
         """Requests waiting in the local queue (not those admitted and about to leave it)."""
-        return sum(1 for _, future in self._queue.values() if not future.done())
+        return sum(1 for _, future in self._queue.entries() if not future.done())
 
     def oldest_wait_s(self) -> float:
         now = self.clock()
-        waiting = [q.enqueued_at for q, _ in self._queue.values()]
+        waiting = [q.enqueued_at for q, _ in self._queue.entries()]
         waiting += [f.record.state_since for f in self.flights.values() if f.prefill]
         return max(0.0, now - min(waiting)) if waiting else 0.0
 
@@ -341,35 +344,35 @@ class Ledger:
 
     async def admit(self, flight: Flight) -> None:
         """Admit `flight` (new, or preempted and resuming) now or after a bounded wait in
-        the local queue; raises OverloadError. On return its KV is committed."""
+        the local queue (`AdmissionQueue`'s discipline); raises OverloadError. On return
+        its KV is committed."""
         sched = self.policy.scheduling
         verdict, reason = self._decide(flight)
-        if verdict is AdmissionVerdict.ADMIT:
-            if not self.queued:
-                self._commit(flight)
-                return
-            reason = "queued_ahead"  # it fits, but others wait: no overtaking, join the queue
         if verdict is AdmissionVerdict.REFUSE:
-            raise OverloadError(reason, 60, f"request can never fit this endpoint's KV ({reason})")
+            raise _never_fits(reason)
+        queue = self._queue
+        if not queue.must_wait(verdict):
+            self._commit(flight)
+            return
+        if verdict is AdmissionVerdict.ADMIT:
+            reason = "queued_ahead"  # it fits, but others wait: no overtaking, join the queue
         rec = flight.record
-        resumed = flight.resumed or rec.state is _S.DECODE_PREEMPTED
-        if len(self._queue) >= sched.local_queue_size and not resumed:
+        if queue.refuses(resumed=flight.resumed or rec.state is _S.DECODE_PREEMPTED):
             raise OverloadError(
                 "queue_full",
-                retry_after_s(
-                    len(self._queue), sched.local_queue_size, sched.local_queue_max_wait_s
-                ),
-                f"local queue is full ({len(self._queue)} waiting; last reason {reason})",
+                retry_after_s(len(queue), sched.local_queue_size, sched.local_queue_max_wait_s),
+                f"local queue is full ({len(queue)} waiting; last reason {reason})",
             )
         now = self.clock()
         expires = now + sched.local_queue_max_wait_s
-        if flight.record.deadline_at > 0:
-            expires = min(expires, flight.record.deadline_at)
+        if rec.deadline_at > 0:
+            expires = min(expires, rec.deadline_at)
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         # A preempted request waits as if queued since it first arrived: its aging carries
         # it ahead of newer arrivals of its class.
         since = rec.arrived_at if rec.state is _S.DECODE_PREEMPTED else now
-        self._queue[flight.rid] = (
+        resumed = flight.resumed or rec.state is _S.DECODE_PREEMPTED
+        queue.offer(
             QueuedRequest(flight.rid, rec.priority, since, expires, rec.prompt_tokens, resumed),
             future,
         )
@@ -381,13 +384,11 @@ class Ledger:
             if not future.done():
                 raise OverloadError(
                     "queue_timeout",
-                    retry_after_s(
-                        len(self._queue), sched.local_queue_size, sched.local_queue_max_wait_s
-                    ),
+                    retry_after_s(len(queue), sched.local_queue_size, sched.local_queue_max_wait_s),
                     f"no KV capacity within {expires - now:.1f}s (last reason {reason})",
                 ) from None
         finally:
-            self._queue.pop(flight.rid, None)
+            queue.remove(flight.rid)
             self._pump()
 
     def _commit(self, flight: Flight) -> None:
@@ -399,17 +400,23 @@ class Ledger:
 
     def _pump(self) -> None:
         """Admit queued requests, in queue order, while the head fits."""
-        if not self._queue:
+        if not len(self._queue):
             return
-        now = self.clock()
-        pending = tuple(q for q, fut in self._queue.values() if not fut.done())
-        for queued in queue_order(pending, now, self.policy.scheduling.aging_per_second):
-            flight = self.flights.get(queued.rid)
-            _, future = self._queue[queued.rid]
-            if flight is None:
-                continue
-            verdict, _ = self._decide(flight)
-            if verdict is not AdmissionVerdict.ADMIT:
-                return
-            self._commit(flight)
-            future.set_result(None)
+        for queued, future, verdict in self._queue.pump(self.clock(), self._verdict):
+            if verdict is AdmissionVerdict.ADMIT:
+                self._commit(self.flights[queued.rid])
+                future.set_result(None)
+            else:  # it grew past what the engine could ever hold
+                future.set_exception(_never_fits("too_large"))
+
+    def _verdict(
+        self, queued: QueuedRequest, waiter: asyncio.Future[None]
+    ) -> AdmissionVerdict | None:
+        flight = self.flights.get(queued.rid)
+        if flight is None or waiter.done():
+            return None  # its waiter left
+        return self._decide(flight)[0]
+
+
+def _never_fits(reason: str) -> OverloadError:
+    return OverloadError(reason, 60, f"request can never fit this endpoint's KV ({reason})")

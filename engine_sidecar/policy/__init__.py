@@ -21,6 +21,7 @@ from engine_sidecar.policy.lifecycle import (
 )
 from engine_sidecar.policy.prediction import LengthKey, OutputLengthPredictor
 from engine_sidecar.policy.queue import (
+    AdmissionQueue,
     QueuedRequest,
     effective_priority,
     engine_priority,
@@ -48,6 +49,7 @@ from engine_sidecar.policy.watermark import (
 __all__ = [
     "TRANSITIONS",
     "AdmissionDecision",
+    "AdmissionQueue",
     "AdmissionVerdict",
     "GrowthRate",
     "IllegalTransitionError",

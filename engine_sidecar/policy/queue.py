@@ -11,7 +11,13 @@ queue does not refuse it (the streams already running bound how many there can b
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from engine_sidecar.policy.admission import AdmissionVerdict
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,3 +73,70 @@ def retry_after_s(queue_length: int, capacity: int, max_wait_s: float) -> int:
     """A Retry-After hint: longer as the queue fills, at least one second."""
     fullness = queue_length / capacity if capacity > 0 else 1.0
     return max(1, round(max_wait_s * min(1.0, fullness) / 4))
+
+
+class AdmissionQueue(Generic[T]):
+    """The local queue's discipline, the one the live ledger and the simulator both run:
+    what may join (a full queue refuses new work, never a resume), what must wait (a
+    request that fits waits all the same while others do: no overtaking), the order
+    (`queue_order`), who leaves when room frees (`pump`: in order, while the head fits;
+    one that can never fit leaves to be refused) and when a wait is over (`expire`).
+    Clock-free: every call is given `now`. Each entry carries the caller's payload (a
+    waiter's future live, a flight in the simulator)."""
+
+    def __init__(self, size: int, aging_per_second: float) -> None:
+        self.size = size
+        self.aging_per_second = aging_per_second
+        self._entries: dict[str, tuple[QueuedRequest, T]] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, rid: object) -> bool:
+        return rid in self._entries
+
+    def entries(self) -> list[tuple[QueuedRequest, T]]:
+        return list(self._entries.values())
+
+    def refuses(self, resumed: bool) -> bool:
+        """Whether a request must be refused for a full queue (a resume never is)."""
+        return not resumed and len(self._entries) >= self.size
+
+    def must_wait(self, verdict: AdmissionVerdict) -> bool:
+        """Whether a request with this verdict waits rather than being admitted now."""
+        return verdict is not AdmissionVerdict.ADMIT or bool(self._entries)
+
+    def offer(self, item: QueuedRequest, payload: T) -> None:
+        self._entries[item.rid] = (item, payload)
+
+    def remove(self, rid: str) -> T | None:
+        entry = self._entries.pop(rid, None)
+        return None if entry is None else entry[1]
+
+    def expire(self, now: float) -> list[tuple[QueuedRequest, T]]:
+        """Take out the entries whose wait is over."""
+        gone = [entry for entry in self._entries.values() if entry[0].expires_at <= now]
+        for item, _ in gone:
+            del self._entries[item.rid]
+        return gone
+
+    def pump(
+        self, now: float, decide: Callable[[QueuedRequest, T], AdmissionVerdict | None]
+    ) -> Iterator[tuple[QueuedRequest, T, AdmissionVerdict]]:
+        """The entries that leave now, in queue order: each one `decide` admits, and each
+        one that can never fit (REFUSE), until the first that must wait. `decide` may
+        answer None for an entry to pass over (its waiter is already gone)."""
+        ordered = queue_order(
+            tuple(q for q, _ in self._entries.values()), now, self.aging_per_second
+        )
+        for item in ordered:
+            entry = self._entries.get(item.rid)
+            if entry is None:
+                continue
+            verdict = decide(item, entry[1])
+            if verdict is None:
+                continue
+            if verdict is AdmissionVerdict.WAIT:
+                return
+            del self._entries[item.rid]
+            yield item, entry[1], verdict

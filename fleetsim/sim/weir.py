@@ -11,7 +11,9 @@ in-flight counts since each endpoint's last visible heartbeat; the approximate
 Sidecar (`engine_sidecar.policy`), one per engine: growth-reserve admission
 (`decide_admission`) over the KV its requests hold plus the growth the running ones are
 predicted to add (`OutputLengthPredictor`, or the client's hint); the bounded local queue
-in `queue_order` (priority with aging); engine priority from urgency (`engine_priority`);
+by the live ledger's own discipline (`AdmissionQueue`: no overtaking, priority with aging,
+resumes one class ahead and never refused for a full queue; held equal to the ledger by
+tests/fleetsim/test_orchestration_parity.py); engine priority from urgency (`engine_priority`);
 watermarks with hysteresis (`classify`) published with every heartbeat and at once on a
 change; and the relief ladder (`plan_relief`): at exhaustion, victims are migrated (a
 continuation re-routed by the router, excluding this endpoint) or recomputed in place.
@@ -70,6 +72,8 @@ from controlplane.routing import (
 from controlplane.routing.snapshot import EndpointView
 from engine_sidecar.ledger import Ledger
 from engine_sidecar.policy import (
+    AdmissionDecision,
+    AdmissionQueue,
     AdmissionVerdict,
     KVUsage,
     LengthKey,
@@ -84,7 +88,6 @@ from engine_sidecar.policy import (
     engine_priority,
     growth_reserve,
     plan_relief,
-    queue_order,
 )
 from fleetsim.engine import EngineConfig
 from fleetsim.sim.config import MODEL, FleetConfig
@@ -130,7 +133,7 @@ class Sidecar:
     # (smoothed over finished requests, published as `predicted_tpot_s`); the simulator
     # keeps its own KV account below, on the virtual clock.
     ledger: Ledger = field(init=False)
-    queue: dict[str, tuple[QueuedRequest, Flight]] = field(default_factory=dict)
+    queue: AdmissionQueue[Flight] = field(init=False)
     held: dict[str, _Held] = field(default_factory=dict)
     watermark: WatermarkState = WatermarkState.NORMAL
     admission_paused: bool = False
@@ -141,6 +144,8 @@ class Sidecar:
 
     def __post_init__(self) -> None:
         self.ledger = Ledger(self.policy, self.capacity_tokens, self.clock)
+        sched = self.policy.scheduling
+        self.queue = AdmissionQueue(sched.local_queue_size, sched.aging_per_second)
 
     @property
     def predictor(self) -> OutputLengthPredictor:
@@ -283,7 +288,7 @@ class WeirPolicy:
         sidecar.version += 1
         # Prompt tokens not yet prefilled: queued here, or admitted and still waiting for
         # their first token (the sidecar knows what it sent and what has streamed back).
-        waiting = sum(q.prompt_tokens for q, _ in sidecar.queue.values())
+        waiting = sum(q.prompt_tokens for q, _ in sidecar.queue.entries())
         waiting += sum(
             h.prompt_tokens - max(0, h.flight.visit_cached)
             for h in sidecar.held.values()
@@ -526,15 +531,14 @@ class WeirPolicy:
 
     # -- the sidecars ----------------------------------------------------------------------
     def _offer(self, sidecar: Sidecar, flight: Flight, now: float) -> None:
-        policy = self._policy().scheduling
         # A continuation is accepted work: a full queue takes it all the same.
-        if len(sidecar.queue) >= policy.local_queue_size and not flight.generated:
+        if sidecar.queue.refuses(resumed=bool(flight.generated)):
             self.sim.end(flight, FinishReason.OVERLOAD, now, "sidecar queue full")
             return
         spec = flight.spec
         flight.enqueue(now)
         self._where[flight.rid] = sidecar.index
-        sidecar.queue[flight.rid] = (
+        sidecar.queue.offer(
             QueuedRequest(
                 flight.rid,
                 spec.priority,
@@ -548,20 +552,20 @@ class WeirPolicy:
         self._admit(sidecar, now)
 
     def _admit(self, sidecar: Sidecar, now: float) -> None:
-        if not sidecar.queue or not self.sim.engines[sidecar.index].alive:
+        """The sidecar's queue, by the live ledger's discipline (`AdmissionQueue`)."""
+        if not len(sidecar.queue) or not self.sim.engines[sidecar.index].alive:
             return
         sim, policy = self.sim, self._policy()
         aging = policy.scheduling.aging_per_second
-        for queued in [q for q, _ in sidecar.queue.values() if q.expires_at <= now]:
-            _, flight = sidecar.queue.pop(queued.rid)
+        for _, flight in sidecar.queue.expire(now):
             self._where.pop(flight.rid, None)
             if flight.generated:
                 sim.end(flight, FinishReason.ABORTED, now, "continuation waited too long")
             else:
                 sim.end(flight, FinishReason.OVERLOAD, now, "sidecar queue wait exceeded")
-        ordered = queue_order(tuple(q for q, _ in sidecar.queue.values()), now, aging)
-        for position, queued in enumerate(ordered):
-            flight = sidecar.queue[queued.rid][1]
+        decisions: dict[str, AdmissionDecision] = {}
+
+        def decide(queued: QueuedRequest, flight: Flight) -> AdmissionVerdict:
             pool = PoolOutlook(
                 sidecar.capacity_tokens,
                 sidecar.used_tokens,
@@ -572,24 +576,18 @@ class WeirPolicy:
             decision = decide_admission(
                 sidecar.outlook(flight), queued.prompt_tokens, pool, policy.kv
             )
-            if decision.verdict is AdmissionVerdict.REFUSE:
-                del sidecar.queue[queued.rid]
+            decisions[queued.rid] = decision
+            return decision.verdict
+
+        for queued, flight, verdict in sidecar.queue.pump(now, decide):
+            decision = decisions[queued.rid]
+            if verdict is AdmissionVerdict.REFUSE:
                 self._where.pop(flight.rid, None)
                 # A request that can never fit is refused; a continuation that no longer
                 # fits (it grew) has nowhere to go and ends as aborted.
                 ending = FinishReason.ABORTED if flight.generated else FinishReason.OVERLOAD
                 sim.end(flight, ending, now, f"sidecar: {decision.reason}")
                 continue
-            if decision.verdict is AdmissionVerdict.WAIT:
-                if decision.reason != "kv_reserve":
-                    return  # admission closed: nothing goes in
-                # Smaller requests may pass one that does not fit yet, unless it has
-                # waited half its time: then its turn holds the line (no starvation).
-                waited = now - queued.enqueued_at
-                if position == 0 and waited > (queued.expires_at - queued.enqueued_at) / 2:
-                    return
-                continue
-            del sidecar.queue[queued.rid]
             slack = None
             if flight.spec.deadline_s > 0:
                 slack = flight.spec.arrival_s + flight.spec.deadline_s - now
@@ -688,7 +686,7 @@ class WeirPolicy:
         if index < 0:
             return
         sidecar = self.sidecars[index]
-        sidecar.queue.pop(flight.rid, None)
+        sidecar.queue.remove(flight.rid)
         if sidecar.held.pop(flight.rid, None) is not None and flight.completed:
             sidecar.predictor.observe(LengthKey(flight.spec.tenant, MODEL), flight.generated)
             if flight.generated > 1:
@@ -713,8 +711,9 @@ class WeirPolicy:
         sidecar = self.sidecars[engine]
         lease = LEASE_HEARTBEATS * self.sim.config.staleness.heartbeat_period_s
         self.sim.at(now + lease, lambda: self._membership_changed(self.sim.now))
-        stranded = [*flights, *(f for _, f in sidecar.queue.values())]
-        sidecar.queue.clear()
+        stranded = [*flights, *(f for _, f in sidecar.queue.entries())]
+        for flight in stranded:
+            sidecar.queue.remove(flight.rid)
         sidecar.held.clear()
         self.index.forget(sidecar.endpoint_id)
         for flight in stranded:
