@@ -57,6 +57,7 @@ from controlplane.routing import (
     Decision,
     EndpointView,
     FairQueue,
+    InFlight,
     PoolSnapshot,
     PrefixIndex,
     QueueFullError,
@@ -64,6 +65,8 @@ from controlplane.routing import (
     RoutingContext,
     default_config,
     profile_from_config,
+    service_correction,
+    service_estimate,
 )
 from controlplane.transport import DONE, HTTPClient, Response, TransportError
 from controlplane.transport.event_stream import DirectWriter
@@ -73,6 +76,9 @@ log = logging.getLogger(__name__)
 # Filters that remove endpoints for being full right now: a request they leave without a
 # candidate waits in the fair queue; any other refusal means nothing could serve it.
 MAX_HASHED_BLOCKS = 256
+# A report that reaches the router was taken at most this long before: what the router
+# sent earlier had reached the endpoint and is in it.
+REPORT_LAG_S = 0.1
 _JSON = {"Content-Type": "application/json"}
 CONTINUE_PATH = "/weir/v1/continue"
 _API_PATHS = {
@@ -189,8 +195,8 @@ class Gateway:
         self.queue: FairQueue[tuple[RouteRequest, asyncio.Future[Decision]]] = FairQueue(
             config.queue_capacity_per_band, config.queue_max_wait_s
         )
-        self.inflight: dict[str, int] = {}
-        self.inflight_total = 0
+        self.inflight = InFlight()
+        self._versions: dict[str, int] = {}  # each endpoint's last report seen
         self._http: HTTPClient | None = None
         self._background: set[asyncio.Task[None]] = set()
         self._served = self._models_of(view.snapshot)
@@ -262,7 +268,8 @@ class Gateway:
     ) -> Decision:
         """One pure decision, timed and counted, with the endpoint reserved if picked."""
         started = time.perf_counter()
-        ctx = RoutingContext(snapshot, now, self.inflight, self.inflight_total, self.prefix_index)
+        inflight = self.inflight
+        ctx = RoutingContext(snapshot, now, inflight.counts, inflight.total, self.prefix_index)
         decide = self.profile.decide_resume if resume else self.profile.decide
         decision = decide(route, ctx)
         self._decision_seconds.observe(time.perf_counter() - started)
@@ -273,20 +280,11 @@ class Gateway:
             self._decisions[key] = counter
         counter.inc()
         if decision.endpoint_id:
-            self._reserve(decision.endpoint_id)
+            self.inflight.add(decision.endpoint_id, route.request_id, now)
         return decision
 
-    def _reserve(self, endpoint_id: str) -> None:
-        self.inflight[endpoint_id] = self.inflight.get(endpoint_id, 0) + 1
-        self.inflight_total += 1
-
-    def _release(self, endpoint_id: str) -> None:
-        left = self.inflight.get(endpoint_id, 0) - 1
-        if left > 0:
-            self.inflight[endpoint_id] = left
-        else:
-            self.inflight.pop(endpoint_id, None)
-        self.inflight_total -= 1
+    def _release(self, endpoint_id: str, request_id: str) -> None:
+        self.inflight.remove(endpoint_id, request_id)
         self._pump()
 
     async def _admit(self, route: RouteRequest) -> Decision:
@@ -297,7 +295,9 @@ class Gateway:
             if decision.endpoint_id:
                 # Served at once, still served: the virtual token counter counts all
                 # service, so a heavy tenant does not enter a saturated period as new.
-                self.queue.charge(route.tenant, _fair_cost(route))
+                self.queue.charge(
+                    route.tenant, service_estimate(route.prompt_tokens, route.max_new_tokens)
+                )
                 return decision
             if decision.refusal not in SATURATION:
                 raise unavailable(
@@ -311,7 +311,8 @@ class Gateway:
         future: asyncio.Future[Decision] = asyncio.get_running_loop().create_future()
         try:
             self.queue.offer(
-                route.request_id, route.tenant, route.priority, _fair_cost(route), now,
+                route.request_id, route.tenant, route.priority,
+                service_estimate(route.prompt_tokens, route.max_new_tokens), now,
                 (route, future),
             )  # fmt: skip
         except QueueFullError as exc:
@@ -339,7 +340,7 @@ class Gateway:
         except BaseException:
             # Handed an endpoint just as the client left: give the reservation back.
             if future.done() and not future.cancelled():
-                self._release(future.result().endpoint_id)
+                self._release(future.result().endpoint_id, route.request_id)
             raise
         finally:
             self.queue.remove(route.request_id)
@@ -371,8 +372,16 @@ class Gateway:
     def _snapshot_changed(self, snapshot: PoolSnapshot, removed: tuple[EndpointView, ...]) -> None:
         self._served = self._models_of(snapshot)
         now = self.clock()
+        # A new report shows what reached its endpoint before it was taken, which is
+        # what was sent up to a moment before it arrived here.
+        versions, shown = self._versions, now - REPORT_LAG_S
+        for view in snapshot.endpoints:
+            if versions.get(view.endpoint_id) != view.state.version:
+                versions[view.endpoint_id] = view.state.version
+                self.inflight.reported(view.endpoint_id, shown)
         expired = 0
         for view in removed:
+            versions.pop(view.endpoint_id, None)
             self.prefix_index.forget(view.endpoint_id)
             expired += view.lease_deadline <= now
         if expired:
@@ -450,7 +459,7 @@ class Gateway:
                 if outcome == "done":
                     assert result is not None
                     return result
-                self._release(reserved)
+                self._release(reserved, ex.route.request_id)
                 if outcome == "refused" and ex.response is None:
                     ex.failed.add(reserved)
                     reserved = ""
@@ -459,7 +468,7 @@ class Gateway:
                     if attempts >= self.config.max_attempts or not targets:
                         return self._refuse_after_attempts(ex)
                     reserved = targets[0]
-                    self._reserve(reserved)
+                    self.inflight.add(reserved, ex.route.request_id, self.clock())
                     continue
                 if outcome == "refused":
                     # A resume its target could not take yet: what it carries is intact.
@@ -498,7 +507,7 @@ class Gateway:
             raise
         finally:
             if reserved:
-                self._release(reserved)
+                self._release(reserved, ex.route.request_id)
             self._release_quota(ex.route.request_id, ex.client.prompt_tokens, ex.received.tokens)
             self._account(ex)
 
@@ -751,7 +760,7 @@ class Gateway:
         now = self.clock()
         out = ex.received.tokens
         buckets = (length_bucket(ex.client.prompt_tokens), length_bucket(out))
-        self.queue.charge(tenant, out - ex.route.max_new_tokens / 2)  # estimate -> actual
+        self.queue.charge(tenant, service_correction(ex.route.max_new_tokens, out))
         m.requests.labels(pool, tenant, ex.finish).inc()
         m.tokens.labels(pool, tenant, "input").inc(ex.client.prompt_tokens)
         m.tokens.labels(pool, tenant, "output").inc(out)
@@ -837,7 +846,7 @@ class Gateway:
                 "kv_capacity_tokens": e.state.kv_capacity_tokens,
                 "running_requests": e.state.running_requests,
                 "queued_requests": e.state.queued_requests,
-                "router_inflight": self.inflight.get(e.endpoint_id, 0),
+                "router_inflight": self.inflight.count(e.endpoint_id),
                 "lease_left_s": None
                 if e.lease_deadline == float("inf")
                 else round(e.lease_deadline - now, 3),
@@ -869,12 +878,6 @@ def _unary_finish(reply: dict[str, Any]) -> str:
     if isinstance(finish, dict) and isinstance(finish.get("type"), str):
         return str(finish["type"])
     return "stop"
-
-
-def _fair_cost(route: RouteRequest) -> float:
-    """A request's service estimate for the fair queue: its prompt plus half its output
-    limit (corrected by the tokens it really generated when it ends)."""
-    return route.prompt_tokens + route.max_new_tokens / 2
 
 
 async def _write(response: web.StreamResponse, data: bytes) -> None:

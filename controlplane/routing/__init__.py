@@ -9,11 +9,18 @@ fleet simulator runs it in virtual time:
 - `filters`, `scorers`, `pickers`: the built-in plugins; `cost`: the cost model the
   scorers are made of; `registry`: plugins by name and profiles from configuration;
 - `prefix_index`: the approximate per-endpoint block index;
-- `fair_queue`: the bounded, tenant-fair admission queue.
+- `fair_queue`: the bounded, tenant-fair admission queue;
+- `inflight`: what a router sent that its snapshot does not show yet.
 """
 
 from controlplane.routing.cost import CostModel
-from controlplane.routing.fair_queue import FairQueue, QueueEntry, QueueFullError
+from controlplane.routing.fair_queue import (
+    FairQueue,
+    QueueEntry,
+    QueueFullError,
+    service_correction,
+    service_estimate,
+)
 from controlplane.routing.framework import (
     SATURATION,
     Cycle,
@@ -25,6 +32,7 @@ from controlplane.routing.framework import (
     Scorer,
     WeightedScorer,
 )
+from controlplane.routing.inflight import InFlight
 from controlplane.routing.prefix_index import PrefixIndex
 from controlplane.routing.registry import (
     PluginKind,
@@ -51,6 +59,7 @@ __all__ = [
     "EndpointView",
     "FairQueue",
     "Filter",
+    "InFlight",
     "Picker",
     "PluginKind",
     "PoolSnapshot",
@@ -68,4 +77,6 @@ __all__ = [
     "profile_from_config",
     "register",
     "registered",
+    "service_correction",
+    "service_estimate",
 ]

@@ -35,6 +35,18 @@ class QueueEntry(Generic[T]):
     payload: T
 
 
+def service_estimate(prompt_tokens: int, max_new_tokens: int) -> float:
+    """A request's service as charged when it is dispatched: its prompt plus half its
+    output limit (`service_correction` settles it when it ends)."""
+    return prompt_tokens + max_new_tokens / 2
+
+
+def service_correction(max_new_tokens: int, generated_tokens: int) -> float:
+    """What to add to a tenant's counter once its request ended: the output it really
+    generated in place of the estimate's half of the limit."""
+    return generated_tokens - max_new_tokens / 2
+
+
 class QueueFullError(Exception):
     """The request's band is full: refuse it with `overload` and this Retry-After."""
 

@@ -44,7 +44,6 @@ Not modelled: KV token-second quotas (the sidecar's charge), offload/swap.
 from __future__ import annotations
 
 import functools
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -59,7 +58,9 @@ from controlplane.contract import (
 from controlplane.contract.credit_rules import decode_budget
 from controlplane.ownership import Membership, OwnershipRing, prefix_key
 from controlplane.routing import (
+    SATURATION,
     FairQueue,
+    InFlight,
     PoolSnapshot,
     PrefixIndex,
     Profile,
@@ -68,6 +69,8 @@ from controlplane.routing import (
     RoutingContext,
     default_config,
     profile_from_config,
+    service_correction,
+    service_estimate,
 )
 from controlplane.routing.snapshot import EndpointView
 from engine_sidecar.ledger import Ledger
@@ -200,7 +203,10 @@ class WeirPolicy:
         self._snapshots: dict[Role, PoolSnapshot] = {}
         self._states: dict[int, EndpointState] = {}
         self._leases: dict[int, float] = {}
-        self._dispatches: list[deque[float]] = []
+        # Each pool's router's dispatches not yet shown by a report, as the gateway's;
+        # and where each request was last dispatched.
+        self.inflight: dict[Role, InFlight] = {}
+        self._sent_to: dict[str, tuple[Role, str]] = {}
         self._where: dict[str, int] = {}
         self._excluded: dict[str, set[str]] = {}
         self._queued: dict[str, Flight] = {}
@@ -262,11 +268,12 @@ class WeirPolicy:
             policy, timing.model.kv_bytes_per_token, credits=sim.config.disaggregated
         )
         sim.every(HOLDER_RENEW_S, self.gate.renew)
-        self._dispatches = [deque() for _ in sim.engines]
+        vnodes = policy.routing.virtual_nodes  # as the gateway's `RingOwners`
         for role in dict.fromkeys(s.role for s in self.sidecars):
+            self.inflight[role] = InFlight()
             self.queues[role] = FairQueue(max_wait_s=CONTINUATION_MAX_WAIT_S)
             members = (s.endpoint_id for s in self.sidecars if s.role is role)
-            self.rings[role] = OwnershipRing(Membership.of(1, members))
+            self.rings[role] = OwnershipRing(Membership.of(1, members), vnodes)
         period = sim.config.staleness.heartbeat_period_s
         for sidecar in self.sidecars:
             self._heartbeat(sidecar, 0.0, registered=True)
@@ -323,9 +330,7 @@ class WeirPolicy:
     def _publish(self, index: int, state: EndpointState, lease: float, taken_at: float) -> None:
         self._states[index] = state
         self._leases[index] = lease
-        dispatched = self._dispatches[index]
-        while dispatched and dispatched[0] <= taken_at:
-            dispatched.popleft()
+        self.inflight[state.role].reported(state.endpoint_id, taken_at)
         self._snapshots.clear()
         now = self.sim.now
         if state.role is Role.DECODE:
@@ -356,13 +361,10 @@ class WeirPolicy:
 
     def _context(self, now: float, role: Role) -> RoutingContext:
         """What the router of `role`'s pool sees."""
-        snapshot = self._snapshot(now, role)
-        inflight = {
-            sidecar.endpoint_id: len(d)
-            for sidecar, d in zip(self.sidecars, self._dispatches, strict=True)
-            if d and sidecar.role is role
-        }
-        return RoutingContext(snapshot, now, inflight, sum(inflight.values()), self.index)
+        inflight = self.inflight[role]
+        return RoutingContext(
+            self._snapshot(now, role), now, inflight.counts, inflight.total, self.index
+        )
 
     # -- the router -------------------------------------------------------------------------
     def arrive(self, flight: Flight, now: float) -> None:
@@ -377,8 +379,24 @@ class WeirPolicy:
             self._enqueue(flight, now)  # never jump the queue of one's own class
             self._drain(now)
             return
-        if not self._route(flight, now, frozenset()):
+        refusal = self._route(flight, now, frozenset())
+        if not refusal:
+            self._charge(flight)
+        elif refusal in SATURATION:
             self._enqueue(flight, now)
+        else:  # nothing could serve it, full or not: the gateway answers 503
+            self._refused(flight, Refusal(503, refusal, 1.0), now)
+
+    def _charge(self, flight: Flight) -> None:
+        """Charge the tenant's counter in its router's fair queue once per request, as
+        the gateway does on dispatch (`service_estimate`; settled when it ends)."""
+        if not flight.charged_in:
+            role = self._role(flight)
+            self.queues[role].charge(
+                flight.spec.tenant,
+                service_estimate(flight.spec.input_tokens, flight.spec.max_tokens),
+            )
+            flight.charged_in = role.value
 
     def _refused(self, flight: Flight, refusal: Refusal, now: float) -> None:
         """The gateway's answer reaches the client: a patient one (its own maximum wait)
@@ -403,7 +421,8 @@ class WeirPolicy:
             return Role.MIXED
         return Role.DECODE if flight.kv_ready or flight.generated else Role.PREFILL
 
-    def _route(self, flight: Flight, now: float, exclude: frozenset[str]) -> bool:
+    def _route(self, flight: Flight, now: float, exclude: frozenset[str]) -> str:
+        """Place the flight on an endpoint's sidecar; "" when placed, else the refusal."""
         spec = flight.spec
         assert self.profile is not None
         full = spec.input_tokens // BLOCK_TOKENS
@@ -430,17 +449,25 @@ class WeirPolicy:
         while True:
             decision = decide(request, self._context(now, role))
             if not decision.endpoint_id:
-                return False
+                return decision.refusal
             index = int(decision.endpoint_id.rsplit("-", 1)[1])
             if self.sim.engines[index].alive:
                 break
             # Its lease has not lapsed yet but the connection is refused: try the others.
             request = replace(request, exclude=request.exclude | {decision.endpoint_id})
         self.index.record(decision.endpoint_id, request.block_hashes)
-        self._dispatches[index].append(now)
+        self._unsent(flight.rid)  # a continuation leaves where it was, as a release
+        self.inflight[role].add(decision.endpoint_id, flight.rid, now)
+        self._sent_to[flight.rid] = (role, decision.endpoint_id)
         flight.accepted = True
         self._offer(self.sidecars[index], flight, now)
-        return True
+        return ""
+
+    def _unsent(self, rid: str) -> None:
+        """The request left the endpoint it was last sent to (the gateway's release)."""
+        sent = self._sent_to.pop(rid, None)
+        if sent is not None:
+            self.inflight[sent[0]].remove(sent[1], rid)
 
     def _owners(self, flight: Flight, role: Role) -> tuple[str, ...]:
         """Primary and secondary owner of the prompt's prefix key on the current ring of
@@ -469,7 +496,7 @@ class WeirPolicy:
                 for s in self.sidecars
                 if s.role is role and self.sim.engines[s.index].alive
             ]
-            self.rings[role] = OwnershipRing(Membership.of(ring.version + 1, live))
+            self.rings[role] = OwnershipRing(Membership.of(ring.version + 1, live), ring.vnodes)
 
     def _enqueue(self, flight: Flight, now: float) -> None:
         spec = flight.spec
@@ -478,7 +505,7 @@ class WeirPolicy:
                 spec.request_id,
                 spec.tenant,
                 spec.priority,
-                float(spec.input_tokens + flight.generated),
+                service_estimate(spec.input_tokens, spec.max_tokens),
                 now,
                 flight,
             )
@@ -510,13 +537,13 @@ class WeirPolicy:
             while (entry := queue.peek()) is not None:
                 flight = entry.payload
                 exclude = frozenset(self._excluded.get(flight.rid, ()))
-                if not self._route(flight, now, exclude):
+                if self._route(flight, now, exclude):
                     break
                 # Dispatched (it may even have ended already): out of the queue, and its
                 # tenant is charged for the service, as `FairQueue.pop` would.
                 queue.remove(entry.key)
                 self._queued.pop(entry.key, None)
-                queue.charge(entry.tenant, entry.cost)
+                self._charge(flight)
 
     def _reroute(self, flight: Flight, away_from: int, now: float) -> None:
         """A continuation (migration or failover): anywhere but where it was."""
@@ -526,7 +553,7 @@ class WeirPolicy:
         if len(excluded) >= sum(1 for s in self.sidecars if s.role is role):
             excluded.clear()
             excluded.add(self.sidecars[away_from].endpoint_id)
-        if not self._route(flight, now, frozenset(excluded)):
+        if self._route(flight, now, frozenset(excluded)):
             self._enqueue(flight, now)
 
     # -- the sidecars ----------------------------------------------------------------------
@@ -677,6 +704,11 @@ class WeirPolicy:
     # -- endings and failures -------------------------------------------------------------
     def ended(self, flight: Flight, now: float) -> None:
         self.gate.release(flight, now)
+        self._unsent(flight.rid)
+        if flight.charged_in:  # estimate -> what it really generated, as the gateway does
+            self.queues[Role(flight.charged_in)].charge(
+                flight.spec.tenant, service_correction(flight.spec.max_tokens, flight.generated)
+            )
         for queue in self.queues.values():
             queue.remove(flight.rid)
         self._queued.pop(flight.rid, None)
@@ -704,7 +736,7 @@ class WeirPolicy:
         # engine left idle would look at the queue the freed KV can now admit from.
         self._admit(sidecar, now)
         self.gate.handed_off(flight, now)
-        if not self._route(flight, now, frozenset()):
+        if self._route(flight, now, frozenset()):
             self._enqueue(flight, now)
 
     def engine_failed(self, engine: int, flights: list[Flight], now: float) -> None:

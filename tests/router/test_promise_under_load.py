@@ -171,7 +171,7 @@ async def _expected(bodies: list[dict[str, object]]) -> list[str]:
 
 async def _settled(fleet: LiveFleet) -> None:
     gateway = fleet.router.gateway
-    await until(lambda: gateway.inflight_total == 0, "the router to release every endpoint")
+    await until(lambda: gateway.inflight.total == 0, "the router to release every endpoint")
     for sidecar in fleet.sidecars.values():
         await until(lambda s=sidecar: not s.service.ledger.flights, "the sidecars to empty")
         assert sidecar.service.ledger.own_used == 0
