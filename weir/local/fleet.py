@@ -66,6 +66,7 @@ class FleetConfig:
     engine_args: tuple[str, ...] = ()
     redis_url: str = ""  # empty: start a redis-server
     speed_factor: float = 1.0
+    kv_tokens: int = 0  # reference engines: KV pool size in tokens (0: the model's)
     startup_timeout_s: float = 120.0
     tenants: tuple[TenantQuota, ...] = DEMO_TENANTS
 
@@ -158,8 +159,9 @@ class LocalFleet(LocalService):
         c = self.config
         if c.engine == "sglang":
             return launch_command(c.sglang_python, c.model_path, port, c.engine_args)
+        kv = ["--max-total-tokens", str(c.kv_tokens)] if c.kv_tokens else []
         return [*WEIR, "engine", "--port", str(port), "--model", c.model,
-                "--speed-factor", str(c.speed_factor)]  # fmt: skip
+                "--speed-factor", str(c.speed_factor), *kv]  # fmt: skip
 
     def _spawn(self, name: str, command: list[str], port: int, wait: bool = True) -> None:
         log = self.workdir / f"{name}.log"
@@ -208,6 +210,15 @@ class LocalFleet(LocalService):
         with urllib.request.urlopen(self.router_url + "/weir/v1/pool", timeout=5) as reply:
             data: dict[str, Any] = json.loads(reply.read())
             return data
+
+    def kill(self, name: str) -> None:
+        """SIGKILL one part (`engine-0`, `sidecar-1`, `router`), as a crashed pod's."""
+        for child in self._children:
+            if child.name == name:
+                child.proc.kill()
+                child.proc.wait()
+                return
+        raise KeyError(name)
 
     def failed_children(self) -> list[str]:
         return [c.name for c in self._children if c.proc.poll() is not None]
