@@ -49,6 +49,21 @@ async def test_a_streamed_chat_through_the_router_matches_the_engine(fleet: Flee
     assert texts[0] == texts[1]
 
 
+async def test_requests_are_counted_under_their_real_finish_reason(fleet: Fleet) -> None:
+    """A whole answer cut at max_tokens is `length` (not `stop`), in both APIs."""
+    async with aiohttp.ClientSession() as session:
+        await _complete(session, fleet.url, "count me")
+        body = {"text": "count me", "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
+        async with session.post(fleet.url + "/generate", json=body) as reply:
+            assert reply.status == 200
+    gateway = fleet.gateway.gateway
+    counted = gateway.metrics.registry.get_sample_value(
+        "weir_router_requests_total",
+        {"pool": gateway.config.pool, "tenant": "default", "reason": "length"},
+    )
+    assert counted == 2
+
+
 async def test_a_long_generate_stream_to_a_slow_client_arrives_whole(fleet: Fleet) -> None:
     """A client that stops reading fills the router's socket buffers: the router stops
     reading upstream meanwhile, and loses, repeats or reorders nothing."""
