@@ -351,11 +351,11 @@ class Ledger:
         if verdict is AdmissionVerdict.REFUSE:
             raise _never_fits(reason)
         queue = self._queue
-        if not queue.must_wait(verdict):
+        if verdict is AdmissionVerdict.ADMIT and not len(queue):
             self._commit(flight)
             return
         if verdict is AdmissionVerdict.ADMIT:
-            reason = "queued_ahead"  # it fits, but others wait: no overtaking, join the queue
+            reason = "queued_ahead"  # it fits, but others wait: the queue decides
         rec = flight.record
         if queue.refuses(resumed=flight.resumed or rec.state is _S.DECODE_PREEMPTED):
             raise OverloadError(

@@ -77,12 +77,13 @@ def retry_after_s(queue_length: int, capacity: int, max_wait_s: float) -> int:
 
 class AdmissionQueue(Generic[T]):
     """The local queue's discipline, the one the live ledger and the simulator both run:
-    what may join (a full queue refuses new work, never a resume), what must wait (a
-    request that fits waits all the same while others do: no overtaking), the order
-    (`queue_order`), who leaves when room frees (`pump`: in order, while the head fits;
-    one that can never fit leaves to be refused) and when a wait is over (`expire`).
-    Clock-free: every call is given `now`. Each entry carries the caller's payload (a
-    waiter's future live, a flight in the simulator)."""
+    what may join (a full queue refuses new work, never a resume), the order
+    (`queue_order`), who leaves when room frees (`pump`) and when a wait is over
+    (`expire`). A request that fits may pass one ahead of it that waits for KV (a long
+    prompt must not hold short ones back) — unless that one holds the line: a resume, or
+    a request that has waited half its allowed wait. Then nothing passes it until it
+    fits, so it cannot starve. Clock-free: every call is given `now`. Each entry carries
+    the caller's payload (a waiter's future live, a flight in the simulator)."""
 
     def __init__(self, size: int, aging_per_second: float) -> None:
         self.size = size
@@ -102,10 +103,6 @@ class AdmissionQueue(Generic[T]):
         """Whether a request must be refused for a full queue (a resume never is)."""
         return not resumed and len(self._entries) >= self.size
 
-    def must_wait(self, verdict: AdmissionVerdict) -> bool:
-        """Whether a request with this verdict waits rather than being admitted now."""
-        return verdict is not AdmissionVerdict.ADMIT or bool(self._entries)
-
     def offer(self, item: QueuedRequest, payload: T) -> None:
         self._entries[item.rid] = (item, payload)
 
@@ -124,8 +121,9 @@ class AdmissionQueue(Generic[T]):
         self, now: float, decide: Callable[[QueuedRequest, T], AdmissionVerdict | None]
     ) -> Iterator[tuple[QueuedRequest, T, AdmissionVerdict]]:
         """The entries that leave now, in queue order: each one `decide` admits, and each
-        one that can never fit (REFUSE), until the first that must wait. `decide` may
-        answer None for an entry to pass over (its waiter is already gone)."""
+        one that can never fit (REFUSE); one that must wait is passed over, unless it
+        holds the line, which ends the pump. `decide` may answer None for an entry to
+        pass over (its waiter is already gone)."""
         ordered = queue_order(
             tuple(q for q, _ in self._entries.values()), now, self.aging_per_second
         )
@@ -137,6 +135,14 @@ class AdmissionQueue(Generic[T]):
             if verdict is None:
                 continue
             if verdict is AdmissionVerdict.WAIT:
-                return
+                if holds_line(item, now):
+                    return
+                continue
             del self._entries[item.rid]
             yield item, entry[1], verdict
+
+
+def holds_line(queued: QueuedRequest, now: float) -> bool:
+    """Whether a waiting request stops those behind it from passing: a resume does at
+    once, any other once it has waited half its allowed wait."""
+    return queued.resumed or now - queued.enqueued_at > (queued.expires_at - queued.enqueued_at) / 2

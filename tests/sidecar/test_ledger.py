@@ -83,19 +83,24 @@ async def test_watermark_follows_committed_kv() -> None:
     assert ledger.watermark.rank == W.NORMAL.rank
 
 
-async def test_queue_keeps_order_refuses_when_full_and_times_out() -> None:
-    ledger = Ledger(POLICY, 1000)
+async def test_queue_lets_short_pass_refuses_when_full_and_times_out() -> None:
+    now = [0.0]
+    ledger = Ledger(POLICY, 1000, clock=lambda: now[0])
     big = await admitted(ledger, flight("big", 700))
     waiting_large = flight("large", 300)
     ledger.add(waiting_large)
     large = asyncio.create_task(ledger.admit(waiting_large))
     await asyncio.sleep(0)
-    small = flight("small", 10)  # fits now, but must not overtake the queue
-    ledger.add(small)
-    small_task = asyncio.create_task(ledger.admit(small))
+    small = flight("small", 10)  # fits now: passes the large one, which just came
+    await asyncio.wait_for(admitted(ledger, small), 1)
+    assert small.record.state is S.PREFILL_READY
+    now[0] = 0.2  # the large one has waited more than half its 0.3 s: it holds the line
+    blocked = flight("blocked", 10)
+    ledger.add(blocked)
+    blocked_task = asyncio.create_task(ledger.admit(blocked))
     await asyncio.sleep(0)
     assert ledger.queued == 2
-    assert small.record.state.value == "waiting_admission"
+    assert blocked.record.state is S.WAITING_ADMISSION
     third = flight("third", 10)
     ledger.add(third)
     with pytest.raises(OverloadError) as full:
@@ -103,9 +108,9 @@ async def test_queue_keeps_order_refuses_when_full_and_times_out() -> None:
     assert full.value.reason == "queue_full"
     assert full.value.retry_after_s >= 1
     ledger.move(big, S.CANCELLED, FinishReason.CANCELLED)
-    await asyncio.wait_for(asyncio.gather(large, small_task), 5)
+    await asyncio.wait_for(asyncio.gather(large, blocked_task), 5)
     assert waiting_large.record.state is S.PREFILL_READY
-    assert small.record.state is S.PREFILL_READY
+    assert blocked.record.state is S.PREFILL_READY
     late = flight("late", 800)
     ledger.add(late)
     with pytest.raises(OverloadError) as timeout:
