@@ -3,7 +3,8 @@
 Routes:
 
 - `POST /generate`, `/v1/completions`, `/v1/chat/completions` — validated, admitted
-  locally (429 `overload` with Retry-After when KV cannot take them), forwarded with a
+  locally (429 `overload` with Retry-After when KV cannot take them now; 400 `too_large`
+  when it never can, except for a continuation, which stays 429), forwarded with a
   unique fixed-length rid, tracked through the request state machine while they stream;
 - `POST /weir/v1/continue` — a `Continuation` from another endpoint (through the router),
   streamed as the continuation of the client's stream (cumulative fields include what was
@@ -67,7 +68,14 @@ from engine_sidecar.intake import (
 )
 from engine_sidecar.ledger import COMMITTED, Flight, Ledger, OverloadError
 from engine_sidecar.metrics import SidecarMetrics, length_bucket
-from engine_sidecar.policy import RequestRecord, RequestState, engine_priority, plan_relief
+from engine_sidecar.policy import (
+    RequestRecord,
+    RequestState,
+    SequenceOutlook,
+    engine_priority,
+    growth_reserve,
+    plan_relief,
+)
 from engine_sidecar.quota import KVQuota
 from engine_sidecar.relay import MalformedEventError, StreamReader, finish_reason
 
@@ -78,6 +86,7 @@ _SSE_HEADERS = {"content-type": "text/event-stream", "cache-control": "no-cache"
 DONE = b"data: [DONE]\n\n"
 _RESUMABLE = frozenset({_S.DECODING, _S.DECODE_READY})
 PREEMPTED_EVENT = b"event: weir.preempted\n"
+TOO_LARGE = "too_large"  # admission's reason for a request that can never fit
 
 
 def error_body(kind: str, message: str, **extra: str) -> bytes:
@@ -343,6 +352,12 @@ class SidecarService:
             try:
                 await self.ledger.admit(flight)
             except OverloadError as exc:
+                if exc.reason == TOO_LARGE and not resumed:
+                    # Never fits, whenever it is retried: the client's error, not overload.
+                    # A continuation keeps the overload answer: the router places it
+                    # elsewhere or ends the stream it already started.
+                    self._end(flight, _S.REJECTED, FinishReason.ERROR, exc.reason)
+                    return self._too_large(flight)
                 self._end(flight, _S.REJECTED, FinishReason.OVERLOAD, exc.reason)
                 return overload_response(exc.reason, exc.retry_after_s, str(exc))
             if streamed:
@@ -581,6 +596,28 @@ class SidecarService:
                 amount=flight.record.prompt_tokens + flight.record.generated_tokens,
             )
             segment += 1
+
+    def _too_large(self, flight: Flight) -> web.Response:
+        """400 for a request whose prompt and least growth exceed what this endpoint's KV
+        can ever hold (as SGLang and OpenAI answer a prompt over the context length)."""
+        rec = flight.record
+        capacity = self.ledger.capacity_tokens
+        usable = capacity - self.policy.kv.safety_tokens(capacity)
+        outlook = SequenceOutlook(rec.generated_tokens, rec.max_new_tokens, flight.predicted_total)
+        needed = rec.prompt_tokens + growth_reserve(outlook, self.policy.kv.growth_horizon_steps)
+        counted = (
+            "" if flight.intake.prompt_ids else " (counted as its UTF-8 bytes, an upper bound)"
+        )
+        message = (
+            f"the prompt of {rec.prompt_tokens} tokens{counted} needs {needed} tokens of KV "
+            f"with the output growth admission reserves; this endpoint's KV cache can hold "
+            f"at most {usable} (of {capacity}): shorten the prompt"
+        )
+        return web.Response(
+            status=400,
+            body=error_body("invalid_request", message, reason=TOO_LARGE),
+            content_type="application/json",
+        )
 
     def _resumable(self, flight: Flight) -> bool:
         return (
