@@ -9,11 +9,14 @@ Routes:
 - `POST /weir/v1/continue` — a `Continuation` from another endpoint (through the router),
   streamed as the continuation of the client's stream (cumulative fields include what was
   generated before);
-- `GET /v1/models`, `GET /health`, `GET /metrics`, `GET /weir/v1/state`;
-- `POST /weir/v1/preempt` `{"rid", "mode"}` and `POST /weir/v1/drain` `{"deadline_s"}` —
-  the same actions the control-plane commands trigger;
+- `GET /v1/models`, `GET /health`, `GET /metrics`;
+- admin: `GET /weir/v1/state` (every request and tenant), `POST /weir/v1/preempt`
+  `{"rid", "mode"}` and `POST /weir/v1/drain` `{"deadline_s"}` — the same actions the
+  control-plane commands trigger. With an admin token configured they need
+  `Authorization: Bearer TOKEN` (401 otherwise); without one they are open;
 - `POST /abort_request` `{"rid"}` — SGLang's: cancels the requests the client sent with
-  that `rid` (or with that sidecar rid), as if their clients had left.
+  that `rid` (or with that sidecar rid), as if their clients had left. It and
+  `/weir/v1/continue` are the router's: reachable only from the pool's network.
 
 Request headers a router sets: `x-weir-tenant` (default "default"), `x-weir-migratable: 1`
 (the router can splice a `weir.preempted` continuation), `x-weir-deadline-ms` (relative).
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import re
 import uuid
@@ -127,8 +131,10 @@ class SidecarService:
         policy: PoolPolicy,
         pool: str,
         endpoint_id: str,
+        admin_token: str = "",
     ) -> None:
         self.engine = engine
+        self._admin_token = admin_token.encode()  # empty: the admin routes are open
         self.info = info
         self.policy = policy
         self.ledger = Ledger(policy, info.kv_capacity_tokens)
@@ -164,14 +170,44 @@ class SidecarService:
             web.post("/v1/completions", entry(EngineAPI.COMPLETIONS)),
             web.post("/v1/chat/completions", entry(EngineAPI.CHAT)),
             web.post("/weir/v1/continue", self.handle_continue),
-            web.post("/weir/v1/preempt", self.handle_preempt),
-            web.post("/weir/v1/drain", self.handle_drain),
+            web.post("/weir/v1/preempt", self._admin(self.handle_preempt)),
+            web.post("/weir/v1/drain", self._admin(self.handle_drain)),
             web.post("/abort_request", self.handle_abort),
-            web.get("/weir/v1/state", self.handle_state),
+            web.get("/weir/v1/state", self._admin(self.handle_state)),
             web.get("/v1/models", self.handle_models),
             web.get("/health", self.handle_health),
             web.get("/metrics", self.handle_metrics),
         ]
+
+    def _admin(
+        self, handler: Callable[[web.Request], Awaitable[web.Response]]
+    ) -> Callable[[web.Request], Awaitable[web.Response]]:
+        """`handler` behind the admin token (`Authorization: Bearer TOKEN`), when one is
+        configured: 401 without it or with another."""
+
+        async def guarded(request: web.Request) -> web.Response:
+            if not self._admin_token:
+                return await handler(request)
+            given = request.headers.get("Authorization", "").strip()
+            scheme, _, token = given.partition(" ")
+            # Compared in constant time, whatever the scheme (its check comes after).
+            if hmac.compare_digest(token.strip().encode(), self._admin_token) and (
+                scheme.lower() == "bearer"
+            ):
+                return await handler(request)
+            return web.Response(
+                status=401,
+                body=error_body(
+                    "unauthorized",
+                    "this admin route needs the sidecar's admin token "
+                    "(Authorization: Bearer TOKEN)",
+                    reason="invalid_admin_token" if given else "missing_admin_token",
+                ),
+                content_type="application/json",
+                headers={"WWW-Authenticate": 'Bearer realm="weir-sidecar"'},
+            )
+
+        return guarded
 
     async def handle(self, request: web.Request, api: EngineAPI) -> web.StreamResponse:
         try:

@@ -3,6 +3,7 @@ files, and check what comes out (schemas, CRD copy, RBAC, dashboards, values sch
 
 from __future__ import annotations
 
+import base64
 import json
 import subprocess
 import sys
@@ -124,6 +125,23 @@ def test_default_install_has_every_part() -> None:
     assert {"url", "password"} <= secret["data"].keys()
 
 
+def test_the_sidecars_admin_token_is_a_generated_secret_the_operator_mounts() -> None:
+    found = kinds(rendered(Path(__file__).parent / "values-default.yaml"))
+    admin = next(s for s in found["Secret"] if s["metadata"]["name"] == "weir-sidecar-admin")
+    assert len(base64.b64decode(admin["data"]["token"])) == 48
+    operator = found["Deployment"][0]["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in operator["env"]}
+    assert (env["WEIR_ADMIN_SECRET"], env["WEIR_ADMIN_SECRET_KEY"]) == (
+        "weir-sidecar-admin",
+        "token",
+    )
+    # Pools in other namespaces get a copy, as they get the Redis URL's.
+    production = kinds(rendered(Path(__file__).parent / "values-production.yaml"))
+    copies = [s for s in production["Secret"] if s["metadata"]["name"] == "weir-sidecar-admin"]
+    assert {s["metadata"]["namespace"] for s in copies} == {"weir", "inference", "batch"}
+    assert len({s["data"]["token"] for s in copies}) == 1
+
+
 def test_operator_rbac_is_least_privilege() -> None:
     role = kinds(rendered(Path(__file__).parent / "values-default.yaml"))["ClusterRole"][0]
     for rule in role["rules"]:
@@ -140,13 +158,15 @@ def test_external_redis_and_existing_secret() -> None:
     args = router["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[args.index("--prefill-for") + 1] == "deepseek-decode"
     assert "NetworkPolicy" not in external
-    (secret,) = external["Secret"]
+    secret = next(s for s in external["Secret"] if s["metadata"]["name"] == "weir-redis")
     assert "password" not in secret["data"]
     only = kinds(rendered(Path(__file__).parent / "values-operator-only.yaml"))
-    assert "Secret" not in only  # the user's Secret is referenced, not created
+    assert "Secret" not in only  # the user's Secrets are referenced, not created
     env = only["Deployment"][0]["spec"]["template"]["spec"]["containers"][0]["env"]
     url = next(e for e in env if e["name"] == "WEIR_REDIS_URL")
     assert url["valueFrom"]["secretKeyRef"]["name"] == "team-redis"
+    admin = next(e for e in env if e["name"] == "WEIR_ADMIN_SECRET")
+    assert admin["value"] == "team-sidecar-admin"
 
 
 def test_production_values_reach_the_manifests() -> None:

@@ -2,18 +2,29 @@
 
     weir sidecar --engine-url http://127.0.0.1:30000 --port 8001 --redis-url redis://… \
         --pool chat --endpoint-id pod-a --advertise-url http://10.0.0.5:8001 \
-        --policy-file /etc/weir/policy.yaml --heartbeat-s 1 --lease-ttl-s 5
-    weir sidecar drain --url http://127.0.0.1:8001 --deadline-s 30   # preStop hook
+        --policy-file /etc/weir/policy.yaml --heartbeat-s 1 --lease-ttl-s 5 \
+        --admin-token-file /var/run/secrets/weir/admin/token
+    weir sidecar drain --url http://127.0.0.1:8001 --deadline-s 30 \
+        --admin-token-file /var/run/secrets/weir/admin/token      # preStop hook
 
 The operator and `weir up` spawn it with exactly these flags.
+
+The admin routes (`/weir/v1/state`, `/weir/v1/preempt`, `/weir/v1/drain`) need the
+admin token when one is configured: read from `--admin-token-file` (a mounted Secret),
+else from the environment variable `WEIR_ADMIN_TOKEN`, never from the command line.
+Without either they stay open, and the sidecar warns at start.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from collections.abc import Mapping
+from pathlib import Path
 
 NAME = "sidecar"
+ADMIN_TOKEN_ENV = "WEIR_ADMIN_TOKEN"
 HELP = "Run the engine sidecar (proxy, KV admission, preemption, heartbeats), or drain one."
 
 
@@ -41,30 +52,64 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--deadline-s", type=float, default=30.0, help="drain: how long in-flight may run"
     )
+    parser.add_argument(
+        "--admin-token-file",
+        default="",
+        metavar="FILE",
+        help=f"the admin routes' bearer token, read from FILE (default: ${ADMIN_TOKEN_ENV}; "
+        "neither: the admin routes are open); drain: the token it sends",
+    )
     parser.add_argument("--log-level", default="INFO", help="logging level")
 
 
-def _drain(url: str, deadline_s: float) -> int:
+def admin_token(token_file: str, env: Mapping[str, str] = os.environ) -> str:
+    """The admin token from `token_file`, else from $WEIR_ADMIN_TOKEN; "" for none.
+    Raises ValueError for a file that cannot be read or holds no token."""
+    if not token_file:
+        return env.get(ADMIN_TOKEN_ENV, "").strip()
+    try:
+        token = Path(token_file).read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read --admin-token-file {token_file}: {exc}") from None
+    if not token:
+        raise ValueError(f"--admin-token-file {token_file} is empty")
+    return token
+
+
+def _drain(url: str, deadline_s: float, token: str) -> int:
     import json
+    import urllib.error
     import urllib.request
 
+    headers = {"content-type": "application/json"}
+    if token:
+        headers["authorization"] = f"Bearer {token}"
     request = urllib.request.Request(
         url.rstrip("/") + "/weir/v1/drain",
         data=json.dumps({"deadline_s": deadline_s}).encode(),
-        headers={"content-type": "application/json"},
+        headers=headers,
         method="POST",
     )
-    with urllib.request.urlopen(request, timeout=deadline_s + 30) as response:
-        sys.stdout.write(response.read().decode() + "\n")
+    try:
+        with urllib.request.urlopen(request, timeout=deadline_s + 30) as response:
+            sys.stdout.write(response.read().decode() + "\n")
+    except urllib.error.HTTPError as exc:
+        sys.stderr.write(f"weir sidecar drain: {url} answered {exc.code}: {exc.read().decode()}\n")
+        return 1
     return 0
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        token = admin_token(args.admin_token_file)
+    except ValueError as exc:
+        sys.stderr.write(f"weir sidecar: {exc}\n")
+        return 2
     if args.action == "drain":
         if not args.url:
             sys.stderr.write("weir sidecar drain: --url is required\n")
             return 2
-        return _drain(args.url, args.deadline_s)
+        return _drain(args.url, args.deadline_s, token)
     if not args.engine_url:
         sys.stderr.write("weir sidecar: --engine-url is required\n")
         return 2
@@ -100,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
         policy=policy,
         heartbeat_s=args.heartbeat_s,
         lease_ttl_s=args.lease_ttl_s,
+        admin_token=token,
     )
 
     async def main() -> None:
