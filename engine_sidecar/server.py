@@ -36,7 +36,8 @@ class SidecarConfig:
     engine_url: str
     host: str = "127.0.0.1"
     port: int = 0  # 0: any free port
-    redis_url: str = ""  # empty: no control plane (local admission only)
+    # Empty: no control plane (local admission only). Not in repr: it holds a password.
+    redis_url: str = field(default="", repr=False)
     pool: str = "default"
     endpoint_id: str = ""  # empty: derived from the host name and port
     advertise_url: str = ""  # empty: the URL the sidecar listens on

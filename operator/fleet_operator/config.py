@@ -2,6 +2,7 @@
 
 WEIR_IMAGE                  image for sidecars whose pool names none
 WEIR_REDIS_URL              the control plane the operator reads status from and drains
+                            (`weir operator --redis-url-file FILE` reads it from a file)
 WEIR_REDIS_SECRET           Secret holding the Redis URL that pods receive
 WEIR_REDIS_SECRET_KEY       key of that Secret (default: url)
 WEIR_ADMIN_SECRET           Secret holding the sidecars' admin token, mounted into every
@@ -16,13 +17,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
 class OperatorConfig:
     image: str = "ghcr.io/weir-dev/weir:0.1.0"
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_url: str = field(default="redis://127.0.0.1:6379/0", repr=False)  # has a password
     redis_secret: str = "weir-redis"
     redis_secret_key: str = "url"
     admin_secret: str = "weir-sidecar-admin"

@@ -149,7 +149,8 @@ def engine_args(pool: Pool) -> list[str]:
 
 
 def sidecar_args(pool: Pool, *, admin_token: bool = True) -> list[str]:
-    """The sidecar's flags; `admin_token`: its admin routes need the mounted token."""
+    """The sidecar's flags; `admin_token`: its admin routes need the mounted token. No
+    secret is a flag: the Redis URL comes in $WEIR_REDIS_URL, the token as a file."""
     port = pool.spec.sidecar.port
     token = ["--admin-token-file", ADMIN_TOKEN_FILE] if admin_token else []
     return [
@@ -160,8 +161,6 @@ def sidecar_args(pool: Pool, *, admin_token: bool = True) -> list[str]:
         "0.0.0.0",
         "--port",
         str(port),
-        "--redis-url",
-        "$(WEIR_REDIS_URL)",
         "--pool",
         pool.name,
         "--endpoint-id",

@@ -153,6 +153,24 @@ def test_sidecars_get_their_admin_token_from_a_mounted_secret() -> None:
     assert "admin-token" not in {v["name"] for v in open_["spec"]["template"]["spec"]["volumes"]}
 
 
+def test_the_redis_url_reaches_sidecars_in_their_environment_not_their_command_line() -> None:
+    pool = parse_pool("m", "ns", SPEC)
+    config = OperatorConfig.from_env(
+        {"WEIR_REDIS_SECRET": "rel-redis", "WEIR_REDIS_SECRET_KEY": "u"}
+    )
+    sidecar = _sidecar(render_deployment(pool, 1, config))
+    words = [
+        *sidecar["command"],
+        *sidecar["args"],
+        *sidecar["lifecycle"]["preStop"]["exec"]["command"],
+    ]
+    assert "--redis-url" not in words
+    assert not [w for w in words if "WEIR_REDIS_URL" in w]
+    env = next(e for e in sidecar["env"] if e["name"] == "WEIR_REDIS_URL")
+    assert env["valueFrom"]["secretKeyRef"] == {"name": "rel-redis", "key": "u"}
+    assert "redis_url" not in repr(config)  # nor in a logged config
+
+
 def test_servicemonitor_only_when_its_crd_exists() -> None:
     pool = parse_pool("m", "ns", SPEC)
     kinds = [c["kind"] for c in render_children(pool, 1, OperatorConfig(), monitoring=False)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 from pathlib import Path
 
@@ -32,12 +33,15 @@ async def test_runs_with_the_operators_flags_and_leaves_cleanly(
     token_file.write_text("cli-admin-token-0123456789\n")  # as a mounted Secret's file
     port = free_port()
     url = f"http://127.0.0.1:{port}"
+    # The Redis URL in the environment, from the pool's Secret, as the operator passes it.
+    env = {**os.environ, "WEIR_REDIS_URL": redis_url}
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "weir.cli", "sidecar",
         "--engine-url", engine.url, "--host", "127.0.0.1", "--port", str(port),
-        "--redis-url", redis_url, "--pool", "p", "--endpoint-id", "pod-cli",
+        "--pool", "p", "--endpoint-id", "pod-cli",
         "--advertise-url", "http://10.1.2.3:8001", "--policy-file", str(policy),
         "--heartbeat-s", "0.2", "--lease-ttl-s", "3", "--admin-token-file", str(token_file),
+        env=env,
     )  # fmt: skip
     redis = connect(RedisSettings(url=redis_url))
     registry = EndpointRegistry(redis, "p")

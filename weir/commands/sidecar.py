@@ -1,6 +1,6 @@
 """`weir sidecar`: run the engine sidecar next to an SGLang server, or drain one.
 
-    weir sidecar --engine-url http://127.0.0.1:30000 --port 8001 --redis-url redis://… \
+    WEIR_REDIS_URL=redis://… weir sidecar --engine-url http://127.0.0.1:30000 --port 8001 \
         --pool chat --endpoint-id pod-a --advertise-url http://10.0.0.5:8001 \
         --policy-file /etc/weir/policy.yaml --heartbeat-s 1 --lease-ttl-s 5 \
         --admin-token-file /var/run/secrets/weir/admin/token
@@ -12,7 +12,9 @@ The operator and `weir up` spawn it with exactly these flags.
 The admin routes (`/weir/v1/state`, `/weir/v1/preempt`, `/weir/v1/drain`) need the
 admin token when one is configured: read from `--admin-token-file` (a mounted Secret),
 else from the environment variable `WEIR_ADMIN_TOKEN`, never from the command line.
-Without either they stay open, and the sidecar warns at start.
+Without either they stay open, and the sidecar warns at start. The control plane's Redis
+URL likewise comes from `--redis-url-file` or `$WEIR_REDIS_URL` (`--redis-url` wins when
+given, but shows its password in process listings); none: local admission only.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
+
+from weir.commands._redis_url import add_redis_url_flags, redis_url
 
 NAME = "sidecar"
 ADMIN_TOKEN_ENV = "WEIR_ADMIN_TOKEN"
@@ -39,7 +43,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine-url", help="the SGLang server this sidecar fronts")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8001, help="port to listen on")
-    parser.add_argument("--redis-url", default="", help="control-plane Redis (empty: none)")
+    add_redis_url_flags(parser, "control-plane Redis (none: local admission only)")
     parser.add_argument("--pool", default="default", help="InferencePool name")
     parser.add_argument(
         "--endpoint-id", default="", help="endpoint id (default: hostname, port and a suffix)"
@@ -113,6 +117,11 @@ def run(args: argparse.Namespace) -> int:
     if not args.engine_url:
         sys.stderr.write("weir sidecar: --engine-url is required\n")
         return 2
+    try:
+        control_plane = redis_url(args, NAME)
+    except ValueError as exc:
+        sys.stderr.write(f"weir sidecar: {exc}\n")
+        return 2
     import asyncio
     import logging
     import signal
@@ -138,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
         engine_url=args.engine_url,
         host=args.host,
         port=args.port,
-        redis_url=args.redis_url,
+        redis_url=control_plane,
         pool=policy.pool if policy else args.pool,
         endpoint_id=args.endpoint_id,
         advertise_url=args.advertise_url,
