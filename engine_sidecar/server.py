@@ -15,7 +15,7 @@ import socket
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
@@ -36,7 +36,8 @@ class SidecarConfig:
     engine_url: str
     host: str = "127.0.0.1"
     port: int = 0  # 0: any free port
-    redis_url: str = ""  # empty: no control plane (local admission only)
+    # Empty: no control plane (local admission only). Not in repr: it holds a password.
+    redis_url: str = field(default="", repr=False)
     pool: str = "default"
     endpoint_id: str = ""  # empty: derived from the host name and port
     advertise_url: str = ""  # empty: the URL the sidecar listens on
@@ -45,6 +46,9 @@ class SidecarConfig:
     lease_ttl_s: float = 5.0
     engine_poll_s: float = 0.5
     engine_wait_s: float = 900.0  # a large model can take many minutes to load
+    # Bearer token for the admin routes (/weir/v1/state, /preempt, /drain); empty leaves
+    # them open (a local fleet), with a warning at start.
+    admin_token: str = field(default="", repr=False)
 
 
 def load_policy(path: str | Path) -> PoolPolicy:
@@ -131,7 +135,15 @@ async def serve_sidecar(config: SidecarConfig) -> AsyncIterator[RunningSidecar]:
         port = sock.getsockname()[1]
         url = f"http://{config.host}:{port}"
         endpoint_id = config.endpoint_id or f"{socket.gethostname()}-{port}-{uuid.uuid4().hex[:6]}"
-        service = SidecarService(engine, info, policy, config.pool, endpoint_id)
+        service = SidecarService(
+            engine, info, policy, config.pool, endpoint_id, admin_token=config.admin_token
+        )
+        if not config.admin_token:
+            log.warning(
+                "no admin token: /weir/v1/state, /weir/v1/preempt and /weir/v1/drain are "
+                "open to anyone who reaches %s (set --admin-token-file or WEIR_ADMIN_TOKEN)",
+                url,
+            )
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.add_routes(service.routes())
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None)

@@ -3,16 +3,20 @@
 Routes:
 
 - `POST /generate`, `/v1/completions`, `/v1/chat/completions` — validated, admitted
-  locally (429 `overload` with Retry-After when KV cannot take them), forwarded with a
+  locally (429 `overload` with Retry-After when KV cannot take them now; 400 `too_large`
+  when it never can, except for a continuation, which stays 429), forwarded with a
   unique fixed-length rid, tracked through the request state machine while they stream;
 - `POST /weir/v1/continue` — a `Continuation` from another endpoint (through the router),
   streamed as the continuation of the client's stream (cumulative fields include what was
   generated before);
-- `GET /v1/models`, `GET /health`, `GET /metrics`, `GET /weir/v1/state`;
-- `POST /weir/v1/preempt` `{"rid", "mode"}` and `POST /weir/v1/drain` `{"deadline_s"}` —
-  the same actions the control-plane commands trigger;
+- `GET /v1/models`, `GET /health`, `GET /metrics`;
+- admin: `GET /weir/v1/state` (every request and tenant), `POST /weir/v1/preempt`
+  `{"rid", "mode"}` and `POST /weir/v1/drain` `{"deadline_s"}` — the same actions the
+  control-plane commands trigger. With an admin token configured they need
+  `Authorization: Bearer TOKEN` (401 otherwise); without one they are open;
 - `POST /abort_request` `{"rid"}` — SGLang's: cancels the requests the client sent with
-  that `rid` (or with that sidecar rid), as if their clients had left.
+  that `rid` (or with that sidecar rid), as if their clients had left. It and
+  `/weir/v1/continue` are the router's: reachable only from the pool's network.
 
 Request headers a router sets: `x-weir-tenant` (default "default"), `x-weir-migratable: 1`
 (the router can splice a `weir.preempted` continuation), `x-weir-deadline-ms` (relative).
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import re
 import uuid
@@ -67,7 +72,14 @@ from engine_sidecar.intake import (
 )
 from engine_sidecar.ledger import COMMITTED, Flight, Ledger, OverloadError
 from engine_sidecar.metrics import SidecarMetrics, length_bucket
-from engine_sidecar.policy import RequestRecord, RequestState, engine_priority, plan_relief
+from engine_sidecar.policy import (
+    RequestRecord,
+    RequestState,
+    SequenceOutlook,
+    engine_priority,
+    growth_reserve,
+    plan_relief,
+)
 from engine_sidecar.quota import KVQuota
 from engine_sidecar.relay import MalformedEventError, StreamReader, finish_reason
 
@@ -78,6 +90,7 @@ _SSE_HEADERS = {"content-type": "text/event-stream", "cache-control": "no-cache"
 DONE = b"data: [DONE]\n\n"
 _RESUMABLE = frozenset({_S.DECODING, _S.DECODE_READY})
 PREEMPTED_EVENT = b"event: weir.preempted\n"
+TOO_LARGE = "too_large"  # admission's reason for a request that can never fit
 
 
 def error_body(kind: str, message: str, **extra: str) -> bytes:
@@ -118,8 +131,10 @@ class SidecarService:
         policy: PoolPolicy,
         pool: str,
         endpoint_id: str,
+        admin_token: str = "",
     ) -> None:
         self.engine = engine
+        self._admin_token = admin_token.encode()  # empty: the admin routes are open
         self.info = info
         self.policy = policy
         self.ledger = Ledger(policy, info.kv_capacity_tokens)
@@ -155,14 +170,44 @@ class SidecarService:
             web.post("/v1/completions", entry(EngineAPI.COMPLETIONS)),
             web.post("/v1/chat/completions", entry(EngineAPI.CHAT)),
             web.post("/weir/v1/continue", self.handle_continue),
-            web.post("/weir/v1/preempt", self.handle_preempt),
-            web.post("/weir/v1/drain", self.handle_drain),
+            web.post("/weir/v1/preempt", self._admin(self.handle_preempt)),
+            web.post("/weir/v1/drain", self._admin(self.handle_drain)),
             web.post("/abort_request", self.handle_abort),
-            web.get("/weir/v1/state", self.handle_state),
+            web.get("/weir/v1/state", self._admin(self.handle_state)),
             web.get("/v1/models", self.handle_models),
             web.get("/health", self.handle_health),
             web.get("/metrics", self.handle_metrics),
         ]
+
+    def _admin(
+        self, handler: Callable[[web.Request], Awaitable[web.Response]]
+    ) -> Callable[[web.Request], Awaitable[web.Response]]:
+        """`handler` behind the admin token (`Authorization: Bearer TOKEN`), when one is
+        configured: 401 without it or with another."""
+
+        async def guarded(request: web.Request) -> web.Response:
+            if not self._admin_token:
+                return await handler(request)
+            given = request.headers.get("Authorization", "").strip()
+            scheme, _, token = given.partition(" ")
+            # Compared in constant time, whatever the scheme (its check comes after).
+            if hmac.compare_digest(token.strip().encode(), self._admin_token) and (
+                scheme.lower() == "bearer"
+            ):
+                return await handler(request)
+            return web.Response(
+                status=401,
+                body=error_body(
+                    "unauthorized",
+                    "this admin route needs the sidecar's admin token "
+                    "(Authorization: Bearer TOKEN)",
+                    reason="invalid_admin_token" if given else "missing_admin_token",
+                ),
+                content_type="application/json",
+                headers={"WWW-Authenticate": 'Bearer realm="weir-sidecar"'},
+            )
+
+        return guarded
 
     async def handle(self, request: web.Request, api: EngineAPI) -> web.StreamResponse:
         try:
@@ -343,6 +388,12 @@ class SidecarService:
             try:
                 await self.ledger.admit(flight)
             except OverloadError as exc:
+                if exc.reason == TOO_LARGE and not resumed:
+                    # Never fits, whenever it is retried: the client's error, not overload.
+                    # A continuation keeps the overload answer: the router places it
+                    # elsewhere or ends the stream it already started.
+                    self._end(flight, _S.REJECTED, FinishReason.ERROR, exc.reason)
+                    return self._too_large(flight)
                 self._end(flight, _S.REJECTED, FinishReason.OVERLOAD, exc.reason)
                 return overload_response(exc.reason, exc.retry_after_s, str(exc))
             if streamed:
@@ -581,6 +632,28 @@ class SidecarService:
                 amount=flight.record.prompt_tokens + flight.record.generated_tokens,
             )
             segment += 1
+
+    def _too_large(self, flight: Flight) -> web.Response:
+        """400 for a request whose prompt and least growth exceed what this endpoint's KV
+        can ever hold (as SGLang and OpenAI answer a prompt over the context length)."""
+        rec = flight.record
+        capacity = self.ledger.capacity_tokens
+        usable = capacity - self.policy.kv.safety_tokens(capacity)
+        outlook = SequenceOutlook(rec.generated_tokens, rec.max_new_tokens, flight.predicted_total)
+        needed = rec.prompt_tokens + growth_reserve(outlook, self.policy.kv.growth_horizon_steps)
+        counted = (
+            "" if flight.intake.prompt_ids else " (counted as its UTF-8 bytes, an upper bound)"
+        )
+        message = (
+            f"the prompt of {rec.prompt_tokens} tokens{counted} needs {needed} tokens of KV "
+            f"with the output growth admission reserves; this endpoint's KV cache can hold "
+            f"at most {usable} (of {capacity}): shorten the prompt"
+        )
+        return web.Response(
+            status=400,
+            body=error_body("invalid_request", message, reason=TOO_LARGE),
+            content_type="application/json",
+        )
 
     def _resumable(self, flight: Flight) -> bool:
         return (

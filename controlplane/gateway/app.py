@@ -1,7 +1,8 @@
 """The gateway: an OpenAI- and SGLang-compatible HTTP front for one pool.
 
 A request travels: API key → tenant (401; on a gateway without keys, a declared
-`x-weir-tenant` or `default`, 403 for an undeclared one) → validation (400/404) → the
+`x-weir-tenant` or `default`, 403 for an undeclared one) → validation (400; 404 for a model
+or a `lora_path` adapter that no endpoint serves) → the
 tenant's quota (429, when enforced; 403 for a tenant without one) → a decode handoff credit (prefill pools) → the pool snapshot (503
 when stale) → a routing decision, or the tenant-fair queue when every candidate is
 saturated (429 `overload` when full or timed out, 504 past its deadline) → the picked
@@ -200,6 +201,7 @@ class Gateway:
         self._http: HTTPClient | None = None
         self._background: set[asyncio.Task[None]] = set()
         self._served = self._models_of(view.snapshot)
+        self._adapters = _adapters_of(view.snapshot)
         view.on_change(self._snapshot_changed)
 
     # -- lifecycle -------------------------------------------------------------------
@@ -371,6 +373,7 @@ class Gateway:
 
     def _snapshot_changed(self, snapshot: PoolSnapshot, removed: tuple[EndpointView, ...]) -> None:
         self._served = self._models_of(snapshot)
+        self._adapters = _adapters_of(snapshot)
         now = self.clock()
         # A new report shows what reached its endpoint before it was taken, which is
         # what was sent up to a moment before it arrived here.
@@ -415,6 +418,8 @@ class Gateway:
                 default_model=self.config.model,
                 limits=self.config.limits,
             )
+            if client.adapter:
+                self._check_adapter(client.model, client.adapter)
             route = self.route_request(client, tenant)
             if self.quotas is not None:
                 await self.quotas.charge(
@@ -436,6 +441,17 @@ class Gateway:
         splicer = Splicer(received, self.config.limits.bytes_per_token)
         ex = _Exchange(client, route, tenant, started, received, splicer, credit=credit)
         return await self._serve(request, ex, decision)
+
+    def _check_adapter(self, model: str, adapter: str) -> None:
+        """404 for a LoRA adapter (`lora_path`) that no endpoint of the model serves. With
+        no endpoint of the model at all, routing answers (503: nothing can serve it now)."""
+        if (model, adapter) in self._adapters or (model, "") not in self._adapters:
+            return
+        raise GatewayError(
+            404, "not_found_error", "unknown_adapter",
+            f"no endpoint of pool {self.config.pool!r} serves the adapter 'lora_path' "
+            f"{adapter!r} of model {model!r}", param="lora_path",
+        )  # fmt: skip
 
     def _refuse(self, exc: GatewayError, tenant: str) -> web.Response:
         pool = self.config.pool
@@ -878,6 +894,14 @@ def _unary_finish(reply: dict[str, Any]) -> str:
     if isinstance(finish, dict) and isinstance(finish.get("type"), str):
         return str(finish["type"])
     return "stop"
+
+
+def _adapters_of(snapshot: PoolSnapshot) -> frozenset[tuple[str, str]]:
+    """(model, adapter) for each adapter an endpoint serves, and (model, "") for each
+    model an endpoint serves."""
+    return frozenset(
+        (e.state.model, adapter) for e in snapshot.endpoints for adapter in ("", *e.state.adapters)
+    )
 
 
 async def _write(response: web.StreamResponse, data: bytes) -> None:

@@ -17,11 +17,12 @@ slot and single-slot scripts.
     credits, creditexp, creditbudget                                        handoff credits
     cmd:<endpoint>, cmdid:<command id>                                      command channel
 
-Public pieces: `connect(RedisSettings)`; `EndpointRegistry` (register, heartbeat, drain,
-deregister, reap, snapshot, changes, hot prefixes); `PoolFollower` (a reader's view kept
-current from the feed); `EndpointLease` (a sidecar's side of its lease) and
-`reap_forever`; `QuotaStore` and `QuotaHolder` (a holder's side of its charges: releases
-kept until Redis takes them, reconciliation); `CreditStore`; `CommandChannel`.
+Public pieces: `connect(RedisSettings)` and `redact_url` (a URL fit to log);
+`EndpointRegistry` (register, heartbeat, drain, deregister, reap, snapshot, changes, hot
+prefixes); `PoolFollower` (a reader's view kept current from the feed); `EndpointLease` (a
+sidecar's side of its lease) and `reap_forever`; `QuotaStore` and `QuotaHolder` (a
+holder's side of its charges: releases kept until Redis takes them, reconciliation);
+`CreditStore`; `CommandChannel`.
 
 Errors: `FencedError` (a zombie's write: a newer epoch holds the endpoint id) and
 `controlplane.contract.SchemaError` (a malformed record or an unknown schema version:
@@ -30,7 +31,7 @@ when Redis stays unreachable after the client's retries.
 """
 
 from controlplane.store.commands import CommandChannel, Delivery
-from controlplane.store.connection import RedisSettings, cancel_loops, connect
+from controlplane.store.connection import RedisSettings, cancel_loops, connect, redact_url
 from controlplane.store.credits import CreditRefusal, CreditStore
 from controlplane.store.follower import PoolFollower, Refresh
 from controlplane.store.holder import QuotaHolder
@@ -80,4 +81,5 @@ __all__ = [
     "cancel_loops",
     "connect",
     "reap_forever",
+    "redact_url",
 ]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -78,6 +79,17 @@ class RedisSettings:
             raise ValueError(f"retries must be in [0, 100], got {self.retries!r}")
         if self.max_connections < 1:
             raise ValueError("max_connections must be at least 1")
+
+
+_USERINFO_PASSWORD = re.compile(r"^((?:[A-Za-z][A-Za-z0-9+.-]*://)?[^:/?#@]*:)[^/?#]*@")
+_QUERY_PASSWORD = re.compile(r"([?&]password=)[^&#]*", re.IGNORECASE)
+
+
+def redact_url(url: str) -> str:
+    """`url` as it may be logged or printed: its password — in the userinfo
+    (`redis://user:PASSWORD@host`, `redis://:PASSWORD@host`) or a `password` query
+    parameter (`unix:///run/redis.sock?password=PASSWORD`) — replaced by `***`."""
+    return _QUERY_PASSWORD.sub(r"\1***", _USERINFO_PASSWORD.sub(r"\1***@", url, count=1))
 
 
 def _retry(settings: RedisSettings) -> Retry:

@@ -2,8 +2,13 @@
 
 WEIR_IMAGE                  image for sidecars whose pool names none
 WEIR_REDIS_URL              the control plane the operator reads status from and drains
+                            (`weir operator --redis-url-file FILE` reads it from a file)
 WEIR_REDIS_SECRET           Secret holding the Redis URL that pods receive
 WEIR_REDIS_SECRET_KEY       key of that Secret (default: url)
+WEIR_ADMIN_SECRET           Secret holding the sidecars' admin token, mounted into every
+                            engine pod (default: weir-sidecar-admin; empty: sidecars run
+                            with their admin routes open)
+WEIR_ADMIN_SECRET_KEY       key of that Secret (default: token)
 WEIR_STATUS_INTERVAL_S      seconds between status and scaling passes, which also advance
                             a drain in progress (default: 5)
 """
@@ -12,15 +17,17 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
 class OperatorConfig:
     image: str = "ghcr.io/weir-dev/weir:0.1.0"
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_url: str = field(default="redis://127.0.0.1:6379/0", repr=False)  # has a password
     redis_secret: str = "weir-redis"
     redis_secret_key: str = "url"
+    admin_secret: str = "weir-sidecar-admin"
+    admin_secret_key: str = "token"
     status_interval_s: float = 5.0
 
     def __post_init__(self) -> None:
@@ -37,5 +44,7 @@ class OperatorConfig:
             redis_url=env.get("WEIR_REDIS_URL", base.redis_url),
             redis_secret=env.get("WEIR_REDIS_SECRET", base.redis_secret),
             redis_secret_key=env.get("WEIR_REDIS_SECRET_KEY", base.redis_secret_key),
+            admin_secret=env.get("WEIR_ADMIN_SECRET", base.admin_secret),
+            admin_secret_key=env.get("WEIR_ADMIN_SECRET_KEY", base.admin_secret_key),
             status_interval_s=float(env.get("WEIR_STATUS_INTERVAL_S", base.status_interval_s)),
         )

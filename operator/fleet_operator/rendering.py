@@ -26,6 +26,7 @@ from kubernetes_asyncio.client import (
     V1EnvVarSource,
     V1ExecAction,
     V1HTTPGetAction,
+    V1KeyToPath,
     V1LabelSelector,
     V1Lifecycle,
     V1LifecycleHandler,
@@ -41,6 +42,7 @@ from kubernetes_asyncio.client import (
     V1ResourceRequirements,
     V1RollingUpdateDeployment,
     V1SecretKeySelector,
+    V1SecretVolumeSource,
     V1Service,
     V1ServicePort,
     V1ServiceSpec,
@@ -59,6 +61,9 @@ POOL_LABEL = "inference.weir.dev/pool"
 POLICY_HASH = "inference.weir.dev/policy-hash"
 POLICY_FILE = "policy.json"
 POLICY_DIR = "/etc/weir"
+# The sidecars' admin token (a Secret's key, mounted as a file; never on a command line).
+ADMIN_TOKEN_DIR = "/var/run/secrets/weir/admin"
+ADMIN_TOKEN_FILE = f"{ADMIN_TOKEN_DIR}/token"
 GPU = "nvidia.com/gpu"
 
 # Serialization uses no client state; a real ApiClient would need a running event loop.
@@ -143,8 +148,11 @@ def engine_args(pool: Pool) -> list[str]:
     return [*args, *spec.engine.extra_args]
 
 
-def sidecar_args(pool: Pool) -> list[str]:
+def sidecar_args(pool: Pool, *, admin_token: bool = True) -> list[str]:
+    """The sidecar's flags; `admin_token`: its admin routes need the mounted token. No
+    secret is a flag: the Redis URL comes in $WEIR_REDIS_URL, the token as a file."""
     port = pool.spec.sidecar.port
+    token = ["--admin-token-file", ADMIN_TOKEN_FILE] if admin_token else []
     return [
         "sidecar",
         "--engine-url",
@@ -153,8 +161,6 @@ def sidecar_args(pool: Pool) -> list[str]:
         "0.0.0.0",
         "--port",
         str(port),
-        "--redis-url",
-        "$(WEIR_REDIS_URL)",
         "--pool",
         pool.name,
         "--endpoint-id",
@@ -163,11 +169,14 @@ def sidecar_args(pool: Pool) -> list[str]:
         f"http://$(POD_IP):{port}",
         "--policy-file",
         f"{POLICY_DIR}/{POLICY_FILE}",
+        *token,
     ]
 
 
-def drain_command(pool: Pool) -> list[str]:
+def drain_command(pool: Pool, *, admin_token: bool = True) -> list[str]:
+    """The preStop hook: drain the sidecar (with its admin token, when it has one)."""
     port = pool.spec.sidecar.port
+    token = ["--admin-token-file", ADMIN_TOKEN_FILE] if admin_token else []
     return [
         "weir",
         "sidecar",
@@ -176,6 +185,7 @@ def drain_command(pool: Pool) -> list[str]:
         f"http://127.0.0.1:{port}",
         "--deadline-s",
         str(pool.spec.sidecar.drain_deadline_seconds),
+        *token,
     ]
 
 
@@ -205,6 +215,25 @@ def render_deployment(pool: Pool, replicas: int, config: OperatorConfig) -> dict
     spec = pool.spec
     sidecar_port = spec.sidecar.port
     probe_period = 10
+    guarded = bool(config.admin_secret)
+    sidecar_mounts = [V1VolumeMount(name="policy", mount_path=POLICY_DIR, read_only=True)]
+    volumes = [
+        V1Volume(name="dshm", empty_dir=V1EmptyDirVolumeSource(medium="Memory")),
+        V1Volume(name="policy", config_map=V1ConfigMapVolumeSource(name=configmap_name(pool))),
+    ]
+    if guarded:
+        sidecar_mounts.append(
+            V1VolumeMount(name="admin-token", mount_path=ADMIN_TOKEN_DIR, read_only=True)
+        )
+        volumes.append(
+            V1Volume(
+                name="admin-token",
+                secret=V1SecretVolumeSource(
+                    secret_name=config.admin_secret,
+                    items=[V1KeyToPath(key=config.admin_secret_key, path="token")],
+                ),
+            )
+        )
     engine = V1Container(
         name="engine",
         image=spec.engine.image,
@@ -218,7 +247,7 @@ def render_deployment(pool: Pool, replicas: int, config: OperatorConfig) -> dict
         name="sidecar",
         image=spec.sidecar.image or config.image,
         command=["weir"],
-        args=sidecar_args(pool),
+        args=sidecar_args(pool, admin_token=guarded),
         ports=[V1ContainerPort(name="http", container_port=sidecar_port)],
         env=[
             V1EnvVar(
@@ -233,7 +262,7 @@ def render_deployment(pool: Pool, replicas: int, config: OperatorConfig) -> dict
             _field_env("POD_IP", "status.podIP"),
         ],
         resources=_resources(spec.sidecar.resources),
-        volume_mounts=[V1VolumeMount(name="policy", mount_path=POLICY_DIR, read_only=True)],
+        volume_mounts=sidecar_mounts,
         # /health answers 200 while the sidecar serves and 503 once it drains, which takes
         # the pod out of the headless Service; weights can take long to load, hence the
         # generous startup probe. Liveness only asks whether the process listens: a
@@ -252,7 +281,9 @@ def render_deployment(pool: Pool, replicas: int, config: OperatorConfig) -> dict
             failure_threshold=3,
         ),
         lifecycle=V1Lifecycle(
-            pre_stop=V1LifecycleHandler(_exec=V1ExecAction(command=drain_command(pool)))
+            pre_stop=V1LifecycleHandler(
+                _exec=V1ExecAction(command=drain_command(pool, admin_token=guarded))
+            )
         ),
     )
     anti_affinity = Affinity(
@@ -275,13 +306,7 @@ def render_deployment(pool: Pool, replicas: int, config: OperatorConfig) -> dict
             affinity=anti_affinity,
             # preStop drains for up to the deadline; leave time for the engine to stop.
             termination_grace_period_seconds=spec.sidecar.drain_deadline_seconds + 30,
-            volumes=[
-                V1Volume(name="dshm", empty_dir=V1EmptyDirVolumeSource(medium="Memory")),
-                V1Volume(
-                    name="policy",
-                    config_map=V1ConfigMapVolumeSource(name=configmap_name(pool)),
-                ),
-            ],
+            volumes=volumes,
         ),
     )
     return _plain(

@@ -3,12 +3,15 @@ files, and check what comes out (schemas, CRD copy, RBAC, dashboards, values sch
 
 from __future__ import annotations
 
+import base64
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 from typing import Any, cast
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
@@ -118,10 +121,93 @@ def test_default_install_has_every_part() -> None:
         "CustomResourceDefinition",
     } <= found.keys()
     assert "Pod" not in found  # no pool listed: no router to test
-    redis = found["StatefulSet"][0]["spec"]["template"]["spec"]["containers"][0]
-    assert "--requirepass" in redis["args"]
+    redis = found["StatefulSet"][0]["spec"]["template"]["spec"]
+    (container,) = redis["containers"]
+    assert container["args"][0] == "/etc/redis/redis.conf"  # its password is in there
     secret = next(s for s in found["Secret"] if s["metadata"]["name"] == "weir-redis")
-    assert {"url", "password"} <= secret["data"].keys()
+    assert {"url", "password", "redis.conf"} <= secret["data"].keys()
+    password = base64.b64decode(secret["data"]["password"]).decode()
+    conf = base64.b64decode(secret["data"]["redis.conf"]).decode()
+    assert conf == f'requirepass "{password}"\n'
+    (config,) = [v for v in redis["volumes"] if v["name"] == "config"]
+    assert config["secret"]["secretName"] == "weir-redis"
+    assert {"name": "config", "mountPath": "/etc/redis", "readOnly": True} in container[
+        "volumeMounts"
+    ]
+    auth = next(e for e in container["env"] if e["name"] == "REDISCLI_AUTH")
+    assert auth["valueFrom"]["secretKeyRef"] == {"name": "weir-redis", "key": "password"}
+
+
+def _secret_values(docs: list[dict[str, Any]]) -> set[str]:
+    """Every value the rendered Secrets hold, and the password inside each URL."""
+    found = set()
+    for doc in docs:
+        if doc["kind"] == "Secret":
+            for value in doc.get("data", {}).values():
+                text = base64.b64decode(value).decode()
+                found.add(text)
+                if "://" in text and (password := urlsplit(text).password):
+                    found.add(password)
+    return found
+
+
+def _pod_specs(docs: list[dict[str, Any]]) -> Iterator[tuple[str, dict[str, Any]]]:
+    for doc in docs:
+        if doc["kind"] == "Pod":
+            yield doc["metadata"]["name"], doc["spec"]
+        elif doc["kind"] in ("Deployment", "StatefulSet"):
+            yield doc["metadata"]["name"], doc["spec"]["template"]["spec"]
+
+
+def _words(container: dict[str, Any]) -> list[str]:
+    """What can become a process's command line: command, args, and exec probes/hooks."""
+    words = [*container.get("command", []), *container.get("args", [])]
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        words += container.get(probe, {}).get("exec", {}).get("command", [])
+    for hook in ("postStart", "preStop"):
+        words += container.get("lifecycle", {}).get(hook, {}).get("exec", {}).get("command", [])
+    return [str(w) for w in words]
+
+
+@pytest.mark.parametrize("values", VALUES, ids=lambda p: p.stem)
+def test_no_secret_is_on_a_command_line(values: Path) -> None:
+    """Secrets reach processes through files and the environment: no command line,
+    probe or hook holds one, or expands a variable that holds one (`$(VAR)` in args,
+    `$VAR` in a shell), since process listings show command lines."""
+    docs = rendered(values)
+    secrets = _secret_values(docs)
+    assert secrets or "operator-only" in values.stem
+    for name, spec in _pod_specs(docs):
+        for container in spec.get("initContainers", []) + spec["containers"]:
+            from_secrets = {
+                e["name"]
+                for e in container.get("env", [])
+                if "secretKeyRef" in e.get("valueFrom", {})
+            }
+            for word in _words(container):
+                assert not any(secret in word for secret in secrets), (name, word)
+                for var in from_secrets:
+                    for reference in (f"$({var})", f"${var}", f"${{{var}}}"):
+                        assert reference not in word, (name, word)
+            words = _words(container)
+            assert not {"--redis-url", "--requirepass", "-a"} & set(words), (name, words)
+
+
+def test_the_sidecars_admin_token_is_a_generated_secret_the_operator_mounts() -> None:
+    found = kinds(rendered(Path(__file__).parent / "values-default.yaml"))
+    admin = next(s for s in found["Secret"] if s["metadata"]["name"] == "weir-sidecar-admin")
+    assert len(base64.b64decode(admin["data"]["token"])) == 48
+    operator = found["Deployment"][0]["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in operator["env"]}
+    assert (env["WEIR_ADMIN_SECRET"], env["WEIR_ADMIN_SECRET_KEY"]) == (
+        "weir-sidecar-admin",
+        "token",
+    )
+    # Pools in other namespaces get a copy, as they get the Redis URL's.
+    production = kinds(rendered(Path(__file__).parent / "values-production.yaml"))
+    copies = [s for s in production["Secret"] if s["metadata"]["name"] == "weir-sidecar-admin"]
+    assert {s["metadata"]["namespace"] for s in copies} == {"weir", "inference", "batch"}
+    assert len({s["data"]["token"] for s in copies}) == 1
 
 
 def test_operator_rbac_is_least_privilege() -> None:
@@ -140,13 +226,15 @@ def test_external_redis_and_existing_secret() -> None:
     args = router["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[args.index("--prefill-for") + 1] == "deepseek-decode"
     assert "NetworkPolicy" not in external
-    (secret,) = external["Secret"]
+    secret = next(s for s in external["Secret"] if s["metadata"]["name"] == "weir-redis")
     assert "password" not in secret["data"]
     only = kinds(rendered(Path(__file__).parent / "values-operator-only.yaml"))
-    assert "Secret" not in only  # the user's Secret is referenced, not created
+    assert "Secret" not in only  # the user's Secrets are referenced, not created
     env = only["Deployment"][0]["spec"]["template"]["spec"]["containers"][0]["env"]
     url = next(e for e in env if e["name"] == "WEIR_REDIS_URL")
     assert url["valueFrom"]["secretKeyRef"]["name"] == "team-redis"
+    admin = next(e for e in env if e["name"] == "WEIR_ADMIN_SECRET")
+    assert admin["value"] == "team-sidecar-admin"
 
 
 def test_production_values_reach_the_manifests() -> None:

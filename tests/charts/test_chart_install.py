@@ -69,6 +69,13 @@ def prerequisites(kube: Cluster, namespace: str, values: Path) -> None:
                      "--from-literal=api-keys.yaml={}")  # fmt: skip
 
 
+def admin_token(kube: Cluster, release: str, namespace: str) -> str:
+    """The generated sidecar admin token as the server stores it ("" when none)."""
+    got = kube.kubectl("get", "secret", f"{release}-weir-sidecar-admin", "-n", namespace,
+                       "-o", "jsonpath={.data.token}")  # fmt: skip
+    return got.stdout if got.returncode == 0 else ""
+
+
 @pytest.mark.parametrize("values", VALUES, ids=lambda p: p.stem)
 def test_install_upgrade_uninstall(cluster: Cluster, values: Path) -> None:
     namespace = cluster.namespace("chart")
@@ -80,6 +87,9 @@ def test_install_upgrade_uninstall(cluster: Cluster, values: Path) -> None:
     objects = release_objects(cluster, release, namespace)
     kinds = {kind for kind, _ in objects}
     assert "Deployment" in kinds or "StatefulSet" in kinds, objects
+    generated = "sidecarAdminTokenSecret" not in values.read_text()
+    token = admin_token(cluster, release, namespace)
+    assert bool(token) == generated  # the sidecars' admin token: generated or the user's
 
     upgraded = run_helm(cluster, "upgrade", release, str(CHART), "-n", namespace,
                         "-f", str(values), "--set", "operator.statusIntervalSeconds=7",
@@ -93,6 +103,7 @@ def test_install_upgrade_uninstall(cluster: Cluster, values: Path) -> None:
     revision = json.loads(run_helm(cluster, "status", release, "-n", namespace,
                                    "-o", "json").stdout)["version"]  # fmt: skip
     assert revision == 2
+    assert admin_token(cluster, release, namespace) == token  # kept on upgrade
 
     uninstalled = run_helm(cluster, "uninstall", release, "-n", namespace, "--wait",
                            "--timeout", "2m")  # fmt: skip

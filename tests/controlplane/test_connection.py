@@ -1,6 +1,6 @@
 """Connection settings against real servers: TLS with AUTH, refused bad settings, callers
-beyond the pool's size waiting for a connection (standalone and behind Sentinel); and
-stopping loops over Redis commands."""
+beyond the pool's size waiting for a connection (standalone and behind Sentinel);
+stopping loops over Redis commands; URLs fit to log."""
 
 from __future__ import annotations
 
@@ -13,7 +13,13 @@ from pathlib import Path
 import pytest
 import redis
 
-from controlplane.store import EndpointRegistry, RedisSettings, cancel_loops, connect
+from controlplane.store import (
+    EndpointRegistry,
+    RedisSettings,
+    cancel_loops,
+    connect,
+    redact_url,
+)
 from tests.controlplane.records import POOL, endpoint
 from tests.controlplane.sentinel_topology import SERVICE, SentinelTopology
 from weir.local.ports import free_port
@@ -146,3 +152,31 @@ async def test_a_loop_that_takes_a_cancellation_for_a_redis_timeout_is_still_sto
     await cancel_loops([task])
     assert task.cancelled()
     assert swallowed == 1
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://:s3cret@redis.weir.svc:6379/0", "redis://:***@redis.weir.svc:6379/0"),
+        ("rediss://weir:s3cret@r.example:6380/0", "rediss://weir:***@r.example:6380/0"),
+        ("redis://weir:p%40ss:w@rd@h:6379", "redis://weir:***@h:6379"),  # '@' and ':' in it
+        ("redis://weir:s3cret@h/0?ssl_cert_reqs=none", "redis://weir:***@h/0?ssl_cert_reqs=none"),
+        ("unix:///run/redis.sock?db=0&password=s3cret", "unix:///run/redis.sock?db=0&password=***"),
+        ("redis://h:6379/0?Password=s3cret#x", "redis://h:6379/0?Password=***#x"),
+        ("weir:s3cret@h:6379", "weir:***@h:6379"),  # no scheme
+        # Nothing to hide: unchanged.
+        ("redis://127.0.0.1:6379/0", "redis://127.0.0.1:6379/0"),
+        ("redis://weir@h:6379/0", "redis://weir@h:6379/0"),  # a user name only
+        ("unix:///run/redis.sock", "unix:///run/redis.sock"),
+        ("http://10.0.0.5:8001/path?q=1", "http://10.0.0.5:8001/path?q=1"),
+        ("", ""),
+    ],
+)
+def test_a_redacted_url_hides_only_its_password(url: str, shown: str) -> None:
+    assert redact_url(url) == shown
+    assert "s3cret" not in redact_url(url)
+    # What is shown still connects to the same place (same parse but the password).
+    if url.startswith(("redis://", "rediss://")) and "@" in url:
+        kept = redis.connection.parse_url(url)
+        seen = redis.connection.parse_url(shown)
+        assert {**kept, "password": None} == {**seen, "password": None}

@@ -117,6 +117,60 @@ def test_policy_change_changes_the_pod_template_hash() -> None:
     assert render_deployment(parse_pool("m", "ns", SPEC), 1, config) == a  # deterministic
 
 
+def _sidecar(deployment: dict[str, Any]) -> dict[str, Any]:
+    containers = deployment["spec"]["template"]["spec"]["containers"]
+    return cast(dict[str, Any], next(c for c in containers if c["name"] == "sidecar"))
+
+
+def test_sidecars_get_their_admin_token_from_a_mounted_secret() -> None:
+    """The admin routes are locked in every engine pod: the token Secret is mounted as a
+    file, and the sidecar and its preStop drain read it from there (never an argument)."""
+    pool = parse_pool("m", "ns", SPEC)
+    config = OperatorConfig.from_env(
+        {"WEIR_ADMIN_SECRET": "rel-sidecar-admin", "WEIR_ADMIN_SECRET_KEY": "tok"}
+    )
+    deployment = render_deployment(pool, 1, config)
+    sidecar = _sidecar(deployment)
+    token_file = "/var/run/secrets/weir/admin/token"
+    args = sidecar["args"]
+    assert args[args.index("--admin-token-file") + 1] == token_file
+    drain = sidecar["lifecycle"]["preStop"]["exec"]["command"]
+    assert drain[:3] == ["weir", "sidecar", "drain"]
+    assert drain[drain.index("--admin-token-file") + 1] == token_file
+    (mount,) = [m for m in sidecar["volumeMounts"] if m["name"] == "admin-token"]
+    assert (mount["mountPath"], mount["readOnly"]) == ("/var/run/secrets/weir/admin", True)
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["admin-token"]["secret"] == {
+        "secretName": "rel-sidecar-admin",
+        "items": [{"key": "tok", "path": "token"}],
+    }
+    engine = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert "admin-token" not in {m["name"] for m in engine["volumeMounts"]}
+    assert OperatorConfig().admin_secret == "weir-sidecar-admin"  # the chart's, by default
+    # Explicitly none: no mount, no flag (the sidecar warns that its admin routes are open).
+    open_ = render_deployment(pool, 1, OperatorConfig.from_env({"WEIR_ADMIN_SECRET": ""}))
+    assert "--admin-token-file" not in _sidecar(open_)["args"]
+    assert "admin-token" not in {v["name"] for v in open_["spec"]["template"]["spec"]["volumes"]}
+
+
+def test_the_redis_url_reaches_sidecars_in_their_environment_not_their_command_line() -> None:
+    pool = parse_pool("m", "ns", SPEC)
+    config = OperatorConfig.from_env(
+        {"WEIR_REDIS_SECRET": "rel-redis", "WEIR_REDIS_SECRET_KEY": "u"}
+    )
+    sidecar = _sidecar(render_deployment(pool, 1, config))
+    words = [
+        *sidecar["command"],
+        *sidecar["args"],
+        *sidecar["lifecycle"]["preStop"]["exec"]["command"],
+    ]
+    assert "--redis-url" not in words
+    assert not [w for w in words if "WEIR_REDIS_URL" in w]
+    env = next(e for e in sidecar["env"] if e["name"] == "WEIR_REDIS_URL")
+    assert env["valueFrom"]["secretKeyRef"] == {"name": "rel-redis", "key": "u"}
+    assert "redis_url" not in repr(config)  # nor in a logged config
+
+
 def test_servicemonitor_only_when_its_crd_exists() -> None:
     pool = parse_pool("m", "ns", SPEC)
     kinds = [c["kind"] for c in render_children(pool, 1, OperatorConfig(), monitoring=False)]

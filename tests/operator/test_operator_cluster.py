@@ -434,22 +434,25 @@ async def test_weir_operator_command_runs_as_the_charts_service_account(
     weir: Weir, tmp_path: Path
 ) -> None:
     """`weir operator` as a real process: its log lines name the pool, its liveness
-    endpoint answers on loopback, and the chart's RBAC is enough for it."""
+    endpoint answers on loopback, and the chart's RBAC is enough for it. It reads the
+    Redis URL from a file (`--redis-url-file`, a mounted Secret's key)."""
     await weir.stop()  # the command takes over from the in-process operator
     env = {
-        **os.environ,
+        **{k: v for k, v in os.environ.items() if k != "WEIR_REDIS_URL"},
         "KUBECONFIG": str(weir.install.operator_kubeconfig),
-        "WEIR_REDIS_URL": weir.settings.redis_url,
         "WEIR_IMAGE": "weir:cli-test",
         "WEIR_STATUS_INTERVAL_S": "0.5",
         "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "operator")]),
     }
+    url_file = tmp_path / "redis-url"
+    url_file.write_text(weir.settings.redis_url + "\n")
     liveness = f"http://127.0.0.1:{free_port()}/healthz"
     log = tmp_path / "operator.log"
     with log.open("wb") as out:
         process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "weir.cli", "operator", "--namespace",
             weir.install.namespace, "--liveness", liveness, "--log-format", "plain",
+            "--redis-url-file", str(url_file),
             env=env, stdout=out, stderr=out, start_new_session=True,
         )  # fmt: skip
     try:
@@ -463,6 +466,7 @@ async def test_weir_operator_command_runs_as_the_charts_service_account(
             os.killpg(process.pid, signal.SIGTERM)
         await asyncio.wait_for(process.wait(), timeout=30)
     text = log.read_text()
+    assert f"control plane: {weir.settings.redis_url}" in text, text[:2000]
     assert f"[{weir.install.namespace}/cli]" in text, text[-2000:]
     assert "403" not in text, text[-2000:]
     assert "Forbidden" not in text, text[-2000:]

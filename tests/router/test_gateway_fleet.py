@@ -89,6 +89,24 @@ async def test_a_long_generate_stream_to_a_slow_client_arrives_whole(fleet: Flee
     assert relayed[-1]["text"] == direct[-1]["text"]
 
 
+async def test_an_adapter_goes_to_an_endpoint_serving_it_and_an_unknown_one_is_404(
+    fleet: Fleet,
+) -> None:
+    """`lora_path` routes to the endpoints that report the adapter (and is forwarded as it
+    is); one that no endpoint serves is the client's error (404), not an outage (503)."""
+    await fleet.report("e1", adapters=("sql-lora",))
+    async with aiohttp.ClientSession() as session:
+        for _ in range(3):
+            served, _text = await _complete(session, fleet.url, "q", lora_path="sql-lora")
+            assert served == "e1"
+        body = {"model": MODEL, "prompt": "q", "max_tokens": 8, "lora_path": "chat-lora"}
+        async with session.post(fleet.url + "/v1/completions", json=body) as reply:
+            assert reply.status == 404
+            error = (await reply.json())["error"]
+    assert (error["reason"], error["param"]) == ("unknown_adapter", "lora_path")
+    assert "chat-lora" in error["message"]
+
+
 def _owners(fleet: Fleet, prompt: str) -> tuple[str, str]:
     """The ring's owners of a prompt, computed here independently of the gateway."""
     policy = fleet.gateway.gateway.config.routing

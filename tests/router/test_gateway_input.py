@@ -74,6 +74,9 @@ OK_CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
         ("/generate", b'{"text": "x", "sampling_params": {"n": 2}}', AUTH, 400,
          "invalid_parameter"),
         ("/generate", b'{"text": "x", "lora_path": ["a"]}', AUTH, 400, "invalid_adapter"),
+        ("/generate", b'{"text": "x", "lora_path": "no-such-lora"}', AUTH, 404, "unknown_adapter"),
+        (CHAT, b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "lora_path": "x"}',
+         AUTH, 404, "unknown_adapter"),
         (CHAT, b"{}", {}, 401, "missing_api_key"),
         (CHAT, b"{}", {"Authorization": "Bearer sk-wrong"}, 401, "invalid_api_key"),
     ],
@@ -105,6 +108,7 @@ async def test_bad_requests_are_refused_with_a_reason(
         (CHAT, b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": 1}',
          "stream"),
         ("/v1/completions", b'{"model": "nope", "prompt": "x"}', "model"),
+        ("/v1/completions", b'{"model": "m", "prompt": "x", "lora_path": "nope"}', "lora_path"),
         ("/v1/completions", b"{not json", None),
     ],
 )  # fmt: skip

@@ -128,3 +128,43 @@ async def test_a_client_that_leaves_while_queued_at_the_sidecar_is_cancelled_the
             {"pool": POOL, "endpoint": sidecar.service.metrics.endpoint, "reason": "cancelled"},
         )
         assert cancelled == 1
+
+
+async def test_a_prompt_no_sidecar_can_ever_fit_reaches_the_client_as_400(redis_url: str) -> None:
+    """The sidecar's permanent refusal (a prompt over its whole KV) passes through the
+    router as it is — status and body — and is not retried on another endpoint."""
+    async with contextlib.AsyncExitStack() as stack:
+        sidecars = []
+        for i in range(2):
+            config = EngineConfig(model=MODEL, max_total_tokens=1000, context_length=8192)
+            engine = await stack.enter_async_context(serve_engine(config))
+            sidecars.append(
+                await stack.enter_async_context(
+                    serve_sidecar(
+                        SidecarConfig(
+                            engine_url=engine.url, redis_url=redis_url, pool=POOL,
+                            endpoint_id=f"s{i}", heartbeat_s=0.2, lease_ttl_s=5.0,
+                        )
+                    )
+                )
+            )  # fmt: skip
+        running = await serve_gateway(GatewayConfig(pool=POOL, model=MODEL), redis_url=redis_url)
+        stack.push_async_callback(running.close)
+        await until(lambda: len(running.gateway.view.snapshot.endpoints) == 2, "both sidecars")
+        async with aiohttp.ClientSession() as session:
+            for stream in (True, False):
+                body = {"model": MODEL, "prompt": [7] * 3000, "max_tokens": 8, "stream": stream}
+                async with session.post(running.url + "/v1/completions", json=body) as reply:
+                    assert reply.status == 400
+                    assert "Retry-After" not in reply.headers
+                    error = (await reply.json())["error"]
+                assert error["reason"] == "too_large"
+                assert "3000 tokens" in error["message"]
+        refusals = [
+            s.service.metrics.registry.get_sample_value(
+                "weir_sidecar_admission_rejections_total",
+                {"pool": POOL, "endpoint": s.service.metrics.endpoint, "reason": "too_large"},
+            )
+            for s in sidecars
+        ]
+        assert sum(refusals) == 2  # one sidecar asked per request, none retried

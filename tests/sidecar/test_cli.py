@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 from pathlib import Path
 
@@ -28,30 +29,53 @@ async def test_runs_with_the_operators_flags_and_leaves_cleanly(
             {"pool": "p", "model": MODEL, "context_length": 4096, "kv": {"low_watermark": 0.6}}
         )
     )
+    token_file = tmp_path / "token"
+    token_file.write_text("cli-admin-token-0123456789\n")  # as a mounted Secret's file
     port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    # The Redis URL in the environment, from the pool's Secret, as the operator passes it.
+    env = {**os.environ, "WEIR_REDIS_URL": redis_url}
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "weir.cli", "sidecar",
         "--engine-url", engine.url, "--host", "127.0.0.1", "--port", str(port),
-        "--redis-url", redis_url, "--pool", "p", "--endpoint-id", "pod-cli",
+        "--pool", "p", "--endpoint-id", "pod-cli",
         "--advertise-url", "http://10.1.2.3:8001", "--policy-file", str(policy),
-        "--heartbeat-s", "0.2", "--lease-ttl-s", "3",
+        "--heartbeat-s", "0.2", "--lease-ttl-s", "3", "--admin-token-file", str(token_file),
+        env=env,
     )  # fmt: skip
     redis = connect(RedisSettings(url=redis_url))
     registry = EndpointRegistry(redis, "p")
     try:
         await asyncio.to_thread(wait_for_port, port, "127.0.0.1", 60.0)
         body = {"text": "hi", "sampling_params": {"max_new_tokens": 5}, "stream": True}
-        async with (
-            aiohttp.ClientSession() as http,
-            http.post(f"http://127.0.0.1:{port}/generate", json=body) as resp,
-        ):
-            assert resp.status == 200
-            assert (await read_sse(resp)).done
+        async with aiohttp.ClientSession() as http:
+            async with http.post(url + "/generate", json=body) as resp:
+                assert resp.status == 200
+                assert (await read_sse(resp)).done
+            async with http.get(url + "/weir/v1/state") as resp:
+                assert resp.status == 401
+            admin = {"Authorization": "Bearer cli-admin-token-0123456789"}
+            async with http.get(url + "/weir/v1/state", headers=admin) as resp:
+                assert resp.status == 200
         snap = await registry.snapshot()
         while "pod-cli" not in snap.endpoints:
             await registry.wait_for_change(snap.position, 1000)
             snap = await registry.snapshot()
         assert snap.endpoints["pod-cli"].address == "http://10.1.2.3:8001"
+        # The preStop hook's drain: refused without the token, done with it.
+        drains = []
+        for extra in ((), ("--admin-token-file", str(token_file))):
+            drain = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "weir.cli", "sidecar", "drain", "--url", url,
+                "--deadline-s", "1", *extra, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+            )  # fmt: skip
+            out, err = await drain.communicate()
+            drains.append((drain.returncode, out, err))
+        (refused, _, why), (drained, out, _) = drains
+        assert (refused, drained) == (1, 0)
+        assert b"answered 401" in why
+        assert b'"in_flight": 0' in out
         proc.terminate()
         assert await asyncio.wait_for(proc.wait(), 30) == 0
         assert "pod-cli" not in (await registry.snapshot()).endpoints

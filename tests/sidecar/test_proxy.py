@@ -9,10 +9,11 @@ import aiohttp
 import msgspec
 import pytest
 
+from controlplane.contract import Continuation, EngineAPI, encode_json
 from controlplane.telemetry.catalog import SIDECAR
-from engine_sidecar.server import RunningSidecar
-from fleetsim.server import RunningEngine
-from tests.sidecar.conftest import MODEL
+from engine_sidecar.server import RunningSidecar, SidecarConfig, serve_sidecar
+from fleetsim.server import RunningEngine, serve_engine
+from tests.sidecar.conftest import MODEL, engine_config, pool_policy
 
 
 async def sse(resp: aiohttp.ClientResponse) -> list[dict[str, Any]]:
@@ -272,3 +273,47 @@ async def test_event_series_exist_before_their_first_event(sidecar: RunningSidec
     assert value("weir_sidecar_admission_rejections_total", 'reason="queue_full"') == 0
     assert value("weir_sidecar_preemptions_total", 'mode="migrate"') == 0
     assert value("weir_sidecar_active_sequences", 'tenant="quiet"') == 0
+
+
+async def test_a_prompt_that_can_never_fit_is_a_client_error_a_continuation_stays_overload() -> (
+    None
+):
+    """A prompt larger than the engine's whole KV (here 1,000 tokens, under a 4,096-token
+    context) is refused with 400 and the sizes, without Retry-After: retrying cannot help.
+    The same prompt arriving as a continuation of an accepted stream keeps the retryable
+    429, for the router to place elsewhere."""
+    prompt = [7] * 2000
+    cont = Continuation(
+        request_id="r-too-large", model=MODEL, api=EngineAPI.GENERATE,
+        body={"input_ids": prompt, "sampling_params": {"max_new_tokens": 8}},
+        prompt_ids=tuple(prompt), generated_ids=(8, 9), max_new_tokens=8,
+    )  # fmt: skip
+    async with (
+        serve_engine(engine_config(max_total_tokens=1000)) as engine,
+        serve_sidecar(SidecarConfig(engine_url=engine.url, pool="p", policy=pool_policy())) as sc,
+        aiohttp.ClientSession() as http,
+    ):
+        for stream in (True, False):
+            body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 8}, "stream": stream}
+            async with http.post(sc.url + "/generate", json=body) as resp:
+                assert resp.status == 400
+                assert "Retry-After" not in resp.headers
+                error = (await resp.json())["error"]
+            assert (error["type"], error["reason"]) == ("invalid_request", "too_large")
+            assert "2000 tokens" in error["message"]
+            assert "1000" in error["message"]  # the endpoint's capacity
+        async with http.post(sc.url + "/weir/v1/continue", data=encode_json(cont)) as resp:
+            assert resp.status == 429
+            assert int(resp.headers["Retry-After"]) >= 1
+            error = (await resp.json())["error"]
+        assert (error["type"], error["reason"]) == ("overload", "too_large")
+        metrics = sc.service.metrics
+        labels = {"pool": "p", "endpoint": metrics.endpoint}
+        finished = metrics.registry.get_sample_value
+        assert finished("weir_sidecar_requests_finished_total", {**labels, "reason": "error"}) == 2
+        assert (
+            finished("weir_sidecar_requests_finished_total", {**labels, "reason": "overload"}) == 1
+        )
+        ledger = sc.service.ledger
+        assert (ledger.flights, ledger.own_used, ledger.reserved) == ({}, 0, 0)
+        assert engine.engine.loads().num_running_reqs == 0

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from weir.commands._redis_url import add_redis_url_flags, redis_url
+
 NAME = "operator"
 HELP = "Run the InferencePool operator: children, status, drain-first scaling, cleanup."
 
@@ -20,17 +22,29 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add("--log-format", choices=("plain", "full", "json"), default="full",
         help="log lines as text (plain: message only; full: time, level, logger) or JSON; "
              "every line about a pool names it")  # fmt: skip
+    add_redis_url_flags(parser, "the control plane the operator reads status from and drains")
     add("--verbose", action="store_true")
 
 
 def run(args: argparse.Namespace) -> int:
     import asyncio
+    import dataclasses
     import logging
+    import sys
 
     import kopf
 
+    from controlplane.store.connection import redact_url
     from fleet_operator.config import OperatorConfig
     from fleet_operator.handlers import build_registry
+
+    try:
+        config = OperatorConfig.from_env()
+        if url := redis_url(args, NAME):
+            config = dataclasses.replace(config, redis_url=url)
+    except ValueError as exc:
+        print(f"weir operator: {exc}", file=sys.stderr)
+        return 2
 
     # kopf's own set-up: its formatter prefixes each line about a pool with
     # `[namespace/name]` (JSON: a field), which a plain logging config would drop.
@@ -45,9 +59,10 @@ def run(args: argparse.Namespace) -> int:
                 or not str(record.msg).endswith(" succeeded.")
             )
         )
+    logging.getLogger("weir.operator").info("control plane: %s", redact_url(config.redis_url))
     asyncio.run(
         kopf.operator(
-            registry=build_registry(OperatorConfig.from_env()),
+            registry=build_registry(config),
             clusterwide=not args.namespaces,
             namespaces=args.namespaces,
             standalone=not args.peering,

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import argparse
 
+from weir.commands._redis_url import ENV as REDIS_URL_ENV
+from weir.commands._redis_url import add_redis_url_flags, redis_url
+
 NAME = "router"
 DEFAULT_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 HELP = "Serve the router: OpenAI/SGLang-compatible gateway with KV-aware routing for one pool."
@@ -25,9 +28,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         f"(default: the policy's, else {DEFAULT_MODEL})")  # fmt: skip
     add("--policy-file", metavar="FILE",
         help="the PoolPolicy as JSON (the operator's <pool>-policy ConfigMap): routing settings "
-             "and tenant quotas (enforced when it declares tenants; needs --redis-url)")  # fmt: skip
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--redis-url", help="the control plane: endpoints, leases, owners")
+             "and tenant quotas (enforced when it declares tenants; needs the control plane)")  # fmt: skip
+    # The control plane (--redis-url, --redis-url-file or $WEIR_REDIS_URL) or fixed engines.
+    source = parser.add_mutually_exclusive_group()
+    add_redis_url_flags(source, "the control plane: endpoints, leases, owners")
     source.add_argument("--endpoint", action="append", metavar="URL",
                         help="a fixed engine URL instead of the control plane (repeatable)")  # fmt: skip
     add("--api-keys", metavar="FILE", help="YAML/JSON mapping API key -> tenant")
@@ -61,8 +65,15 @@ def run(args: argparse.Namespace) -> int:
     from controlplane.contract import PoolPolicy, Role, SchemaError, decode_json
     from controlplane.gateway import GatewayConfig, Limits, TenantKeys, serve_gateway
     from controlplane.routing import ProfileError, profile_from_config
+    from controlplane.store.connection import redact_url
 
     try:
+        url = "" if args.endpoint else redis_url(args, NAME)
+        if not (url or args.endpoint):
+            raise ValueError(
+                f"give the control plane (--redis-url, --redis-url-file or ${REDIS_URL_ENV}) "
+                "or fixed engines (--endpoint)"
+            )
         if not (0.5 <= args.bytes_per_token <= 16):
             raise ValueError("--bytes-per-token must be between 0.5 and 16")
         keys = TenantKeys.load(args.api_keys) if args.api_keys else TenantKeys()
@@ -96,10 +107,10 @@ def run(args: argparse.Namespace) -> int:
             queue_max_wait_s=args.queue_max_wait_s,
             **overrides,
         )
-        if (config.enforce_quotas or config.role is Role.PREFILL) and not args.redis_url:
+        if (config.enforce_quotas or config.role is Role.PREFILL) and not url:
             raise ValueError(
                 "quotas (--quotas, or tenants in the policy) and --prefill-for need "
-                "--redis-url (the control plane)"
+                f"--redis-url (or --redis-url-file, or ${REDIS_URL_ENV}: the control plane)"
             )
     except (OSError, ValueError, ProfileError, SchemaError, yaml.YAMLError) as exc:
         print(f"weir router: {exc}", file=sys.stderr)
@@ -112,12 +123,12 @@ def run(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, stop.set)
         try:
             running = await serve_gateway(
-                config, redis_url=args.redis_url or "", endpoints=args.endpoint or (), keys=keys
+                config, redis_url=url, endpoints=args.endpoint or (), keys=keys
             )
         except ValueError as exc:  # e.g. the policy's quotas, refused by the control plane
             print(f"weir router: {exc}", file=sys.stderr)
             return 2
-        source = args.redis_url or ", ".join(args.endpoint)
+        source = ", ".join(redact_url(u) for u in ([url] if url else args.endpoint))
         print(f"weir router: {running.url} (pool {config.pool}, from {source})", flush=True)
         try:
             await stop.wait()

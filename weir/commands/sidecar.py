@@ -1,19 +1,34 @@
 """`weir sidecar`: run the engine sidecar next to an SGLang server, or drain one.
 
-    weir sidecar --engine-url http://127.0.0.1:30000 --port 8001 --redis-url redis://… \
+    WEIR_REDIS_URL=redis://… weir sidecar --engine-url http://127.0.0.1:30000 --port 8001 \
         --pool chat --endpoint-id pod-a --advertise-url http://10.0.0.5:8001 \
-        --policy-file /etc/weir/policy.yaml --heartbeat-s 1 --lease-ttl-s 5
-    weir sidecar drain --url http://127.0.0.1:8001 --deadline-s 30   # preStop hook
+        --policy-file /etc/weir/policy.yaml --heartbeat-s 1 --lease-ttl-s 5 \
+        --admin-token-file /var/run/secrets/weir/admin/token
+    weir sidecar drain --url http://127.0.0.1:8001 --deadline-s 30 \
+        --admin-token-file /var/run/secrets/weir/admin/token      # preStop hook
 
 The operator and `weir up` spawn it with exactly these flags.
+
+The admin routes (`/weir/v1/state`, `/weir/v1/preempt`, `/weir/v1/drain`) need the
+admin token when one is configured: read from `--admin-token-file` (a mounted Secret),
+else from the environment variable `WEIR_ADMIN_TOKEN`, never from the command line.
+Without either they stay open, and the sidecar warns at start. The control plane's Redis
+URL likewise comes from `--redis-url-file` or `$WEIR_REDIS_URL` (`--redis-url` wins when
+given, but shows its password in process listings); none: local admission only.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+from weir.commands._redis_url import add_redis_url_flags, redis_url
 
 NAME = "sidecar"
+ADMIN_TOKEN_ENV = "WEIR_ADMIN_TOKEN"
 HELP = "Run the engine sidecar (proxy, KV admission, preemption, heartbeats), or drain one."
 
 
@@ -28,7 +43,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine-url", help="the SGLang server this sidecar fronts")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8001, help="port to listen on")
-    parser.add_argument("--redis-url", default="", help="control-plane Redis (empty: none)")
+    add_redis_url_flags(parser, "control-plane Redis (none: local admission only)")
     parser.add_argument("--pool", default="default", help="InferencePool name")
     parser.add_argument(
         "--endpoint-id", default="", help="endpoint id (default: hostname, port and a suffix)"
@@ -41,32 +56,71 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--deadline-s", type=float, default=30.0, help="drain: how long in-flight may run"
     )
+    parser.add_argument(
+        "--admin-token-file",
+        default="",
+        metavar="FILE",
+        help=f"the admin routes' bearer token, read from FILE (default: ${ADMIN_TOKEN_ENV}; "
+        "neither: the admin routes are open); drain: the token it sends",
+    )
     parser.add_argument("--log-level", default="INFO", help="logging level")
 
 
-def _drain(url: str, deadline_s: float) -> int:
+def admin_token(token_file: str, env: Mapping[str, str] = os.environ) -> str:
+    """The admin token from `token_file`, else from $WEIR_ADMIN_TOKEN; "" for none.
+    Raises ValueError for a file that cannot be read or holds no token."""
+    if not token_file:
+        return env.get(ADMIN_TOKEN_ENV, "").strip()
+    try:
+        token = Path(token_file).read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read --admin-token-file {token_file}: {exc}") from None
+    if not token:
+        raise ValueError(f"--admin-token-file {token_file} is empty")
+    return token
+
+
+def _drain(url: str, deadline_s: float, token: str) -> int:
     import json
+    import urllib.error
     import urllib.request
 
+    headers = {"content-type": "application/json"}
+    if token:
+        headers["authorization"] = f"Bearer {token}"
     request = urllib.request.Request(
         url.rstrip("/") + "/weir/v1/drain",
         data=json.dumps({"deadline_s": deadline_s}).encode(),
-        headers={"content-type": "application/json"},
+        headers=headers,
         method="POST",
     )
-    with urllib.request.urlopen(request, timeout=deadline_s + 30) as response:
-        sys.stdout.write(response.read().decode() + "\n")
+    try:
+        with urllib.request.urlopen(request, timeout=deadline_s + 30) as response:
+            sys.stdout.write(response.read().decode() + "\n")
+    except urllib.error.HTTPError as exc:
+        sys.stderr.write(f"weir sidecar drain: {url} answered {exc.code}: {exc.read().decode()}\n")
+        return 1
     return 0
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        token = admin_token(args.admin_token_file)
+    except ValueError as exc:
+        sys.stderr.write(f"weir sidecar: {exc}\n")
+        return 2
     if args.action == "drain":
         if not args.url:
             sys.stderr.write("weir sidecar drain: --url is required\n")
             return 2
-        return _drain(args.url, args.deadline_s)
+        return _drain(args.url, args.deadline_s, token)
     if not args.engine_url:
         sys.stderr.write("weir sidecar: --engine-url is required\n")
+        return 2
+    try:
+        control_plane = redis_url(args, NAME)
+    except ValueError as exc:
+        sys.stderr.write(f"weir sidecar: {exc}\n")
         return 2
     import asyncio
     import logging
@@ -93,13 +147,14 @@ def run(args: argparse.Namespace) -> int:
         engine_url=args.engine_url,
         host=args.host,
         port=args.port,
-        redis_url=args.redis_url,
+        redis_url=control_plane,
         pool=policy.pool if policy else args.pool,
         endpoint_id=args.endpoint_id,
         advertise_url=args.advertise_url,
         policy=policy,
         heartbeat_s=args.heartbeat_s,
         lease_ttl_s=args.lease_ttl_s,
+        admin_token=token,
     )
 
     async def main() -> None:

@@ -42,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
     import sys
     import time
 
+    from controlplane.store.connection import redact_url
     from weir.local.fleet import FleetConfig, FleetError, LocalFleet, format_status
     from weir.local.redis_server import RedisNotInstalledError
 
@@ -75,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"weir up: starting {config.engines} {config.engine} engine(s); logs in "
               f"{fleet.workdir}", flush=True)  # fmt: skip
         fleet.start()
-        print(f"  redis    {fleet.redis_url}")
+        print(f"  redis    {redact_url(fleet.redis_url)}")
         for engine, sidecar in zip(fleet.engine_urls, fleet.sidecar_urls, strict=True):
             print(f"  engine   {engine}  sidecar {sidecar}")
         print(f"  router   {fleet.router_url}   (OpenAI base URL: {fleet.router_url}/v1)")

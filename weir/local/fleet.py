@@ -15,6 +15,7 @@ one that names none is tenant `default`.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -132,10 +133,10 @@ class LocalFleet(LocalService):
                 self._spawn(
                     f"sidecar-{i}",
                     [*WEIR, "sidecar", "--engine-url", engine_url, "--port", str(port),
-                     "--redis-url", self.redis_url, "--pool", c.pool,
-                     "--endpoint-id", f"{c.pool}-{i}", "--heartbeat-s", "0.5",
+                     "--pool", c.pool, "--endpoint-id", f"{c.pool}-{i}", "--heartbeat-s", "0.5",
                      "--lease-ttl-s", "3"],
                     port,
+                    control_plane=True,
                 )  # fmt: skip
                 self.sidecar_urls.append(f"http://127.0.0.1:{port}")
             port = c.router_port or free_port()
@@ -144,9 +145,9 @@ class LocalFleet(LocalService):
             self._spawn(
                 "router",
                 [*WEIR, "router", "--port", str(port), "--policy-file", str(policy_file),
-                 "--redis-url", self.redis_url,
                  "--bytes-per-token", "1" if c.engine == "reference" else "4"],
                 port,
+                control_plane=True,
             )  # fmt: skip
             self.router_url = f"http://127.0.0.1:{port}"
             self._wait_ready()
@@ -163,10 +164,21 @@ class LocalFleet(LocalService):
         return [*WEIR, "engine", "--port", str(port), "--model", c.model,
                 "--speed-factor", str(c.speed_factor), *kv]  # fmt: skip
 
-    def _spawn(self, name: str, command: list[str], port: int, wait: bool = True) -> None:
+    def _spawn(
+        self,
+        name: str,
+        command: list[str],
+        port: int,
+        wait: bool = True,
+        *,
+        control_plane: bool = False,
+    ) -> None:
+        """Start a child; `control_plane`: it gets the Redis URL in $WEIR_REDIS_URL (not
+        on its command line, where a password would show in process listings)."""
         log = self.workdir / f"{name}.log"
+        env = {**os.environ, "WEIR_REDIS_URL": self.redis_url} if control_plane else None
         with log.open("wb") as out:
-            proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
         child = _Child(name, proc, log)
         self._children.append(child)
         if wait:

@@ -78,3 +78,8 @@ readOnlyRootFilesystem: true
 capabilities:
   drop: [ALL]
 {{- end }}
+
+{{/* The Secret holding the sidecars' admin token under key `token`. */}}
+{{- define "weir.sidecarAdminSecret" -}}
+{{- .Values.operator.sidecarAdminTokenSecret | default (printf "%s-sidecar-admin" (include "weir.fullname" .)) }}
+{{- end }}

@@ -1,0 +1,94 @@
+"""`weir router` and the Redis password: read from the environment or a file, never shown
+at start, and off the process's command line; against a real Redis that requires it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from tests.router.conftest import eventually
+from weir.cli import main
+from weir.local.redis_server import RedisServer
+
+pytestmark = pytest.mark.redis
+PASSWORD = "Rldm2TqGF0sTCVN-router-secret"
+
+
+@pytest.fixture(scope="module")
+def locked_redis() -> Iterator[RedisServer]:
+    with RedisServer(extra_args=("--requirepass", PASSWORD)) as server:
+        yield server
+
+
+def _with_password(server: RedisServer) -> str:
+    return f"redis://:{PASSWORD}@127.0.0.1:{server.port}/0"
+
+
+@pytest.mark.parametrize("source", ["env", "file", "flag"])
+async def test_the_router_takes_the_url_from_env_or_file_and_never_prints_the_password(
+    locked_redis: RedisServer, tmp_path: Path, source: str
+) -> None:
+    url = _with_password(locked_redis)
+    env = {k: v for k, v in os.environ.items() if k != "WEIR_REDIS_URL"}
+    args = ["--port", "0", "--pool", "secret-pool", "--model", "m"]
+    if source == "env":
+        env["WEIR_REDIS_URL"] = url
+    elif source == "file":
+        secret = tmp_path / "redis-url"
+        secret.write_text(url + "\n")  # as a mounted Secret's key
+        args += ["--redis-url-file", str(secret)]
+    else:
+        args += ["--redis-url", url]
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "weir.cli", "router", *args, env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        started = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
+        assert started.startswith("weir router: http://127.0.0.1:"), started
+        assert f"from redis://:***@127.0.0.1:{locked_redis.port}/0" in started
+        assert PASSWORD not in started
+        cmdline = await asyncio.to_thread(Path(f"/proc/{proc.pid}/cmdline").read_bytes)
+        assert (PASSWORD.encode() in cmdline) == (source == "flag")
+        # The router reached Redis with the password: its pool view is current.
+        router = started.split()[2]
+
+        async def following() -> bool:
+            async with (
+                aiohttp.ClientSession() as http,
+                http.get(router + "/weir/v1/pool") as reply,
+            ):
+                pool = await reply.json()
+            return pool["error"] == "" and not pool["stale"]
+
+        await eventually(following, "the router to follow the locked Redis", timeout_s=30)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert PASSWORD not in err.decode()
+    warned = "the password in --redis-url shows in process listings" in err.decode()
+    assert warned == (source == "flag")
+
+
+def test_a_missing_or_empty_url_file_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("WEIR_REDIS_URL", raising=False)
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    assert main(["router", "--redis-url-file", str(tmp_path / "nope")]) == 2
+    assert "cannot read --redis-url-file" in capsys.readouterr().err
+    assert main(["router", "--redis-url-file", str(empty)]) == 2
+    assert "holds no URL" in capsys.readouterr().err
+    assert main(["router"]) == 2  # neither the control plane nor fixed engines
+    assert "--redis-url-file or $WEIR_REDIS_URL" in capsys.readouterr().err
+    assert main(["operator", "--redis-url-file", str(empty)]) == 2
+    assert "holds no URL" in capsys.readouterr().err
