@@ -48,7 +48,8 @@ _PREFILL = frozenset({_S.PREFILL_READY, _S.PREFILL_RUNNING})
 
 
 class OverloadError(Exception):
-    """Refused by local admission: answered 429 with Retry-After and `reason`."""
+    """Refused by local admission, with `reason`: answered 429 with Retry-After (400 for
+    `too_large`, a request that can never fit, unless it is a resume)."""
 
     def __init__(self, reason: str, retry_after_s: int, message: str) -> None:
         super().__init__(message)
