@@ -15,7 +15,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -217,6 +217,23 @@ async def test_a_kv_burst_keeps_every_admitted_stream(redis_url: str) -> None:
         await _settled(fleet)
 
 
+async def _kill_mid_stream(
+    fleet: LiveFleet,
+    session: aiohttp.ClientSession,
+    bodies: list[dict[str, object]],
+    kill: Callable[[], Awaitable[None]],
+) -> list[Stream]:
+    """Start every stream, `kill` once each has had a few chunks, wait for them all."""
+    streams = [Stream() for _ in bodies]
+    running = asyncio.gather(
+        *(_stream(session, fleet.router.url, b, s) for b, s in zip(bodies, streams, strict=True))
+    )
+    await asyncio.wait_for(asyncio.gather(*(s.progress.wait() for s in streams)), 60.0)
+    await kill()
+    await asyncio.wait_for(running, 60.0)
+    return streams
+
+
 async def test_an_engine_lost_for_good_hands_its_streams_back_at_once(redis_url: str) -> None:
     """An engine dies mid-stream and does not come back: its sidecar does not wait for it
     but hands each stream back to the router with its continuation, and the router resumes
@@ -228,16 +245,7 @@ async def test_an_engine_lost_for_good_hands_its_streams_back_at_once(redis_url:
         live_fleet(redis_url, kv_tokens=20_000) as fleet,
         aiohttp.ClientSession() as session,
     ):
-        streams = [Stream() for _ in bodies]
-        running = asyncio.gather(
-            *(
-                _stream(session, fleet.router.url, b, s)
-                for b, s in zip(bodies, streams, strict=True)
-            )
-        )
-        await asyncio.wait_for(asyncio.gather(*(s.progress.wait() for s in streams)), 60.0)
-        await fleet.engines["s0"].kill()
-        await asyncio.wait_for(running, 60.0)
+        streams = await _kill_mid_stream(fleet, session, bodies, fleet.engines["s0"].kill)
         _assert_whole(streams, expected)
         lost = sum(s.endpoint == "s0" for s in streams)
         assert lost > 0
@@ -258,16 +266,11 @@ async def test_a_sidecar_killed_mid_stream_loses_no_stream(redis_url: str, tmp_p
         ) as fleet,
         aiohttp.ClientSession() as session,
     ):
-        streams = [Stream() for _ in bodies]
-        running = asyncio.gather(
-            *(
-                _stream(session, fleet.router.url, b, s)
-                for b, s in zip(bodies, streams, strict=True)
-            )
-        )
-        await asyncio.wait_for(asyncio.gather(*(s.progress.wait() for s in streams)), 60.0)
-        fleet.processes["s0"].send_signal(signal.SIGKILL)
-        await asyncio.wait_for(running, 60.0)
+
+        async def kill() -> None:
+            fleet.processes["s0"].send_signal(signal.SIGKILL)
+
+        streams = await _kill_mid_stream(fleet, session, bodies, kill)
         _assert_whole(streams, expected)
         lost = sum(s.endpoint == "s0" for s in streams)
         assert lost > 0
