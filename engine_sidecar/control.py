@@ -26,6 +26,7 @@ from controlplane.store import EndpointLease, EndpointRegistry, FencedError, can
 from controlplane.store.commands import CommandChannel
 from controlplane.store.quotas import QuotaStore
 from engine_sidecar.ledger import COMMITTED
+from engine_sidecar.policy import peer_room
 from engine_sidecar.quota import KVQuota
 from engine_sidecar.service import SidecarService
 
@@ -155,6 +156,26 @@ class ControlLink:
             except (RedisError, OSError) as exc:
                 log.warning("command channel: %s", exc)
                 await asyncio.sleep(self.heartbeat_s)
+
+    async def migration_room(self) -> int | None:
+        """The largest continuation another endpoint of the pool (lease valid, same
+        role) would admit, from what they last published; None when the control plane
+        cannot say (relief then migrates as if there were room)."""
+        try:
+            snapshot = await asyncio.wait_for(self.registry.snapshot(), self.heartbeat_s)
+        except (RedisError, OSError, SchemaError, TimeoutError) as exc:
+            log.info("relief: the pool's room is unknown (%s)", exc)
+            return None
+        role = self.service.policy.role
+        now_ms = snapshot.server_time_ms
+        peers = [
+            state
+            for endpoint_id, state in snapshot.endpoints.items()
+            if endpoint_id != self.endpoint_id
+            and state.role is role
+            and snapshot.lease_expires_ms.get(endpoint_id, 0) > now_ms
+        ]
+        return peer_room(peers, self.service.policy.kv)
 
     def start(self) -> None:
         self._heartbeat = asyncio.create_task(self._run(), name="weir-sidecar-heartbeat")

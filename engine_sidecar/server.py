@@ -107,14 +107,16 @@ async def _poll_engine(service: SidecarService, every_s: float) -> None:
         await asyncio.sleep(every_s)
 
 
-async def _relief(service: SidecarService) -> None:
+async def _relief(service: SidecarService, link: ControlLink | None) -> None:
     ledger = service.ledger
     while True:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(ledger.pressure.wait(), timeout=0.25)
         ledger.pressure.clear()
         if ledger.watermark is WatermarkState.EXHAUSTED:
-            service.relieve()
+            room = await link.migration_room() if link is not None else None
+            if ledger.watermark is WatermarkState.EXHAUSTED:
+                service.relieve(room)
 
 
 @asynccontextmanager
@@ -150,7 +152,6 @@ async def serve_sidecar(config: SidecarConfig) -> AsyncIterator[RunningSidecar]:
         await runner.setup()
         await web.SockSite(runner, sock).start()
         tasks.append(asyncio.create_task(_poll_engine(service, config.engine_poll_s)))
-        tasks.append(asyncio.create_task(_relief(service)))
         if config.redis_url:
             link = ControlLink(
                 service,
@@ -163,6 +164,7 @@ async def serve_sidecar(config: SidecarConfig) -> AsyncIterator[RunningSidecar]:
             )
             service.on_drain = link.drain
             link.start()  # not awaited: an unreachable Redis must not hold up serving
+        tasks.append(asyncio.create_task(_relief(service, link)))
         yield RunningSidecar(url, service, link, asyncio.Event())
     finally:
         for task in tasks:

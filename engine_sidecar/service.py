@@ -833,12 +833,15 @@ class SidecarService:
         """Migrate when the request can move, else recompute in place."""
         return await self.preempt(rid, "migrate") or await self.preempt(rid, "recompute")
 
-    def relieve(self) -> list[str]:
-        """One pass of the relief ladder; starts preemptions and returns explanations."""
+    def relieve(self, migration_room: int | None = None) -> list[str]:
+        """One pass of the relief ladder; starts preemptions and returns explanations.
+        `migration_room`: the largest continuation another endpoint would admit (None:
+        unknown, as without a control plane)."""
         ledger = self.ledger
         plan = plan_relief(
-            ledger.usage(), ledger.watermark, ledger.candidates(), self.policy, ledger.clock()
-        )
+            ledger.usage(), ledger.watermark, ledger.candidates(), self.policy, ledger.clock(),
+            migration_room,
+        )  # fmt: skip
         notes = []
         for victim in plan.victims:
             mode = victim.mode.value

@@ -35,6 +35,7 @@ from engine_sidecar.policy.relief import (
     VictimCandidate,
     VictimChoice,
     VictimScore,
+    peer_room,
     plan_relief,
     score_victim,
 )
@@ -72,6 +73,7 @@ __all__ = [
     "engine_priority",
     "expired",
     "growth_reserve",
+    "peer_room",
     "plan_relief",
     "queue_order",
     "reconcile_used",

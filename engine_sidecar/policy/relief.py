@@ -20,10 +20,18 @@ never picked again (no thrashing).
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from controlplane.contract import KVPolicy, PoolPolicy, PreemptionMode, WatermarkState
+from controlplane.contract import (
+    EndpointState,
+    KVPolicy,
+    Lifecycle,
+    PoolPolicy,
+    PreemptionMode,
+    WatermarkState,
+)
+from controlplane.contract.credit_rules import endpoint_headroom_tokens
 from engine_sidecar.policy.admission import SequenceOutlook, growth_reserve
 from engine_sidecar.policy.watermark import KVUsage
 
@@ -151,10 +159,16 @@ def score_victim(
     )
 
 
-def _mode(cand: VictimCandidate, policy: PoolPolicy, capacity_tokens: int) -> Rung | None:
+def _mode(
+    cand: VictimCandidate, policy: PoolPolicy, capacity_tokens: int, room: int | None
+) -> Rung | None:
+    """How a victim is relieved: migrated where it can move and some endpoint has room
+    for its continuation (`room`: the most any other endpoint would admit, None when
+    unknown), else recomputed in place, else terminated where the pool allows it."""
     modes = policy.scheduling.preemption_modes
     resumable = resumable_anywhere(cand, capacity_tokens, policy.kv)
-    if resumable and cand.migratable and PreemptionMode.MIGRATE in modes:
+    has_room = room is None or continuation_tokens(cand, policy.kv) <= room
+    if resumable and has_room and cand.migratable and PreemptionMode.MIGRATE in modes:
         return Rung.MIGRATE
     if resumable and cand.recomputable and PreemptionMode.RECOMPUTE in modes:
         return Rung.RECOMPUTE
@@ -163,16 +177,37 @@ def _mode(cand: VictimCandidate, policy: PoolPolicy, capacity_tokens: int) -> Ru
     return None
 
 
-def resumable_anywhere(cand: VictimCandidate, capacity_tokens: int, kv: KVPolicy) -> bool:
-    """Whether the victim's continuation (its prompt and output so far, plus the growth it
-    reserves) can be admitted by an endpoint of the pool. The pool's endpoints are alike,
-    so that is whether this one would admit it when empty: a victim for which it is not
-    must not be preempted, or no endpoint could resume it."""
+def continuation_tokens(cand: VictimCandidate, kv: KVPolicy) -> int:
+    """What the victim's continuation asks of an endpoint's admission: its prompt and
+    output so far, plus the growth it reserves."""
     outlook = SequenceOutlook(
         cand.generated_tokens, cand.max_new_tokens, cand.predicted_total_tokens
     )
-    needed = cand.kv_tokens + growth_reserve(outlook, kv.growth_horizon_steps)
-    return needed <= capacity_tokens - kv.safety_tokens(capacity_tokens)
+    return cand.kv_tokens + growth_reserve(outlook, kv.growth_horizon_steps)
+
+
+def resumable_anywhere(cand: VictimCandidate, capacity_tokens: int, kv: KVPolicy) -> bool:
+    """Whether the victim's continuation can be admitted by an endpoint of the pool. The
+    pool's endpoints are alike, so that is whether this one would admit it when empty: a
+    victim for which it is not must not be preempted, or no endpoint could resume it."""
+    return continuation_tokens(cand, kv) <= capacity_tokens - kv.safety_tokens(capacity_tokens)
+
+
+def peer_room(peers: Iterable[EndpointState], kv: KVPolicy) -> int:
+    """The largest continuation another endpoint of the pool would admit now, from what
+    they last published (`endpoint_headroom_tokens`); `peers`: the others the router may
+    send to (lease valid, same role), of which the ready ones count."""
+    return max(
+        (
+            endpoint_headroom_tokens(
+                s.kv_capacity_tokens, s.kv_used_tokens + s.kv_reserved_growth_tokens,
+                s.watermark, kv,
+            )
+            for s in peers
+            if s.lifecycle is Lifecycle.READY
+        ),
+        default=0,
+    )  # fmt: skip
 
 
 def plan_relief(
@@ -181,10 +216,14 @@ def plan_relief(
     candidates: Sequence[VictimCandidate],
     policy: PoolPolicy,
     now: float,
+    migration_room: int | None = None,
 ) -> ReliefPlan:
     """The rungs to apply and, when exhausted, the victims to preempt, best victim first.
     A candidate whose continuation no endpoint could admit is never migrated or
-    recomputed (only terminated, where the pool allows that)."""
+    recomputed (only terminated, where the pool allows that). A victim migrates only
+    while another endpoint has room for its continuation (`migration_room`, see
+    `peer_room`; each migration planned takes its share of it), else it is recomputed in
+    place: a move to a full endpoint would only wait there."""
     kv = policy.kv
     near_done_tokens = max(1, kv.growth_horizon_steps // 8)
     rungs: list[Rung] = []
@@ -217,9 +256,11 @@ def plan_relief(
     for score, cand in scored:
         if freed >= needed:
             break
-        mode = _mode(cand, policy, usage.capacity_tokens)
+        mode = _mode(cand, policy, usage.capacity_tokens, migration_room)
         if mode is None:
             continue
+        if mode is Rung.MIGRATE and migration_room is not None:
+            migration_room -= continuation_tokens(cand, kv)
         victims.append(VictimChoice(cand.rid, mode, score))
         freed += score.kv_freed_tokens
     ordered = [

@@ -90,6 +90,7 @@ from engine_sidecar.policy import (
     decide_admission,
     engine_priority,
     growth_reserve,
+    peer_room,
     plan_relief,
 )
 from fleetsim.engine import EngineConfig
@@ -679,7 +680,15 @@ class WeirPolicy:
                     migratable=migratable,
                 )
             )
-        plan = plan_relief(sidecar.usage(), sidecar.watermark, candidates, policy, now)
+        # The room elsewhere, from what the other sidecars last published (the live
+        # sidecar reads the same from the control plane).
+        peers = [
+            state
+            for i, state in self._states.items()
+            if i != sidecar.index and state.role is sidecar.role and self._leases[i] > now
+        ]
+        room = peer_room(peers, policy.kv)
+        plan = plan_relief(sidecar.usage(), sidecar.watermark, candidates, policy, now, room)
         sidecar.admission_paused = plan.admission_paused
         for victim in plan.victims:
             flight = sidecar.held[victim.rid].flight

@@ -5,13 +5,15 @@ from __future__ import annotations
 import msgspec
 
 from controlplane.contract import (
+    EndpointState,
     KVPolicy,
+    Lifecycle,
     PoolPolicy,
     PreemptionMode,
     SchedulingPolicy,
     WatermarkState,
 )
-from engine_sidecar.policy import KVUsage, Rung, VictimCandidate, plan_relief
+from engine_sidecar.policy import KVUsage, Rung, VictimCandidate, peer_room, plan_relief
 
 W = WatermarkState
 POLICY = PoolPolicy(pool="p", model="m", kv=KVPolicy(growth_horizon_steps=80))
@@ -118,3 +120,32 @@ def test_a_victim_whose_continuation_fits_nowhere_is_passed_over() -> None:
     )
     (victim,) = plan_relief(_exhausted(), W.EXHAUSTED, [huge], may_abort, 0).victims
     assert victim.mode is Rung.TERMINATE
+
+
+def test_a_victim_migrates_only_while_another_endpoint_has_room() -> None:
+    """A move to an endpoint with no room would only wait there: relief recomputes in
+    place instead, and two migrations do not count on the same room."""
+    movers = [_cand(rid, migratable=True, priority=p) for rid, p in (("a", 0), ("b", 1))]
+    need = 100 + 100 + 80  # prompt + generated + the growth reserve of the horizon
+    full = plan_relief(_exhausted(), W.EXHAUSTED, movers[:1], POLICY, 0, migration_room=need - 1)
+    assert [(v.rid, v.mode) for v in full.victims] == [("a", Rung.RECOMPUTE)]
+    roomy = plan_relief(_exhausted(), W.EXHAUSTED, movers[:1], POLICY, 0, migration_room=need)
+    assert [(v.rid, v.mode) for v in roomy.victims] == [("a", Rung.MIGRATE)]
+    both = plan_relief(_exhausted(1200), W.EXHAUSTED, movers, POLICY, 0, migration_room=need)
+    assert [(v.rid, v.mode) for v in both.victims] == [("a", Rung.MIGRATE), ("b", Rung.RECOMPUTE)]
+
+
+def test_the_room_elsewhere_is_the_largest_any_ready_peer_would_admit() -> None:
+    def peer(
+        used: int, watermark: W = W.NORMAL, lifecycle: Lifecycle = Lifecycle.READY
+    ) -> EndpointState:
+        return EndpointState(
+            pool="p", endpoint_id=f"e{used}", address="http://x", model="m",
+            kv_capacity_tokens=1000, kv_used_tokens=used, watermark=watermark,
+            lifecycle=lifecycle,
+        )  # fmt: skip
+
+    kv = POLICY.kv
+    assert peer_room([], kv) == 0
+    assert peer_room([peer(500), peer(200)], kv) == 1000 - kv.safety_tokens(1000) - 200
+    assert peer_room([peer(100, W.CRITICAL), peer(0, lifecycle=Lifecycle.DRAINING)], kv) == 0
