@@ -62,6 +62,8 @@ MODELS = {
     "ConfigMap": client.V1ConfigMap,
     "ClusterRole": client.V1ClusterRole,
     "ClusterRoleBinding": client.V1ClusterRoleBinding,
+    "Role": client.V1Role,
+    "RoleBinding": client.V1RoleBinding,
     "NetworkPolicy": client.V1NetworkPolicy,
     "HorizontalPodAutoscaler": client.V2HorizontalPodAutoscaler,
     "Pod": client.V1Pod,
@@ -210,13 +212,87 @@ def test_the_sidecars_admin_token_is_a_generated_secret_the_operator_mounts() ->
     assert len({s["data"]["token"] for s in copies}) == 1
 
 
-def test_operator_rbac_is_least_privilege() -> None:
-    role = kinds(rendered(Path(__file__).parent / "values-default.yaml"))["ClusterRole"][0]
+# What the operator calls in the namespaces it watches (grep operator/ and kopf's client):
+# server-side apply is get + patch (+ create when the child is new), kopf lists, watches
+# and patches pools and posts core events, a drain lists and patches pods.
+NAMESPACED_RULES = {
+    ("inference.weir.dev", "inferencepools"): {"list", "watch", "patch"},
+    ("inference.weir.dev", "inferencepools/status"): {"patch"},
+    ("inference.weir.dev", "inferencepools/finalizers"): {"update"},
+    ("apps", "deployments"): {"get", "create", "patch"},
+    ("", "services"): {"get", "create", "patch"},
+    ("", "configmaps"): {"get", "create", "patch"},
+    ("", "serviceaccounts"): {"get", "create", "patch"},
+    ("policy", "poddisruptionbudgets"): {"get", "create", "patch"},
+    ("monitoring.coreos.com", "servicemonitors"): {"get", "create", "patch"},
+    ("", "pods"): {"list", "patch"},
+    ("", "events"): {"create"},
+}
+# Cluster-scoped reads: kopf's CRD observer, the operator's look at the ServiceMonitor CRD.
+CLUSTER_READS = {("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"}}
+READ_VERBS = {"get", "list", "watch"}
+
+
+def rules_of(role: dict[str, Any]) -> dict[tuple[str, str], set[str]]:
+    found: dict[tuple[str, str], set[str]] = {}
     for rule in role["rules"]:
-        assert "*" not in rule["verbs"], rule
-        assert "*" not in rule["resources"], rule
-        assert "secrets" not in rule["resources"], rule
-        assert "delete" not in rule["verbs"], rule
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                found.setdefault((group, resource), set()).update(rule["verbs"])
+    return found
+
+
+def test_operator_rbac_is_least_privilege() -> None:
+    for values in VALUES:
+        for doc in rendered(values):
+            if doc["kind"] not in ("ClusterRole", "Role"):
+                continue
+            for rule in doc["rules"]:
+                assert "*" not in rule["verbs"], rule
+                assert "*" not in rule["resources"], rule
+                assert "secrets" not in rule["resources"], rule
+                assert "delete" not in rule["verbs"], rule
+
+
+def test_watching_every_namespace_takes_one_cluster_role_of_exactly_what_is_called() -> None:
+    found = kinds(rendered(Path(__file__).parent / "values-default.yaml"))
+    (role,) = found["ClusterRole"]
+    assert rules_of(role) == NAMESPACED_RULES | CLUSTER_READS
+    assert not {"Role", "RoleBinding"} & found.keys()
+    (binding,) = found["ClusterRoleBinding"]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "weir-operator", "namespace": "weir"}
+    ]
+
+
+def test_listed_namespaces_get_roles_and_the_cluster_role_only_reads() -> None:
+    """operator.watchNamespaces: the write rights are Roles in those namespaces; cluster-
+    wide the operator can patch nothing (no ConfigMap in kube-system, no Deployment
+    anywhere else)."""
+    found = kinds(rendered(Path(__file__).parent / "values-production.yaml"))
+    (cluster,) = found["ClusterRole"]
+    assert rules_of(cluster) == CLUSTER_READS | {("", "namespaces"): {"list", "watch"}}
+    for verbs in rules_of(cluster).values():
+        assert verbs <= READ_VERBS
+    roles = {r["metadata"]["namespace"]: r for r in found["Role"]}
+    assert roles.keys() == {"inference", "batch"}  # operator.watchNamespaces
+    for role in roles.values():
+        assert role["metadata"]["name"] == "weir-operator"
+        assert rules_of(role) == NAMESPACED_RULES
+    bindings = {b["metadata"]["namespace"]: b for b in found["RoleBinding"]}
+    assert bindings.keys() == roles.keys()
+    for namespace, binding in bindings.items():
+        assert binding["roleRef"] == {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "Role",
+            "name": "weir-operator",
+        }, namespace
+        assert binding["subjects"] == [
+            {"kind": "ServiceAccount", "name": "weir-operator", "namespace": "weir"}
+        ]
+    operator = next(d for d in found["Deployment"] if d["metadata"]["name"] == "weir-operator")
+    args = operator["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert [args[i + 1] for i, a in enumerate(args) if a == "--namespace"] == ["inference", "batch"]
 
 
 def test_external_redis_and_existing_secret() -> None:

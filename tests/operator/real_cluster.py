@@ -1,10 +1,11 @@
 """Weir installed on the real control plane, for the operator's tests.
 
 `install_crd` applies crds/ as a user would. `Installation` is one Helm release of
-charts/weir in a namespace of its own: the CRD, the operator's ServiceAccount, ClusterRole
-and binding exactly as the chart renders them, and the Redis URL Secret pointing at the
-test's redis-server. The namespace enforces Pod Security's `restricted` profile, so the
-server refuses any engine pod that asks for more. No kubelet runs the chart's operator pod (kwok only marks it
+charts/weir in a namespace of its own, which it also watches (`operator.watchNamespaces`):
+the CRD, the operator's ServiceAccount, its namespaced Role and the read-only ClusterRole
+with their bindings exactly as the chart renders them, and the Redis URL Secret pointing
+at the test's redis-server. The namespace enforces Pod Security's `restricted` profile,
+so the server refuses any engine pod that asks for more. No kubelet runs the chart's operator pod (kwok only marks it
 Running), so the chart's operator Deployment is scaled to zero and the operator runs in
 the test's process instead, as that ServiceAccount, through a token the API server issues
 for it: every call it makes passes the chart's RBAC or fails with 403.
@@ -71,6 +72,7 @@ class Installation:
         assert labelled.returncode == 0, labelled.stderr
         installed = run_helm(
             kube, "install", self.release, str(CHART), "--namespace", self.namespace,
+            "--set", f"operator.watchNamespaces={{{self.namespace}}}",
             "--set", "router.enabled=false", "--set", "redis.enabled=false",
             "--set", f"redis.external.url={redis_url}", "--set", "dashboards.enabled=false",
             "--set", "networkPolicy.enabled=false", "--timeout", "2m",

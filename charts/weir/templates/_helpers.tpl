@@ -83,3 +83,39 @@ capabilities:
 {{- define "weir.sidecarAdminSecret" -}}
 {{- .Values.operator.sidecarAdminTokenSecret | default (printf "%s-sidecar-admin" (include "weir.fullname" .)) }}
 {{- end }}
+
+{{/* What the operator does in the namespaces it watches: a ClusterRole's rules when it
+watches them all, a Role's in each one listed in operator.watchNamespaces. */}}
+{{- define "weir.operatorRules" -}}
+# kopf lists and watches pools, and patches their finalizer and its annotations.
+- apiGroups: [inference.weir.dev]
+  resources: [inferencepools]
+  verbs: [list, watch, patch]
+- apiGroups: [inference.weir.dev]
+  resources: [inferencepools/status]
+  verbs: [patch]
+# Children name their pool as owner with blockOwnerDeletion, which clusters running the
+# OwnerReferencesPermissionEnforcement admission plugin allow only to this right.
+- apiGroups: [inference.weir.dev]
+  resources: [inferencepools/finalizers]
+  verbs: [update]
+- apiGroups: [apps]
+  resources: [deployments]
+  verbs: [get, create, patch]
+- apiGroups: [""]
+  resources: [services, configmaps, serviceaccounts]
+  verbs: [get, create, patch]
+- apiGroups: [policy]
+  resources: [poddisruptionbudgets]
+  verbs: [get, create, patch]
+- apiGroups: [monitoring.coreos.com]
+  resources: [servicemonitors]
+  verbs: [get, create, patch]
+# A drain lists the pool's pods and marks its victims' deletion cost.
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [list, patch]
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create]
+{{- end }}
