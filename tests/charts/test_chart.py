@@ -295,6 +295,152 @@ def test_listed_namespaces_get_roles_and_the_cluster_role_only_reads() -> None:
     assert [args[i + 1] for i, a in enumerate(args) if a == "--namespace"] == ["inference", "batch"]
 
 
+def network_policies(docs: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+    """(namespace, name) -> spec; the release namespace is `weir`."""
+    return {
+        (d["metadata"].get("namespace", "weir"), d["metadata"]["name"]): d["spec"]
+        for d in docs
+        if d["kind"] == "NetworkPolicy"
+    }
+
+
+def _labels(component: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "weir",
+        "app.kubernetes.io/instance": "weir",
+        "app.kubernetes.io/component": component,
+    }
+
+
+ENGINES = {"app.kubernetes.io/managed-by": "weir-operator", "app.kubernetes.io/component": "engine"}
+ROUTERS_OF_THE_RELEASE = {
+    "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "weir"}},
+    "podSelector": {"matchLabels": _labels("router")},
+}
+TO_REDIS = {
+    "to": [
+        {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "weir"}},
+            "podSelector": {"matchLabels": _labels("redis")},
+        }
+    ],
+    "ports": [{"port": 6379, "protocol": "TCP"}],
+}
+TO_DNS = {
+    "to": [
+        {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
+            "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}},
+        }
+    ],
+    "ports": [{"port": 53, "protocol": "UDP"}, {"port": 53, "protocol": "TCP"}],
+}
+
+
+def test_the_policies_select_the_pods_the_operator_renders() -> None:
+    from fleet_operator.rendering import labels
+    from fleet_operator.spec import parse_pool
+
+    pod_labels = labels(parse_pool("p", "weir", {"model": {"name": "m"}}))
+    assert ENGINES.items() <= pod_labels.items()
+    # And no pod of the chart's own carries them.
+    for doc in rendered(Path(__file__).parent / "values-production.yaml"):
+        if doc["kind"] in ("Deployment", "StatefulSet"):
+            template = doc["spec"]["template"]["metadata"]["labels"]
+            assert not ENGINES.items() <= template.items(), doc["metadata"]["name"]
+
+
+def test_by_default_the_policies_restrict_ingress_only() -> None:
+    found = network_policies(rendered(Path(__file__).parent / "values-default.yaml"))
+    assert set(found) == {
+        ("weir", "weir-redis"),
+        ("weir", "weir-operator"),
+        ("weir", "weir-router"),
+        ("weir", "weir-engines"),
+    }
+    for spec in found.values():
+        assert spec["policyTypes"] == ["Ingress"]
+        assert "egress" not in spec
+    engines = found["weir", "weir-engines"]
+    assert engines["podSelector"] == {"matchLabels": ENGINES}
+    assert engines["ingress"] == [
+        {
+            "from": [
+                ROUTERS_OF_THE_RELEASE,
+                {
+                    "namespaceSelector": {
+                        "matchLabels": {"kubernetes.io/metadata.name": "monitoring"}
+                    }
+                },
+            ]
+        }
+    ]
+    # Redis: the operator, the routers and engines in any namespace (all are watched).
+    (redis_rule,) = found["weir", "weir-redis"]["ingress"]
+    assert redis_rule["from"] == [
+        {"podSelector": {"matchLabels": _labels("operator")}},
+        {"podSelector": {"matchLabels": _labels("router")}},
+        {"namespaceSelector": {}, "podSelector": {"matchLabels": ENGINES}},
+    ]
+    assert redis_rule["ports"] == [{"port": 6379, "protocol": "TCP"}]
+    assert found["weir", "weir-operator"]["ingress"] == []
+
+
+def test_production_policies_restrict_egress_to_redis_dns_and_the_engines() -> None:
+    """Engine pods in every namespace where pools run: in from the release's routers and
+    monitoring, out to Redis, DNS and the one rule the values add. Routers: out to engines,
+    Redis and DNS. Redis: out to nothing."""
+    found = network_policies(rendered(Path(__file__).parent / "values-production.yaml"))
+    pool_namespaces = ["weir", "inference", "batch"]
+    where = {
+        "namespaceSelector": {
+            "matchExpressions": [
+                {"key": "kubernetes.io/metadata.name", "operator": "In", "values": pool_namespaces}
+            ]
+        },
+        "podSelector": {"matchLabels": ENGINES},
+    }
+    hub = {
+        "to": [{"ipBlock": {"cidr": "0.0.0.0/0", "except": ["10.0.0.0/8"]}}],
+        "ports": [{"port": 443, "protocol": "TCP"}],
+    }
+    for namespace in pool_namespaces:
+        engines = found[namespace, "weir-engines"]
+        assert engines["policyTypes"] == ["Ingress", "Egress"]
+        assert engines["podSelector"] == {"matchLabels": ENGINES}
+        assert engines["ingress"][0]["from"][0] == ROUTERS_OF_THE_RELEASE
+        assert engines["egress"] == [TO_REDIS, TO_DNS, hub]
+    router = found["weir", "weir-router"]
+    assert router["policyTypes"] == ["Ingress", "Egress"]
+    assert router["egress"] == [{"to": [where]}, TO_REDIS, TO_DNS]
+    redis = found["weir", "weir-redis"]
+    assert (redis["policyTypes"], redis["egress"]) == (["Ingress", "Egress"], [])
+    assert redis["ingress"][0]["from"][2] == where
+    # No egress rule anywhere is open to every destination.
+    for key, spec in found.items():
+        for rule in spec.get("egress", []):
+            assert rule.get("to"), key
+
+
+def test_restricted_egress_to_an_external_redis_needs_its_rules() -> None:
+    settings = ["--set", "redis.enabled=false", "--set", "redis.external.url=redis://r:6379/0",
+                "--set", "networkPolicy.egress.enabled=true"]  # fmt: skip
+    refused = run_helm("template", "weir", str(CHART), *settings)
+    assert refused.returncode != 0
+    assert "needs networkPolicy.egress.externalRedis" in refused.stderr
+    rule = {
+        "to": [{"ipBlock": {"cidr": "10.0.0.5/32"}}],
+        "ports": [{"port": 6379, "protocol": "TCP"}],
+    }
+    given = run_helm("template", "weir", str(CHART), "--namespace", "weir", *settings,
+                     "--set-json", f"networkPolicy.egress.externalRedis=[{json.dumps(rule)}]")  # fmt: skip
+    assert given.returncode == 0, given.stderr
+    found = network_policies([d for d in yaml.safe_load_all(given.stdout) if d])
+    assert ("weir", "weir-redis") not in found
+    assert found["weir", "weir-engines"]["egress"] == [rule, TO_DNS]
+    assert found["weir", "weir-router"]["egress"][1:] == [rule, TO_DNS]
+
+
 def test_external_redis_and_existing_secret() -> None:
     external = kinds(rendered(Path(__file__).parent / "values-external-redis.yaml"))
     assert "StatefulSet" not in external
