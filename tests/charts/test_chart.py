@@ -19,7 +19,13 @@ from kubernetes_asyncio import client
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "weir"
-VALUES = sorted(Path(__file__).parent.glob("values-*.yaml"))
+# The shipped production overlay, and the test values files (one mirrors that overlay).
+PRODUCTION = CHART / "values-production.yaml"
+VALUES = [*sorted(Path(__file__).parent.glob("values-*.yaml")), PRODUCTION]
+
+
+def values_id(path: Path) -> str:
+    return f"chart-{path.stem}" if path.parent == CHART else path.stem
 
 
 @cache
@@ -76,13 +82,13 @@ class _Response:
         self.data = json.dumps(doc)
 
 
-@pytest.mark.parametrize("values", VALUES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("values", VALUES, ids=values_id)
 def test_helm_lint(values: Path) -> None:
     out = run_helm("lint", "--strict", str(CHART), "-f", str(values))
     assert out.returncode == 0, out.stdout + out.stderr
 
 
-@pytest.mark.parametrize("values", VALUES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("values", VALUES, ids=values_id)
 async def test_rendered_manifests_match_the_api_models(values: Path) -> None:
     """Each manifest deserializes into the official client model and serializes back to
     itself: a misspelt or misplaced field would be dropped and show up as a difference."""
@@ -171,7 +177,7 @@ def _words(container: dict[str, Any]) -> list[str]:
     return [str(w) for w in words]
 
 
-@pytest.mark.parametrize("values", VALUES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("values", VALUES, ids=values_id)
 def test_no_secret_is_on_a_command_line(values: Path) -> None:
     """Secrets reach processes through files and the environment: no command line,
     probe or hook holds one, or expands a variable that holds one (`$(VAR)` in args,
@@ -441,6 +447,54 @@ def test_restricted_egress_to_an_external_redis_needs_its_rules() -> None:
     assert found["weir", "weir-router"]["egress"][1:] == [rule, TO_DNS]
 
 
+def _leaves(values: Any, path: str = "") -> Iterator[tuple[str, Any]]:
+    if isinstance(values, dict):
+        for key, value in values.items():
+            yield from _leaves(value, f"{path}.{key}" if path else key)
+    else:
+        yield path, values
+
+
+def test_the_production_test_values_mirror_the_shipped_overlay() -> None:
+    """tests/charts/values-production.yaml is what the install tests run: it holds every
+    setting of charts/weir/values-production.yaml, save the lists a user fills in."""
+    shipped = yaml.safe_load(PRODUCTION.read_text())
+    tested = yaml.safe_load((Path(__file__).parent / "values-production.yaml").read_text())
+    checked = 0
+    for path, value in _leaves(shipped):
+        if value == []:
+            continue  # operator.watchNamespaces, networkPolicy.egress.engines: the user's
+        here: Any = tested
+        for part in path.split("."):
+            here = here[part]
+        assert here == value, path
+        checked += 1
+    assert checked == 5  # quotas, API keys, both policies' toggles, the engine user
+
+
+def test_the_shipped_production_values_turn_on_quotas_keys_and_policies() -> None:
+    out = run_helm("template", "weir", str(CHART), "--namespace", "weir", "-f", str(PRODUCTION),
+                   "--set", "router.pools[0].name=llama", "--set", "router.pools[0].model=m")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    found = kinds([d for d in yaml.safe_load_all(out.stdout) if d])
+    router = next(d for d in found["Deployment"] if d["metadata"]["name"] == "weir-router-llama")
+    pod = router["spec"]["template"]["spec"]
+    args = pod["containers"][0]["args"]
+    assert "--quotas" in args
+    assert args[args.index("--api-keys") + 1] == "/etc/weir/api-keys/api-keys.yaml"
+    keys = next(v for v in pod["volumes"] if v["name"] == "api-keys")
+    assert keys["secret"] == {"secretName": "weir-api-keys"}
+    policies = network_policies(found["NetworkPolicy"])
+    for name in ("weir-engines", "weir-router", "weir-redis"):
+        assert "Egress" in policies["weir", name]["policyTypes"], name
+    operator = next(d for d in found["Deployment"] if d["metadata"]["name"] == "weir-operator")
+    env = {
+        e["name"]: e.get("value")
+        for e in operator["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    assert env["WEIR_ENGINE_RUN_AS_USER"] == "10001"
+
+
 def test_external_redis_and_existing_secret() -> None:
     external = kinds(rendered(Path(__file__).parent / "values-external-redis.yaml"))
     assert "StatefulSet" not in external
@@ -518,7 +572,7 @@ def test_external_redis_needs_a_url() -> None:
     assert "redis.external.url or redis.external.existingSecret is required" in out.stderr
 
 
-@pytest.mark.parametrize("values", VALUES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("values", VALUES, ids=values_id)
 def test_notes_render_with_next_steps(values: Path) -> None:
     out = run_helm("install", "weir", str(CHART), "--dry-run=client", "--namespace", "weir",
                    "-f", str(values))  # fmt: skip

@@ -67,7 +67,7 @@ def prerequisites(kube: Cluster, namespace: str, values: Path) -> None:
                      "--from-literal=url=redis://redis.team:6379/0")  # fmt: skip
     if "apiKeysSecret: weir-api-keys" in text:
         kube.kubectl("create", "secret", "generic", "weir-api-keys", "-n", namespace,
-                     "--from-literal=api-keys.yaml={}")  # fmt: skip
+                     "--from-literal=api-keys.yaml=sk-test-1: team-a")  # fmt: skip
 
 
 def admin_token(kube: Cluster, release: str, namespace: str) -> str:
