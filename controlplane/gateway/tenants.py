@@ -5,7 +5,8 @@ A keys file is YAML or JSON mapping each key to its tenant:
     sk-team-a-1: team-a
     sk-team-b-1: team-b
 
-With keys, a request needs `Authorization: Bearer <key>` (or `x-api-key: <key>`); a
+A keys file must hold at least one key (an empty one is refused rather than read as "no
+keys", which would open the gateway). With keys, a request needs `Authorization: Bearer <key>` (or `x-api-key: <key>`); a
 missing or unknown key is refused with 401 before anything else happens, and the key alone
 names the tenant.
 
@@ -47,6 +48,13 @@ class TenantKeys:
         data = yaml.safe_load(Path(path).read_text())
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a mapping of API key to tenant")
+        if not data:
+            # A keys file is a promise that requests are authenticated: an empty one would
+            # quietly open the gateway instead.
+            raise ValueError(
+                f"{path} holds no API keys, which would let every request in; "
+                "list at least one (`KEY: tenant`), or run without --api-keys"
+            )
         return cls({str(k): v for k, v in data.items()})
 
     @property

@@ -99,6 +99,11 @@ def _ops(api: ApiClient, manifest: Mapping[str, Any]) -> _Ops:
             core.read_namespaced_config_map,
             core.patch_namespaced_config_map,
         )
+    if kind == "ServiceAccount":
+        return _Ops(
+            core.read_namespaced_service_account,
+            core.patch_namespaced_service_account,
+        )
     if kind == "PodDisruptionBudget":
         policy = PolicyV1Api(api)
         return _Ops(

@@ -11,6 +11,9 @@ WEIR_ADMIN_SECRET           Secret holding the sidecars' admin token, mounted in
 WEIR_ADMIN_SECRET_KEY       key of that Secret (default: token)
 WEIR_STATUS_INTERVAL_S      seconds between status and scaling passes, which also advance
                             a drain in progress (default: 5)
+WEIR_ENGINE_RUN_AS_USER     user id the SGLang engine containers run as when a pool names
+                            none (spec.engine.runAsUser); 0 runs them as root (default:
+                            10001, the same non-root user as the sidecars)
 """
 
 from __future__ import annotations
@@ -18,6 +21,9 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+# The largest user id a pod's securityContext accepts.
+MAX_UID = 2**31 - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,11 +35,16 @@ class OperatorConfig:
     admin_secret: str = "weir-sidecar-admin"
     admin_secret_key: str = "token"
     status_interval_s: float = 5.0
+    engine_run_as_user: int = 10001
 
     def __post_init__(self) -> None:
         if not 0 < self.status_interval_s <= 3600:
             raise ValueError(
                 f"WEIR_STATUS_INTERVAL_S must lie in (0, 3600], got {self.status_interval_s}"
+            )
+        if not 0 <= self.engine_run_as_user <= MAX_UID:
+            raise ValueError(
+                f"WEIR_ENGINE_RUN_AS_USER must lie in [0, {MAX_UID}], got {self.engine_run_as_user}"
             )
 
     @classmethod
@@ -47,4 +58,15 @@ class OperatorConfig:
             admin_secret=env.get("WEIR_ADMIN_SECRET", base.admin_secret),
             admin_secret_key=env.get("WEIR_ADMIN_SECRET_KEY", base.admin_secret_key),
             status_interval_s=float(env.get("WEIR_STATUS_INTERVAL_S", base.status_interval_s)),
+            engine_run_as_user=_integer(env, "WEIR_ENGINE_RUN_AS_USER", base.engine_run_as_user),
         )
+
+
+def _integer(env: Mapping[str, str], name: str, default: int) -> int:
+    text = env.get(name)
+    if text is None:
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {text!r}") from None

@@ -14,6 +14,7 @@ from typing import Any
 
 from kubernetes_asyncio.client import (
     ApiClient,
+    V1Capabilities,
     V1ConfigMap,
     V1ConfigMapVolumeSource,
     V1Container,
@@ -36,14 +37,18 @@ from kubernetes_asyncio.client import (
     V1PodAntiAffinity,
     V1PodDisruptionBudget,
     V1PodDisruptionBudgetSpec,
+    V1PodSecurityContext,
     V1PodSpec,
     V1PodTemplateSpec,
     V1Probe,
     V1ResourceRequirements,
     V1RollingUpdateDeployment,
+    V1SeccompProfile,
     V1SecretKeySelector,
     V1SecretVolumeSource,
+    V1SecurityContext,
     V1Service,
+    V1ServiceAccount,
     V1ServicePort,
     V1ServiceSpec,
     V1TCPSocketAction,
@@ -65,6 +70,11 @@ POLICY_DIR = "/etc/weir"
 ADMIN_TOKEN_DIR = "/var/run/secrets/weir/admin"
 ADMIN_TOKEN_FILE = f"{ADMIN_TOKEN_DIR}/token"
 GPU = "nvidia.com/gpu"
+# The user of the Weir image (its Dockerfile's USER): sidecars always run as it.
+WEIR_UID = 10001
+# A non-root engine's home: the image's own (/root) is not its to write, and SGLang,
+# Hugging Face, Triton and FlashInfer keep their caches and downloads under $HOME.
+ENGINE_HOME = "/home/engine"
 
 # Serialization uses no client state; a real ApiClient would need a running event loop.
 _serializer: ApiClient = object.__new__(ApiClient)
@@ -113,6 +123,55 @@ def render_configmap(pool: Pool) -> dict[str, Any]:
             metadata=_meta(pool, configmap_name(pool)),
             data={POLICY_FILE: policy_json(pool)},
         )
+    )
+
+
+def service_account_name(pool: Pool) -> str:
+    return f"{pool.name}-engine"
+
+
+def render_service_account(pool: Pool) -> dict[str, Any]:
+    """The engine pods' own identity: bound to no role, and no token is mounted from it
+    (sidecars talk to Redis and to the engine, never to the Kubernetes API)."""
+    return _plain(
+        V1ServiceAccount(
+            api_version="v1",
+            kind="ServiceAccount",
+            metadata=_meta(pool, service_account_name(pool)),
+            automount_service_account_token=False,
+        )
+    )
+
+
+def engine_user(pool: Pool, config: OperatorConfig) -> int:
+    """The engine container's user id: the pool's, else the operator's; 0 is root."""
+    run_as = pool.spec.engine.run_as_user
+    return config.engine_run_as_user if run_as is None else run_as
+
+
+def _sidecar_security() -> V1SecurityContext:
+    # The sidecar writes nothing but /tmp (an emptyDir) and needs no privilege at all.
+    return V1SecurityContext(
+        run_as_non_root=True,
+        run_as_user=WEIR_UID,
+        run_as_group=WEIR_UID,
+        allow_privilege_escalation=False,
+        read_only_root_filesystem=True,
+        capabilities=V1Capabilities(drop=["ALL"]),
+    )
+
+
+def _engine_security(pool: Pool, uid: int) -> V1SecurityContext:
+    # SGLang writes caches, compiled kernels and downloaded weights, so its root
+    # filesystem stays writable. GPUs reach it through the device plugin, not through
+    # capabilities: it keeps none unless the pool adds some.
+    added = list(pool.spec.engine.add_capabilities) or None
+    return V1SecurityContext(
+        run_as_non_root=True if uid else None,
+        run_as_user=uid,
+        run_as_group=uid or None,
+        allow_privilege_escalation=False,
+        capabilities=V1Capabilities(drop=["ALL"], add=added),
     )
 
 
@@ -216,11 +275,23 @@ def render_deployment(pool: Pool, replicas: int, config: OperatorConfig) -> dict
     sidecar_port = spec.sidecar.port
     probe_period = 10
     guarded = bool(config.admin_secret)
-    sidecar_mounts = [V1VolumeMount(name="policy", mount_path=POLICY_DIR, read_only=True)]
+    uid = engine_user(pool, config)
+    sidecar_mounts = [
+        V1VolumeMount(name="policy", mount_path=POLICY_DIR, read_only=True),
+        V1VolumeMount(name="sidecar-tmp", mount_path="/tmp"),
+    ]
+    engine_mounts = [V1VolumeMount(name="dshm", mount_path="/dev/shm")]
+    engine_env = [V1EnvVar(name=e.name, value=e.value) for e in spec.engine.env]
     volumes = [
         V1Volume(name="dshm", empty_dir=V1EmptyDirVolumeSource(medium="Memory")),
         V1Volume(name="policy", config_map=V1ConfigMapVolumeSource(name=configmap_name(pool))),
+        V1Volume(name="sidecar-tmp", empty_dir=V1EmptyDirVolumeSource()),
     ]
+    if uid:
+        engine_mounts.append(V1VolumeMount(name="engine-home", mount_path=ENGINE_HOME))
+        volumes.append(V1Volume(name="engine-home", empty_dir=V1EmptyDirVolumeSource()))
+        if not any(e.name == "HOME" for e in spec.engine.env):
+            engine_env.insert(0, V1EnvVar(name="HOME", value=ENGINE_HOME))
     if guarded:
         sidecar_mounts.append(
             V1VolumeMount(name="admin-token", mount_path=ADMIN_TOKEN_DIR, read_only=True)
@@ -239,9 +310,10 @@ def render_deployment(pool: Pool, replicas: int, config: OperatorConfig) -> dict
         image=spec.engine.image,
         command=["python3", "-m", "sglang.launch_server"],
         args=engine_args(pool),
-        env=[V1EnvVar(name=e.name, value=e.value) for e in spec.engine.env] or None,
+        env=engine_env or None,
         resources=_resources(spec.engine.resources, gpus=spec.engine.tensor_parallel),
-        volume_mounts=[V1VolumeMount(name="dshm", mount_path="/dev/shm")],
+        volume_mounts=engine_mounts,
+        security_context=_engine_security(pool, uid),
     )
     sidecar = V1Container(
         name="sidecar",
@@ -263,6 +335,7 @@ def render_deployment(pool: Pool, replicas: int, config: OperatorConfig) -> dict
         ],
         resources=_resources(spec.sidecar.resources),
         volume_mounts=sidecar_mounts,
+        security_context=_sidecar_security(),
         # /health answers 200 while the sidecar serves and 503 once it drains, which takes
         # the pod out of the headless Service; weights can take long to load, hence the
         # generous startup probe. Liveness only asks whether the process listens: a
@@ -303,6 +376,12 @@ def render_deployment(pool: Pool, replicas: int, config: OperatorConfig) -> dict
         metadata=V1ObjectMeta(labels=labels(pool), annotations={POLICY_HASH: policy_hash(pool)}),
         spec=V1PodSpec(
             containers=[engine, sidecar],
+            service_account_name=service_account_name(pool),
+            automount_service_account_token=False,
+            security_context=V1PodSecurityContext(
+                run_as_non_root=True if uid else None,
+                seccomp_profile=V1SeccompProfile(type="RuntimeDefault"),
+            ),
             affinity=anti_affinity,
             # preStop drains for up to the deadline; leave time for the engine to stop.
             termination_grace_period_seconds=spec.sidecar.drain_deadline_seconds + 30,
@@ -375,9 +454,11 @@ def render_servicemonitor(pool: Pool) -> dict[str, Any]:
 def render_children(
     pool: Pool, replicas: int, config: OperatorConfig, *, monitoring: bool
 ) -> list[dict[str, Any]]:
-    """Every child of the pool, in the order they are applied (the policy before the pods
-    that mount it). `monitoring`: whether the ServiceMonitor CRD exists in the cluster."""
+    """Every child of the pool, in the order they are applied (the policy and the
+    ServiceAccount before the pods that use them). `monitoring`: whether the
+    ServiceMonitor CRD exists in the cluster."""
     children = [
+        render_service_account(pool),
         render_configmap(pool),
         render_service(pool),
         render_pdb(pool),

@@ -27,6 +27,7 @@ from controlplane.contract import (
     SchedulingPolicy,
     TenantQuota,
 )
+from fleet_operator.config import MAX_UID
 
 GROUP = "inference.weir.dev"
 VERSION = "v1alpha1"
@@ -41,6 +42,8 @@ _QUANTITY = re.compile(
 )
 # Environment variable names every Kubernetes release accepts (the CRD's pattern).
 _ENV_NAME = re.compile(r"[-._a-zA-Z][-._a-zA-Z0-9]*")
+# A Linux capability as Kubernetes names it, without CAP_ (the CRD's pattern).
+_CAPABILITY = re.compile(r"[A-Z][A-Z0-9_]*")
 _CAMEL = re.compile(r"(?<!^)(?=[A-Z])")
 # Free-form maps whose keys are Kubernetes' own (resource names, env values): left as is.
 _OPAQUE = frozenset({"resources"})
@@ -79,6 +82,10 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     env: tuple[EnvVar, ...] = ()
     resources: dict[str, Any] = msgspec.field(default_factory=dict)
     startup_timeout_seconds: int = 1800
+    # None: the operator's default (WEIR_ENGINE_RUN_AS_USER); 0 runs the engine as root.
+    run_as_user: int | None = None
+    # Added to a container that otherwise drops every capability (e.g. IPC_LOCK for RDMA).
+    add_capabilities: tuple[str, ...] = ()
 
 
 class SidecarSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -186,6 +193,13 @@ def _check(spec: PoolSpec) -> None:
         f"engine.env: {e.name!r} is not a valid environment variable name"
         for e in spec.engine.env
         if not _ENV_NAME.fullmatch(e.name)
+    ]
+    if spec.engine.run_as_user is not None and not 0 <= spec.engine.run_as_user <= MAX_UID:
+        problems.append(f"engine.runAsUser must lie in [0, {MAX_UID}]")
+    problems += [
+        f"engine.addCapabilities: {c!r} is not a capability name (like IPC_LOCK, without CAP_)"
+        for c in spec.engine.add_capabilities
+        if not _CAPABILITY.fullmatch(c) or c.startswith("CAP_") or c == "ALL"
     ]
     for where, resources in (
         ("engine.resources", spec.engine.resources),

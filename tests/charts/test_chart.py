@@ -19,7 +19,13 @@ from kubernetes_asyncio import client
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "weir"
-VALUES = sorted(Path(__file__).parent.glob("values-*.yaml"))
+# The shipped production overlay, and the test values files (one mirrors that overlay).
+PRODUCTION = CHART / "values-production.yaml"
+VALUES = [*sorted(Path(__file__).parent.glob("values-*.yaml")), PRODUCTION]
+
+
+def values_id(path: Path) -> str:
+    return f"chart-{path.stem}" if path.parent == CHART else path.stem
 
 
 @cache
@@ -62,6 +68,8 @@ MODELS = {
     "ConfigMap": client.V1ConfigMap,
     "ClusterRole": client.V1ClusterRole,
     "ClusterRoleBinding": client.V1ClusterRoleBinding,
+    "Role": client.V1Role,
+    "RoleBinding": client.V1RoleBinding,
     "NetworkPolicy": client.V1NetworkPolicy,
     "HorizontalPodAutoscaler": client.V2HorizontalPodAutoscaler,
     "Pod": client.V1Pod,
@@ -74,13 +82,13 @@ class _Response:
         self.data = json.dumps(doc)
 
 
-@pytest.mark.parametrize("values", VALUES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("values", VALUES, ids=values_id)
 def test_helm_lint(values: Path) -> None:
     out = run_helm("lint", "--strict", str(CHART), "-f", str(values))
     assert out.returncode == 0, out.stdout + out.stderr
 
 
-@pytest.mark.parametrize("values", VALUES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("values", VALUES, ids=values_id)
 async def test_rendered_manifests_match_the_api_models(values: Path) -> None:
     """Each manifest deserializes into the official client model and serializes back to
     itself: a misspelt or misplaced field would be dropped and show up as a difference."""
@@ -169,7 +177,7 @@ def _words(container: dict[str, Any]) -> list[str]:
     return [str(w) for w in words]
 
 
-@pytest.mark.parametrize("values", VALUES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("values", VALUES, ids=values_id)
 def test_no_secret_is_on_a_command_line(values: Path) -> None:
     """Secrets reach processes through files and the environment: no command line,
     probe or hook holds one, or expands a variable that holds one (`$(VAR)` in args,
@@ -210,13 +218,281 @@ def test_the_sidecars_admin_token_is_a_generated_secret_the_operator_mounts() ->
     assert len({s["data"]["token"] for s in copies}) == 1
 
 
-def test_operator_rbac_is_least_privilege() -> None:
-    role = kinds(rendered(Path(__file__).parent / "values-default.yaml"))["ClusterRole"][0]
+# What the operator calls in the namespaces it watches (grep operator/ and kopf's client):
+# server-side apply is get + patch (+ create when the child is new), kopf lists, watches
+# and patches pools and posts core events, a drain lists and patches pods.
+NAMESPACED_RULES = {
+    ("inference.weir.dev", "inferencepools"): {"list", "watch", "patch"},
+    ("inference.weir.dev", "inferencepools/status"): {"patch"},
+    ("inference.weir.dev", "inferencepools/finalizers"): {"update"},
+    ("apps", "deployments"): {"get", "create", "patch"},
+    ("", "services"): {"get", "create", "patch"},
+    ("", "configmaps"): {"get", "create", "patch"},
+    ("", "serviceaccounts"): {"get", "create", "patch"},
+    ("policy", "poddisruptionbudgets"): {"get", "create", "patch"},
+    ("monitoring.coreos.com", "servicemonitors"): {"get", "create", "patch"},
+    ("", "pods"): {"list", "patch"},
+    ("", "events"): {"create"},
+}
+# Cluster-scoped reads: kopf's CRD observer, the operator's look at the ServiceMonitor CRD.
+CLUSTER_READS = {("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"}}
+READ_VERBS = {"get", "list", "watch"}
+
+
+def rules_of(role: dict[str, Any]) -> dict[tuple[str, str], set[str]]:
+    found: dict[tuple[str, str], set[str]] = {}
     for rule in role["rules"]:
-        assert "*" not in rule["verbs"], rule
-        assert "*" not in rule["resources"], rule
-        assert "secrets" not in rule["resources"], rule
-        assert "delete" not in rule["verbs"], rule
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                found.setdefault((group, resource), set()).update(rule["verbs"])
+    return found
+
+
+def test_operator_rbac_is_least_privilege() -> None:
+    for values in VALUES:
+        for doc in rendered(values):
+            if doc["kind"] not in ("ClusterRole", "Role"):
+                continue
+            for rule in doc["rules"]:
+                assert "*" not in rule["verbs"], rule
+                assert "*" not in rule["resources"], rule
+                assert "secrets" not in rule["resources"], rule
+                assert "delete" not in rule["verbs"], rule
+
+
+def test_watching_every_namespace_takes_one_cluster_role_of_exactly_what_is_called() -> None:
+    found = kinds(rendered(Path(__file__).parent / "values-default.yaml"))
+    (role,) = found["ClusterRole"]
+    assert rules_of(role) == NAMESPACED_RULES | CLUSTER_READS
+    assert not {"Role", "RoleBinding"} & found.keys()
+    (binding,) = found["ClusterRoleBinding"]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "weir-operator", "namespace": "weir"}
+    ]
+
+
+def test_listed_namespaces_get_roles_and_the_cluster_role_only_reads() -> None:
+    """operator.watchNamespaces: the write rights are Roles in those namespaces; cluster-
+    wide the operator can patch nothing (no ConfigMap in kube-system, no Deployment
+    anywhere else)."""
+    found = kinds(rendered(Path(__file__).parent / "values-production.yaml"))
+    (cluster,) = found["ClusterRole"]
+    assert rules_of(cluster) == CLUSTER_READS | {("", "namespaces"): {"list", "watch"}}
+    for verbs in rules_of(cluster).values():
+        assert verbs <= READ_VERBS
+    roles = {r["metadata"]["namespace"]: r for r in found["Role"]}
+    assert roles.keys() == {"inference", "batch"}  # operator.watchNamespaces
+    for role in roles.values():
+        assert role["metadata"]["name"] == "weir-operator"
+        assert rules_of(role) == NAMESPACED_RULES
+    bindings = {b["metadata"]["namespace"]: b for b in found["RoleBinding"]}
+    assert bindings.keys() == roles.keys()
+    for namespace, binding in bindings.items():
+        assert binding["roleRef"] == {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "Role",
+            "name": "weir-operator",
+        }, namespace
+        assert binding["subjects"] == [
+            {"kind": "ServiceAccount", "name": "weir-operator", "namespace": "weir"}
+        ]
+    operator = next(d for d in found["Deployment"] if d["metadata"]["name"] == "weir-operator")
+    args = operator["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert [args[i + 1] for i, a in enumerate(args) if a == "--namespace"] == ["inference", "batch"]
+
+
+def network_policies(docs: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+    """(namespace, name) -> spec; the release namespace is `weir`."""
+    return {
+        (d["metadata"].get("namespace", "weir"), d["metadata"]["name"]): d["spec"]
+        for d in docs
+        if d["kind"] == "NetworkPolicy"
+    }
+
+
+def _labels(component: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "weir",
+        "app.kubernetes.io/instance": "weir",
+        "app.kubernetes.io/component": component,
+    }
+
+
+ENGINES = {"app.kubernetes.io/managed-by": "weir-operator", "app.kubernetes.io/component": "engine"}
+ROUTERS_OF_THE_RELEASE = {
+    "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "weir"}},
+    "podSelector": {"matchLabels": _labels("router")},
+}
+TO_REDIS = {
+    "to": [
+        {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "weir"}},
+            "podSelector": {"matchLabels": _labels("redis")},
+        }
+    ],
+    "ports": [{"port": 6379, "protocol": "TCP"}],
+}
+TO_DNS = {
+    "to": [
+        {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
+            "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}},
+        }
+    ],
+    "ports": [{"port": 53, "protocol": "UDP"}, {"port": 53, "protocol": "TCP"}],
+}
+
+
+def test_the_policies_select_the_pods_the_operator_renders() -> None:
+    from fleet_operator.rendering import labels
+    from fleet_operator.spec import parse_pool
+
+    pod_labels = labels(parse_pool("p", "weir", {"model": {"name": "m"}}))
+    assert ENGINES.items() <= pod_labels.items()
+    # And no pod of the chart's own carries them.
+    for doc in rendered(Path(__file__).parent / "values-production.yaml"):
+        if doc["kind"] in ("Deployment", "StatefulSet"):
+            template = doc["spec"]["template"]["metadata"]["labels"]
+            assert not ENGINES.items() <= template.items(), doc["metadata"]["name"]
+
+
+def test_by_default_the_policies_restrict_ingress_only() -> None:
+    found = network_policies(rendered(Path(__file__).parent / "values-default.yaml"))
+    assert set(found) == {
+        ("weir", "weir-redis"),
+        ("weir", "weir-operator"),
+        ("weir", "weir-router"),
+        ("weir", "weir-engines"),
+    }
+    for spec in found.values():
+        assert spec["policyTypes"] == ["Ingress"]
+        assert "egress" not in spec
+    engines = found["weir", "weir-engines"]
+    assert engines["podSelector"] == {"matchLabels": ENGINES}
+    assert engines["ingress"] == [
+        {
+            "from": [
+                ROUTERS_OF_THE_RELEASE,
+                {
+                    "namespaceSelector": {
+                        "matchLabels": {"kubernetes.io/metadata.name": "monitoring"}
+                    }
+                },
+            ]
+        }
+    ]
+    # Redis: the operator, the routers and engines in any namespace (all are watched).
+    (redis_rule,) = found["weir", "weir-redis"]["ingress"]
+    assert redis_rule["from"] == [
+        {"podSelector": {"matchLabels": _labels("operator")}},
+        {"podSelector": {"matchLabels": _labels("router")}},
+        {"namespaceSelector": {}, "podSelector": {"matchLabels": ENGINES}},
+    ]
+    assert redis_rule["ports"] == [{"port": 6379, "protocol": "TCP"}]
+    assert found["weir", "weir-operator"]["ingress"] == []
+
+
+def test_production_policies_restrict_egress_to_redis_dns_and_the_engines() -> None:
+    """Engine pods in every namespace where pools run: in from the release's routers and
+    monitoring, out to Redis, DNS and the one rule the values add. Routers: out to engines,
+    Redis and DNS. Redis: out to nothing."""
+    found = network_policies(rendered(Path(__file__).parent / "values-production.yaml"))
+    pool_namespaces = ["weir", "inference", "batch"]
+    where = {
+        "namespaceSelector": {
+            "matchExpressions": [
+                {"key": "kubernetes.io/metadata.name", "operator": "In", "values": pool_namespaces}
+            ]
+        },
+        "podSelector": {"matchLabels": ENGINES},
+    }
+    hub = {
+        "to": [{"ipBlock": {"cidr": "0.0.0.0/0", "except": ["10.0.0.0/8"]}}],
+        "ports": [{"port": 443, "protocol": "TCP"}],
+    }
+    for namespace in pool_namespaces:
+        engines = found[namespace, "weir-engines"]
+        assert engines["policyTypes"] == ["Ingress", "Egress"]
+        assert engines["podSelector"] == {"matchLabels": ENGINES}
+        assert engines["ingress"][0]["from"][0] == ROUTERS_OF_THE_RELEASE
+        assert engines["egress"] == [TO_REDIS, TO_DNS, hub]
+    router = found["weir", "weir-router"]
+    assert router["policyTypes"] == ["Ingress", "Egress"]
+    assert router["egress"] == [{"to": [where]}, TO_REDIS, TO_DNS]
+    redis = found["weir", "weir-redis"]
+    assert (redis["policyTypes"], redis["egress"]) == (["Ingress", "Egress"], [])
+    assert redis["ingress"][0]["from"][2] == where
+    # No egress rule anywhere is open to every destination.
+    for key, spec in found.items():
+        for rule in spec.get("egress", []):
+            assert rule.get("to"), key
+
+
+def test_restricted_egress_to_an_external_redis_needs_its_rules() -> None:
+    settings = ["--set", "redis.enabled=false", "--set", "redis.external.url=redis://r:6379/0",
+                "--set", "networkPolicy.egress.enabled=true"]  # fmt: skip
+    refused = run_helm("template", "weir", str(CHART), *settings)
+    assert refused.returncode != 0
+    assert "needs networkPolicy.egress.externalRedis" in refused.stderr
+    rule = {
+        "to": [{"ipBlock": {"cidr": "10.0.0.5/32"}}],
+        "ports": [{"port": 6379, "protocol": "TCP"}],
+    }
+    given = run_helm("template", "weir", str(CHART), "--namespace", "weir", *settings,
+                     "--set-json", f"networkPolicy.egress.externalRedis=[{json.dumps(rule)}]")  # fmt: skip
+    assert given.returncode == 0, given.stderr
+    found = network_policies([d for d in yaml.safe_load_all(given.stdout) if d])
+    assert ("weir", "weir-redis") not in found
+    assert found["weir", "weir-engines"]["egress"] == [rule, TO_DNS]
+    assert found["weir", "weir-router"]["egress"][1:] == [rule, TO_DNS]
+
+
+def _leaves(values: Any, path: str = "") -> Iterator[tuple[str, Any]]:
+    if isinstance(values, dict):
+        for key, value in values.items():
+            yield from _leaves(value, f"{path}.{key}" if path else key)
+    else:
+        yield path, values
+
+
+def test_the_production_test_values_mirror_the_shipped_overlay() -> None:
+    """tests/charts/values-production.yaml is what the install tests run: it holds every
+    setting of charts/weir/values-production.yaml, save the lists a user fills in."""
+    shipped = yaml.safe_load(PRODUCTION.read_text())
+    tested = yaml.safe_load((Path(__file__).parent / "values-production.yaml").read_text())
+    checked = 0
+    for path, value in _leaves(shipped):
+        if value == []:
+            continue  # operator.watchNamespaces, networkPolicy.egress.engines: the user's
+        here: Any = tested
+        for part in path.split("."):
+            here = here[part]
+        assert here == value, path
+        checked += 1
+    assert checked == 5  # quotas, API keys, both policies' toggles, the engine user
+
+
+def test_the_shipped_production_values_turn_on_quotas_keys_and_policies() -> None:
+    out = run_helm("template", "weir", str(CHART), "--namespace", "weir", "-f", str(PRODUCTION),
+                   "--set", "router.pools[0].name=llama", "--set", "router.pools[0].model=m")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    found = kinds([d for d in yaml.safe_load_all(out.stdout) if d])
+    router = next(d for d in found["Deployment"] if d["metadata"]["name"] == "weir-router-llama")
+    pod = router["spec"]["template"]["spec"]
+    args = pod["containers"][0]["args"]
+    assert "--quotas" in args
+    assert args[args.index("--api-keys") + 1] == "/etc/weir/api-keys/api-keys.yaml"
+    keys = next(v for v in pod["volumes"] if v["name"] == "api-keys")
+    assert keys["secret"] == {"secretName": "weir-api-keys"}
+    policies = network_policies(found["NetworkPolicy"])
+    for name in ("weir-engines", "weir-router", "weir-redis"):
+        assert "Egress" in policies["weir", name]["policyTypes"], name
+    operator = next(d for d in found["Deployment"] if d["metadata"]["name"] == "weir-operator")
+    env = {
+        e["name"]: e.get("value")
+        for e in operator["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    assert env["WEIR_ENGINE_RUN_AS_USER"] == "10001"
 
 
 def test_external_redis_and_existing_secret() -> None:
@@ -296,7 +572,7 @@ def test_external_redis_needs_a_url() -> None:
     assert "redis.external.url or redis.external.existingSecret is required" in out.stderr
 
 
-@pytest.mark.parametrize("values", VALUES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("values", VALUES, ids=values_id)
 def test_notes_render_with_next_steps(values: Path) -> None:
     out = run_helm("install", "weir", str(CHART), "--dry-run=client", "--namespace", "weir",
                    "-f", str(values))  # fmt: skip

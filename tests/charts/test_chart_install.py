@@ -39,9 +39,9 @@ def cluster(kube: Cluster) -> Cluster:
     return kube
 
 
-def release_objects(kube: Cluster, release: str, namespace: str) -> list[tuple[str, str]]:
-    """(kind, name) of what `helm get manifest` says the release installed, checked to
-    exist on the server."""
+def release_objects(kube: Cluster, release: str, namespace: str) -> list[tuple[str, str, str]]:
+    """(kind, name, namespace) of what `helm get manifest` says the release installed
+    (namespace "" when cluster-scoped), checked to exist on the server."""
     manifest = run_helm(kube, "get", "manifest", release, "-n", namespace)
     assert manifest.returncode == 0, manifest.stderr
     found = []
@@ -49,12 +49,13 @@ def release_objects(kube: Cluster, release: str, namespace: str) -> list[tuple[s
         if not doc:
             continue
         kind, meta = doc["kind"], doc["metadata"]
-        where = [] if kind in CLUSTER_SCOPED else ["-n", meta.get("namespace", namespace)]
+        home = "" if kind in CLUSTER_SCOPED else meta.get("namespace", namespace)
+        where = ["-n", home] if home else []
         got = kube.kubectl("get", f"{kind}.{doc['apiVersion'].split('/')[0]}"
                            if "/" in doc["apiVersion"] else kind, meta["name"], *where,
                            "-o", "name")  # fmt: skip
         assert got.returncode == 0, f"{kind} {meta['name']}: {got.stderr}"
-        found.append((kind, meta["name"]))
+        found.append((kind, meta["name"], home))
     return found
 
 
@@ -66,7 +67,7 @@ def prerequisites(kube: Cluster, namespace: str, values: Path) -> None:
                      "--from-literal=url=redis://redis.team:6379/0")  # fmt: skip
     if "apiKeysSecret: weir-api-keys" in text:
         kube.kubectl("create", "secret", "generic", "weir-api-keys", "-n", namespace,
-                     "--from-literal=api-keys.yaml={}")  # fmt: skip
+                     "--from-literal=api-keys.yaml=sk-test-1: team-a")  # fmt: skip
 
 
 def admin_token(kube: Cluster, release: str, namespace: str) -> str:
@@ -85,7 +86,7 @@ def test_install_upgrade_uninstall(cluster: Cluster, values: Path) -> None:
                          "-f", str(values), "--timeout", "3m")  # fmt: skip
     assert installed.returncode == 0, installed.stderr
     objects = release_objects(cluster, release, namespace)
-    kinds = {kind for kind, _ in objects}
+    kinds = {kind for kind, _, _ in objects}
     assert "Deployment" in kinds or "StatefulSet" in kinds, objects
     generated = "sidecarAdminTokenSecret" not in values.read_text()
     token = admin_token(cluster, release, namespace)
@@ -108,10 +109,10 @@ def test_install_upgrade_uninstall(cluster: Cluster, values: Path) -> None:
     uninstalled = run_helm(cluster, "uninstall", release, "-n", namespace, "--wait",
                            "--timeout", "2m")  # fmt: skip
     assert uninstalled.returncode == 0, uninstalled.stderr
-    for kind, name in objects:
+    for kind, name, home in objects:
         if kind == "CustomResourceDefinition":
             continue  # helm keeps CRDs on uninstall, by design
-        where = [] if kind in CLUSTER_SCOPED else ["-n", namespace]
+        where = ["-n", home] if home else []
         left = cluster.kubectl("get", kind, name, *where, "-o", "name")
         assert "NotFound" in left.stderr, f"{kind} {name} survived the uninstall"
 

@@ -1,9 +1,11 @@
 """Weir installed on the real control plane, for the operator's tests.
 
 `install_crd` applies crds/ as a user would. `Installation` is one Helm release of
-charts/weir in a namespace of its own: the CRD, the operator's ServiceAccount, ClusterRole
-and binding exactly as the chart renders them, and the Redis URL Secret pointing at the
-test's redis-server. No kubelet runs the chart's operator pod (kwok only marks it
+charts/weir in a namespace of its own, which it also watches (`operator.watchNamespaces`):
+the CRD, the operator's ServiceAccount, its namespaced Role and the read-only ClusterRole
+with their bindings exactly as the chart renders them, and the Redis URL Secret pointing
+at the test's redis-server. The namespace enforces Pod Security's `restricted` profile,
+so the server refuses any engine pod that asks for more. No kubelet runs the chart's operator pod (kwok only marks it
 Running), so the chart's operator Deployment is scaled to zero and the operator runs in
 the test's process instead, as that ServiceAccount, through a token the API server issues
 for it: every call it makes passes the chart's RBAC or fails with 403.
@@ -24,6 +26,7 @@ from tests.kube.control_plane import Cluster
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "weir"
 CRD_NAME = f"{PLURAL}.{GROUP}"
+POD_SECURITY = "pod-security.kubernetes.io/enforce"
 
 
 @cache
@@ -64,8 +67,12 @@ class Installation:
         self.kube = kube
         self.namespace = kube.namespace("weir")
         self.release = self.namespace  # unique, so its ClusterRole is too
+        labelled = kube.kubectl("label", "namespace", self.namespace,
+                                f"{POD_SECURITY}=restricted")  # fmt: skip
+        assert labelled.returncode == 0, labelled.stderr
         installed = run_helm(
             kube, "install", self.release, str(CHART), "--namespace", self.namespace,
+            "--set", f"operator.watchNamespaces={{{self.namespace}}}",
             "--set", "router.enabled=false", "--set", "redis.enabled=false",
             "--set", f"redis.external.url={redis_url}", "--set", "dashboards.enabled=false",
             "--set", "networkPolicy.enabled=false", "--timeout", "2m",
@@ -108,6 +115,13 @@ class Installation:
             return None
         found: dict[str, Any] = json.loads(got.stdout)
         return found
+
+    def pod_security(self) -> str:
+        """The Pod Security level the namespace enforces."""
+        got = self.kube.kubectl("get", "namespace", self.namespace, "-o", "json")
+        assert got.returncode == 0, got.stderr
+        level: str = json.loads(got.stdout)["metadata"]["labels"].get(POD_SECURITY, "")
+        return level
 
     def pods(self, pool: str) -> list[dict[str, Any]]:
         got = self.kube.kubectl(

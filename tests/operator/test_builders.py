@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 from pathlib import Path
 from typing import Any, cast
@@ -86,6 +87,12 @@ def test_spec_becomes_the_contracts_policy() -> None:
     ("m", {**SPEC, "tenants": [{"name": "a"}, {"name": "a"}]}, "unique"),
     ("m", {**SPEC, "tenants": [{"name": "a", "reservedFraction": 0.7},
                               {"name": "b", "reservedFraction": 0.7}]}, "sum"),
+    ("m", {**SPEC, "engine": {"runAsUser": -1}}, "runAsUser"),
+    ("m", {**SPEC, "engine": {"runAsUser": 2**31}}, "runAsUser"),
+    ("m", {**SPEC, "engine": {"runAsUser": "0"}}, "Expected `int | null`"),
+    ("m", {**SPEC, "engine": {"addCapabilities": ["CAP_IPC_LOCK"]}}, "without CAP_"),
+    ("m", {**SPEC, "engine": {"addCapabilities": ["ALL"]}}, "addCapabilities"),
+    ("m", {**SPEC, "engine": {"addCapabilities": ["ipc_lock"]}}, "addCapabilities"),
 ])  # fmt: skip
 def test_invalid_specs_name_the_problem(name: str, spec: dict[str, Any], message: str) -> None:
     with pytest.raises(InvalidPoolError, match=message):
@@ -153,6 +160,130 @@ def test_sidecars_get_their_admin_token_from_a_mounted_secret() -> None:
     assert "admin-token" not in {v["name"] for v in open_["spec"]["template"]["spec"]["volumes"]}
 
 
+def _pod(deployment: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """The pod spec, its engine container and its sidecar container."""
+    spec = deployment["spec"]["template"]["spec"]
+    containers = {c["name"]: c for c in spec["containers"]}
+    assert set(containers) == {"engine", "sidecar"}
+    return spec, containers["engine"], containers["sidecar"]
+
+
+def test_engine_pods_run_unprivileged_with_their_own_service_account() -> None:
+    """Pod Security's `restricted` profile, by default: non-root, RuntimeDefault seccomp,
+    no privilege escalation, no capabilities; no API token; an identity of the pool's."""
+    pool = parse_pool("m", "ns", SPEC)
+    children = render_children(pool, 1, OperatorConfig(), monitoring=False)
+    account = next(c for c in children if c["kind"] == "ServiceAccount")
+    assert account["metadata"] == {
+        "name": "m-engine",
+        "namespace": "ns",
+        "labels": render_configmap(pool)["metadata"]["labels"],
+    }
+    assert account["automountServiceAccountToken"] is False
+    deployment = next(c for c in children if c["kind"] == "Deployment")
+    spec, engine, sidecar = _pod(deployment)
+    assert spec["serviceAccountName"] == "m-engine"
+    assert spec["automountServiceAccountToken"] is False
+    assert spec["securityContext"] == {
+        "runAsNonRoot": True,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    assert sidecar["securityContext"] == {
+        "runAsNonRoot": True,
+        "runAsUser": 10001,
+        "runAsGroup": 10001,
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+    # A read-only root, but a writable /tmp of its own.
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    (tmp,) = [m for m in sidecar["volumeMounts"] if m["mountPath"] == "/tmp"]
+    assert volumes[tmp["name"]] == {"name": tmp["name"], "emptyDir": {}}
+    assert engine["securityContext"] == {
+        "runAsNonRoot": True,
+        "runAsUser": 10001,
+        "runAsGroup": 10001,
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+    }
+    # The engine's caches and downloads go to a home it may write.
+    assert {"name": "HOME", "value": "/home/engine"} in engine["env"]
+    (home,) = [m for m in engine["volumeMounts"] if m["mountPath"] == "/home/engine"]
+    assert volumes[home["name"]] == {"name": home["name"], "emptyDir": {}}
+    for container in (engine, sidecar):
+        assert "privileged" not in container["securityContext"]
+    assert not any("hostPath" in v for v in spec["volumes"])
+    for key in ("hostNetwork", "hostPID", "hostIPC"):
+        assert key not in spec
+
+
+def test_the_engine_user_is_the_pools_else_the_operators() -> None:
+    def engine(config: OperatorConfig, **fields: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        pool = parse_pool("m", "ns", {**SPEC, "engine": {**SPEC["engine"], **fields}})
+        spec, container, sidecar = _pod(render_deployment(pool, 1, config))
+        assert sidecar["securityContext"]["runAsUser"] == 10001  # the sidecar never changes
+        assert sidecar["securityContext"]["runAsNonRoot"] is True
+        return spec, container
+
+    # Root, for a pool whose SGLang setup needs it: still no escalation, no capabilities.
+    spec, root = engine(OperatorConfig(), runAsUser=0)
+    assert root["securityContext"] == {
+        "runAsUser": 0,
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+    }
+    assert spec["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}}
+    assert "HOME" not in {e["name"] for e in root.get("env", [])}  # the image's own
+    assert "/home/engine" not in {m["mountPath"] for m in root["volumeMounts"]}
+    # The operator's default, from its environment (the chart's operator.engineRunAsUser).
+    as_root = OperatorConfig.from_env({"WEIR_ENGINE_RUN_AS_USER": "0"})
+    assert engine(as_root)[1]["securityContext"]["runAsUser"] == 0
+    spec, own = engine(as_root, runAsUser=1000)  # a pool's own user wins
+    assert (own["securityContext"]["runAsUser"], own["securityContext"]["runAsGroup"]) == (
+        1000,
+        1000,
+    )
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    # A HOME the pool sets is kept.
+    _, homed = engine(OperatorConfig(), env=[{"name": "HOME", "value": "/models"}])
+    assert [e for e in homed["env"] if e["name"] == "HOME"] == [
+        {"name": "HOME", "value": "/models"}
+    ]
+    # Capabilities come back only by name, on top of dropping them all.
+    _, rdma = engine(OperatorConfig(), addCapabilities=["IPC_LOCK"])
+    assert rdma["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
+
+
+@pytest.mark.parametrize("value", ["-1", "root", "2147483648", "1.5"])
+def test_a_bad_engine_user_in_the_environment_is_refused(value: str) -> None:
+    with pytest.raises(ValueError, match="WEIR_ENGINE_RUN_AS_USER"):
+        OperatorConfig.from_env({"WEIR_ENGINE_RUN_AS_USER": value})
+
+
+def test_nothing_a_sidecar_runs_talks_to_the_kubernetes_api() -> None:
+    """Why engine pods mount no ServiceAccount token: the sidecar's code (and the control
+    plane library it uses) imports no Kubernetes client."""
+    root = Path(__file__).resolve().parents[2]
+    sources = [
+        *(root / "engine_sidecar").rglob("*.py"),
+        *(root / "controlplane").rglob("*.py"),
+        root / "weir" / "commands" / "sidecar.py",
+    ]
+    assert len(sources) > 10
+    for path in sources:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                modules = [node.module or ""]
+            else:
+                continue
+            for module in modules:
+                top = module.split(".")[0]
+                assert top not in {"kubernetes", "kubernetes_asyncio", "kopf"}, (path, module)
+
+
 def test_the_redis_url_reaches_sidecars_in_their_environment_not_their_command_line() -> None:
     pool = parse_pool("m", "ns", SPEC)
     config = OperatorConfig.from_env(
@@ -174,7 +305,7 @@ def test_the_redis_url_reaches_sidecars_in_their_environment_not_their_command_l
 def test_servicemonitor_only_when_its_crd_exists() -> None:
     pool = parse_pool("m", "ns", SPEC)
     kinds = [c["kind"] for c in render_children(pool, 1, OperatorConfig(), monitoring=False)]
-    assert kinds == ["ConfigMap", "Service", "PodDisruptionBudget", "Deployment"]
+    assert kinds == ["ServiceAccount", "ConfigMap", "Service", "PodDisruptionBudget", "Deployment"]
     with_monitor = render_children(pool, 1, OperatorConfig(), monitoring=True)
     assert with_monitor[-1]["kind"] == "ServiceMonitor"
 
@@ -316,6 +447,7 @@ async def test_children_of_every_example_round_trip_through_the_api_models() -> 
     from kubernetes_asyncio import client
 
     models = {
+        "ServiceAccount": client.V1ServiceAccount,
         "Deployment": client.V1Deployment,
         "Service": client.V1Service,
         "ConfigMap": client.V1ConfigMap,

@@ -117,6 +117,13 @@ INVALID = [
      'unknown field "spec.sidecar.resources.limit"'),
     ("bad-env-name", pool(engine={"env": [{"name": "1 BAD", "value": "x"}]}),
      "spec.engine.env[0].name"),
+    ("negative-engine-user", pool(engine={"runAsUser": -1}), "spec.engine.runAsUser"),
+    ("capability-with-prefix", pool(engine={"addCapabilities": ["CAP_IPC_LOCK"]}),
+     "a capability name without CAP_, and not ALL"),
+    ("every-capability", pool(engine={"addCapabilities": ["ALL"]}),
+     "a capability name without CAP_, and not ALL"),
+    ("lowercase-capability", pool(engine={"addCapabilities": ["ipc_lock"]}),
+     "spec.engine.addCapabilities[0]"),
 ]  # fmt: skip
 
 
@@ -137,6 +144,9 @@ def test_the_server_refuses_invalid_pools_with_a_readable_message(
     (pool(decodePool="d"), "only a prefill pool"),
     (pool("7b-pool"), "DNS-1035 label"),
     (pool(engine={"resources": {"limits": {"cpu": "lots"}}}), "quantity"),
+    (pool(engine={"runAsUser": -1}), "runAsUser"),
+    (pool(engine={"addCapabilities": ["CAP_IPC_LOCK"]}), "without CAP_"),
+    (pool(engine={"addCapabilities": ["ALL"]}), "addCapabilities"),
 ])  # fmt: skip
 def test_the_operator_checks_again_what_the_server_refuses(manifest: str, message: str) -> None:
     """An old CRD or a `--validate=false` edit must not get past the operator either."""

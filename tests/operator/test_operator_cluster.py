@@ -42,7 +42,11 @@ from weir.local.ports import free_port
 pytestmark = [pytest.mark.kube, pytest.mark.redis, pytest.mark.timeout(240)]
 
 ROOT = Path(__file__).resolve().parents[2]
-CHILDREN = ("deployment", "service", "configmap", "poddisruptionbudget")
+CHILDREN = ("serviceaccount", "deployment", "service", "configmap", "poddisruptionbudget")
+
+
+def child_name(kind: str, pool: str) -> str:
+    return {"configmap": f"{pool}-policy", "serviceaccount": f"{pool}-engine"}.get(kind, pool)
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +114,7 @@ class Weir:
         """resourceVersion of the pool and of each child: any write changes one."""
         found = {"pool": self.pool(name)["metadata"]["resourceVersion"]}
         for kind in CHILDREN:
-            child = self.install.get(kind, f"{name}-policy" if kind == "configmap" else name)
+            child = self.install.get(kind, child_name(kind, name))
             assert child is not None, kind
             found[kind] = child["metadata"]["resourceVersion"]
         return found
@@ -210,7 +214,7 @@ async def test_a_pool_comes_up_with_its_children_and_pods(weir: Weir) -> None:
                             limit_s=90, what="two engine pods Running and Ready")  # fmt: skip
     pool_uid = weir.pool("llama")["metadata"]["uid"]
     for kind in CHILDREN:
-        child = weir.install.get(kind, "llama-policy" if kind == "configmap" else "llama")
+        child = weir.install.get(kind, child_name(kind, "llama"))
         assert child is not None, kind
         owner = child["metadata"]["ownerReferences"][0]
         assert (owner["kind"], owner["uid"], owner["controller"]) == (
@@ -226,6 +230,16 @@ async def test_a_pool_comes_up_with_its_children_and_pods(weir: Weir) -> None:
     deployment = weir.install.get("deployment", "llama") or {}
     engine = deployment["spec"]["template"]["spec"]["containers"][0]
     assert engine["args"][engine["args"].index("--chunked-prefill-size") + 1] == "4096"
+    # The namespace enforces Pod Security's `restricted` profile: these pods exist, so the
+    # server admitted them. They run as the pool's ServiceAccount, with no API token.
+    assert weir.install.pod_security() == "restricted"
+    for pod in weir.install.pods("llama"):
+        spec = pod["spec"]
+        assert spec["serviceAccountName"] == "llama-engine"
+        assert not [v for v in spec["volumes"] if v["name"].startswith("kube-api-access")]
+        for container in spec["containers"]:
+            assert not [m for m in container["volumeMounts"]
+                        if m["mountPath"].startswith("/var/run/secrets/kubernetes.io")]  # fmt: skip
 
     # Not ready until the sidecars hold leases in the control plane.
     assert weir.condition("llama", "Ready").get("status") != "True"
@@ -354,7 +368,7 @@ async def test_delete_clears_the_control_plane_and_collects_every_child(
     cleared = [r for r in caplog.records if "control-plane keys of pool gone" in r.getMessage()]
     assert len(cleared) == 1, [r.getMessage() for r in cleared]
     for kind in CHILDREN:
-        name = "gone-policy" if kind == "configmap" else "gone"
+        name = child_name(kind, "gone")
         await eventually(lambda k=kind, n=name: weir.install.get(k, n) is None, limit_s=60,
                          what=f"the garbage collector to remove {kind}")  # fmt: skip
     await eventually(lambda: weir.install.pods("gone") == [], limit_s=60, what="the pods to go")

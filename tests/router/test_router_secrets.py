@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -92,3 +93,23 @@ def test_a_missing_or_empty_url_file_is_refused(
     assert "--redis-url-file or $WEIR_REDIS_URL" in capsys.readouterr().err
     assert main(["operator", "--redis-url-file", str(empty)]) == 2
     assert "holds no URL" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("{}\n", "holds no API keys, which would let every request in"),
+    ("\n", "expected a mapping of API key to tenant"),
+    ("[]\n", "expected a mapping of API key to tenant"),
+])  # fmt: skip
+def test_an_api_keys_file_without_keys_is_refused(tmp_path: Path, text: str, message: str) -> None:
+    """The chart's production values mount an API keys Secret: a Secret holding `{}` must
+    stop the router, not quietly run it without authentication."""
+    keys = tmp_path / "api-keys.yaml"
+    keys.write_text(text)
+    # A process of its own: a router that took the file would serve until stopped.
+    ran = subprocess.run(
+        [sys.executable, "-m", "weir.cli", "router", "--port", "0",
+         "--endpoint", "http://127.0.0.1:9", "--api-keys", str(keys)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert ran.returncode == 2, ran.stdout + ran.stderr
+    assert message in ran.stderr

@@ -83,3 +83,94 @@ capabilities:
 {{- define "weir.sidecarAdminSecret" -}}
 {{- .Values.operator.sidecarAdminTokenSecret | default (printf "%s-sidecar-admin" (include "weir.fullname" .)) }}
 {{- end }}
+
+{{/* What the operator does in the namespaces it watches: a ClusterRole's rules when it
+watches them all, a Role's in each one listed in operator.watchNamespaces. */}}
+{{- define "weir.operatorRules" -}}
+# kopf lists and watches pools, and patches their finalizer and its annotations.
+- apiGroups: [inference.weir.dev]
+  resources: [inferencepools]
+  verbs: [list, watch, patch]
+- apiGroups: [inference.weir.dev]
+  resources: [inferencepools/status]
+  verbs: [patch]
+# Children name their pool as owner with blockOwnerDeletion, which clusters running the
+# OwnerReferencesPermissionEnforcement admission plugin allow only to this right.
+- apiGroups: [inference.weir.dev]
+  resources: [inferencepools/finalizers]
+  verbs: [update]
+- apiGroups: [apps]
+  resources: [deployments]
+  verbs: [get, create, patch]
+- apiGroups: [""]
+  resources: [services, configmaps, serviceaccounts]
+  verbs: [get, create, patch]
+- apiGroups: [policy]
+  resources: [poddisruptionbudgets]
+  verbs: [get, create, patch]
+- apiGroups: [monitoring.coreos.com]
+  resources: [servicemonitors]
+  verbs: [get, create, patch]
+# A drain lists the pool's pods and marks its victims' deletion cost.
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [list, patch]
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create]
+{{- end }}
+
+{{/* Labels of the engine pods the operator creates (in any namespace). */}}
+{{- define "weir.engineLabels" -}}
+app.kubernetes.io/managed-by: weir-operator
+app.kubernetes.io/component: engine
+{{- end }}
+
+{{/* Namespaces where pools run, as a JSON list: the release namespace and every one that
+gets the Redis Secret or is watched. */}}
+{{- define "weir.poolNamespaces" -}}
+{{- concat (list .Release.Namespace) .Values.redis.secretNamespaces .Values.operator.watchNamespaces | uniq | toJson }}
+{{- end }}
+
+{{/* A namespaceSelector for where engines may run: the listed namespaces when the
+operator watches a list, any namespace when it watches them all. */}}
+{{- define "weir.poolNamespaceSelector" -}}
+{{- if .Values.operator.watchNamespaces -}}
+matchExpressions:
+  - key: kubernetes.io/metadata.name
+    operator: In
+    values:
+      {{- include "weir.poolNamespaces" . | fromJsonArray | toYaml | nindent 6 }}
+{{- else -}}
+{}
+{{- end }}
+{{- end }}
+
+{{/* Egress rules to Redis: the chart's StatefulSet, or the rules given for an external one. */}}
+{{- define "weir.redisEgress" -}}
+{{- if .Values.redis.enabled -}}
+- to:
+    - namespaceSelector:
+        matchLabels:
+          kubernetes.io/metadata.name: {{ .Release.Namespace }}
+      podSelector:
+        matchLabels:
+          {{- include "weir.selectorLabels" (dict "ctx" . "component" "redis") | nindent 10 }}
+  ports:
+    - port: 6379
+      protocol: TCP
+{{- else }}
+{{- toYaml .Values.networkPolicy.egress.externalRedis }}
+{{- end }}
+{{- end }}
+
+{{/* Egress rule to the cluster's DNS. */}}
+{{- define "weir.dnsEgress" -}}
+- to:
+    {{- toYaml .Values.networkPolicy.egress.dns | nindent 4 }}
+  ports:
+    - port: 53
+      protocol: UDP
+    - port: 53
+      protocol: TCP
+{{- end }}
