@@ -100,7 +100,7 @@ class ServerLimits:
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 0 or self.max_body_bytes_in_flight < 0:
-            raise ValueError("body limits must be positive (0: the default)")
+            raise ValueError("body limits must not be negative (0: the default)")
         for name in ("body_wait_s", "header_timeout_s", "body_timeout_s", "idle_timeout_s"):
             if not 0 < getattr(self, name) <= 86_400:
                 raise ValueError(f"{name} must be in (0, 86400] seconds")
