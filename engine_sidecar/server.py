@@ -24,6 +24,7 @@ from aiohttp import web
 
 from controlplane.contract import PoolPolicy, SchemaError, WatermarkState, decode_json
 from controlplane.store.connection import RedisSettings, connect
+from controlplane.transport.guard import ServerLimits
 from engine_sidecar.control import ControlLink
 from engine_sidecar.engine import EngineAdapter, EngineError, EngineInfo, SGLangEngine
 from engine_sidecar.service import SidecarService
@@ -49,6 +50,9 @@ class SidecarConfig:
     # Bearer token for the admin routes (/weir/v1/state, /preempt, /drain); empty leaves
     # them open (a local fleet), with a warning at start.
     admin_token: str = field(default="", repr=False)
+    # What the sidecar reads from routers: body size (by default sized to the context
+    # length), bytes in flight, header/body/idle timeouts, connections.
+    server: ServerLimits = field(default_factory=ServerLimits)
 
 
 def load_policy(path: str | Path) -> PoolPolicy:
@@ -137,20 +141,32 @@ async def serve_sidecar(config: SidecarConfig) -> AsyncIterator[RunningSidecar]:
         port = sock.getsockname()[1]
         url = f"http://{config.host}:{port}"
         endpoint_id = config.endpoint_id or f"{socket.gethostname()}-{port}-{uuid.uuid4().hex[:6]}"
+        # Bodies are sized to the longer of the two contexts: the limit bounds memory, and
+        # validation, not it, refuses a prompt over the engine's context.
+        context = max(policy.context_length, info.context_length or 0)
         service = SidecarService(
-            engine, info, policy, config.pool, endpoint_id, admin_token=config.admin_token
-        )
+            engine, info, policy, config.pool, endpoint_id, admin_token=config.admin_token,
+            server_limits=config.server.for_context(context),
+        )  # fmt: skip
         if not config.admin_token:
             log.warning(
                 "no admin token: /weir/v1/state, /weir/v1/preempt and /weir/v1/drain are "
                 "open to anyone who reaches %s (set --admin-token-file or WEIR_ADMIN_TOKEN)",
                 url,
             )
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        guard = service.guard
+        app = web.Application(
+            client_max_size=service.continuation_limit, middlewares=[guard.middleware]
+        )
         app.add_routes(service.routes())
-        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        runner = web.AppRunner(
+            app,
+            handler_cancellation=True,
+            access_log=None,
+            keepalive_timeout=guard.limits.idle_timeout_s,
+        )
         await runner.setup()
-        await web.SockSite(runner, sock).start()
+        await guard.start(runner, sock=sock)
         tasks.append(asyncio.create_task(_poll_engine(service, config.engine_poll_s)))
         if config.redis_url:
             link = ControlLink(

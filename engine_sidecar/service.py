@@ -59,6 +59,7 @@ from controlplane.contract import (
 )
 from controlplane.contract import headers as wire
 from controlplane.transport.event_stream import DirectWriter
+from controlplane.transport.guard import BodyError, RequestGuard, ServerLimits
 from engine_sidecar.engine import EngineAdapter, EngineError, EngineInfo
 from engine_sidecar.forward import Forwarder
 from engine_sidecar.intake import (
@@ -106,6 +107,19 @@ def overload_response(reason: str, retry_after_s: int, message: str) -> web.Resp
     )
 
 
+def body_refused(exc: BodyError) -> web.Response:
+    """A body the sidecar would not read: too large (413), too slow (408), or more bodies
+    in flight than it holds at once (503, which a router takes as "try another")."""
+    kind = "unavailable" if exc.status == 503 else "invalid_request"
+    headers = {"Retry-After": str(max(1, round(exc.retry_after_s)))} if exc.retry_after_s else {}
+    return web.Response(
+        status=exc.status,
+        body=error_body(kind, exc.message, reason=exc.reason),
+        content_type="application/json",
+        headers=headers,
+    )
+
+
 def _bad(exc: RequestError) -> web.Response:
     extra = {"reason": exc.reason, **({"param": exc.param} if exc.param else {})}
     return web.Response(
@@ -132,6 +146,7 @@ class SidecarService:
         pool: str,
         endpoint_id: str,
         admin_token: str = "",
+        server_limits: ServerLimits | None = None,
     ) -> None:
         self.engine = engine
         self._admin_token = admin_token.encode()  # empty: the admin routes are open
@@ -143,6 +158,12 @@ class SidecarService:
             model=policy.model or info.model,
             context_length=min(policy.context_length, info.context_length or policy.context_length),
         )
+        limits = server_limits or ServerLimits().for_context(
+            max(policy.context_length, info.context_length or 0)
+        )
+        self.guard = RequestGuard(limits, body_refused)
+        # A continuation carries the client's body and what was generated: twice the room.
+        self.continuation_limit = 2 * limits.max_body_bytes
         self.draining = False
         self.engine_ok = True  # the engine answered its last load poll
         self.quota: KVQuota | None = None  # installed with the control-plane link
@@ -211,10 +232,12 @@ class SidecarService:
 
     async def handle(self, request: web.Request, api: EngineAPI) -> web.StreamResponse:
         try:
-            body = parse_json(await request.read())
+            body = await self.guard.read(request, parse_json)
             intake = parse(api, body, self.limits)
         except RequestError as exc:
             return _bad(exc)
+        except BodyError as exc:
+            return body_refused(exc)
         rid = body.get("rid")
         origin = _Origin(intake.body, intake.prompt_ids)
         return await self._serve(
@@ -223,12 +246,16 @@ class SidecarService:
 
     async def handle_continue(self, request: web.Request) -> web.StreamResponse:
         try:
-            cont = decode_json(await request.read(), Continuation)
+            cont = await self.guard.read(
+                request, _decode_continuation, limit=self.continuation_limit
+            )
             intake = from_continuation(cont, self.limits)
         except SchemaError as exc:
             return _bad(RequestError(str(exc)))
         except RequestError as exc:
             return _bad(exc)
+        except BodyError as exc:
+            return body_refused(exc)
         reader = StreamReader(
             cont.api,
             offset_tokens=cont.generated,
@@ -288,7 +315,7 @@ class SidecarService:
 
     async def handle_preempt(self, request: web.Request) -> web.Response:
         try:
-            body = parse_json(await request.read())
+            body = await self.guard.read(request, parse_json)
             rid, mode = body.get("rid"), body.get("mode", "recompute")
             if not isinstance(rid, str) or mode not in ("recompute", "migrate", "terminate"):
                 raise RequestError(
@@ -296,6 +323,8 @@ class SidecarService:
                 )
         except RequestError as exc:
             return _bad(exc)
+        except BodyError as exc:
+            return body_refused(exc)
         if rid not in self.ledger.flights:
             return web.Response(
                 status=404, body=error_body("not_found", f"no request {rid}"),
@@ -307,11 +336,13 @@ class SidecarService:
     async def handle_abort(self, request: web.Request) -> web.Response:
         """SGLang's abort: 200 whether or not a request matched (as SGLang answers)."""
         try:
-            rid = parse_json(await request.read()).get("rid")
+            rid = (await self.guard.read(request, parse_json)).get("rid")
             if not isinstance(rid, str) or not rid:
                 raise RequestError('expected {"rid": str}')
         except RequestError as exc:
             return _bad(exc)
+        except BodyError as exc:
+            return body_refused(exc)
         for flight in list(self.ledger.flights.values()):
             if rid in (flight.client_rid, flight.rid) and flight.task is not None:
                 flight.task.cancel()
@@ -319,7 +350,7 @@ class SidecarService:
 
     async def handle_drain(self, request: web.Request) -> web.Response:
         try:
-            body = parse_json(await request.read() or b"{}")
+            body = await self.guard.read(request, _parse_json_or_empty)
             deadline = body.get("deadline_s", 30.0)
             if isinstance(deadline, bool) or not isinstance(deadline, int | float):
                 raise RequestError("deadline_s must be a number")
@@ -327,6 +358,8 @@ class SidecarService:
                 raise RequestError("deadline_s must be in [0, 3600]")
         except RequestError as exc:
             return _bad(exc)
+        except BodyError as exc:
+            return body_refused(exc)
         return web.json_response(await self.drain(float(deadline)))
 
     # -- one request ---------------------------------------------------------------------
@@ -878,6 +911,14 @@ class SidecarService:
             "migrated": migrated,
             "aborted": aborted,
         }
+
+
+def _decode_continuation(raw: bytes) -> Continuation:
+    return decode_json(raw, Continuation)
+
+
+def _parse_json_or_empty(raw: bytes) -> dict[str, Any]:
+    return parse_json(raw or b"{}")
 
 
 def _deadline(header: str | None) -> float:

@@ -45,7 +45,7 @@ from controlplane.contract import (
 )
 from controlplane.contract import headers as wire
 from controlplane.gateway.credits import CREDIT_HEADER, HandoffGate
-from controlplane.gateway.errors import GatewayError, overload, unavailable
+from controlplane.gateway.errors import GatewayError, body_refused, overload, unavailable
 from controlplane.gateway.metrics import RouterMetrics, length_bucket
 from controlplane.gateway.pool import PoolView
 from controlplane.gateway.quotas import QuotaGate
@@ -71,6 +71,7 @@ from controlplane.routing import (
 )
 from controlplane.transport import DONE, HTTPClient, Response, TransportError
 from controlplane.transport.event_stream import DirectWriter
+from controlplane.transport.guard import BodyError, RequestGuard, ServerLimits
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +101,9 @@ class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 0
     limits: Limits = field(default_factory=Limits)
+    # What the router reads from clients: body size (by default sized to the context
+    # length), bytes in flight, header/body/idle timeouts, connections.
+    server: ServerLimits = field(default_factory=lambda: ServerLimits(max_connections=8192))
     routing: RoutingPolicy = field(default_factory=RoutingPolicy)
     profile: Mapping[str, Any] | None = None
     max_attempts: int = 3
@@ -203,11 +207,17 @@ class Gateway:
         self._served = self._models_of(view.snapshot)
         self._adapters = _adapters_of(view.snapshot)
         view.on_change(self._snapshot_changed)
+        self.guard = RequestGuard(
+            config.server.for_context(config.limits.context_length),
+            lambda exc: body_refused(exc).response(),
+        )
 
     # -- lifecycle -------------------------------------------------------------------
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app = web.Application(
+            client_max_size=self.guard.limits.max_body_bytes, middlewares=[self.guard.middleware]
+        )
         for api, path in _API_PATHS.items():
             app.router.add_post(path, self._entry(api))
         app.router.add_get("/v1/models", self._models)
@@ -412,7 +422,7 @@ class Gateway:
             tenant = self.keys.tenant(request.headers)
             client = parse(
                 api,
-                decode_body(await request.read()),
+                await self.guard.read(request, decode_body),
                 request.headers,
                 models=self.served_models(),
                 default_model=self.config.model,
@@ -427,6 +437,8 @@ class Gateway:
                 )
         except GatewayError as exc:
             return self._refuse(exc, tenant)
+        except BodyError as exc:
+            return self._refuse(body_refused(exc), tenant)
         credit = ""
         try:
             if self.credits is not None:

@@ -14,6 +14,7 @@ import msgspec
 from aiohttp import web
 
 from controlplane.contract.request_checks import RequestCheckError
+from controlplane.transport.guard import BodyError
 
 
 class GatewayError(Exception):
@@ -70,3 +71,11 @@ def overload(reason: str, message: str, retry_after_s: float) -> GatewayError:
 def unavailable(reason: str, message: str, retry_after_s: float = 1.0) -> GatewayError:
     """Nothing can serve the request right now, through no fault of the client's quota."""
     return GatewayError(503, "unavailable", reason, message, retry_after_s)
+
+
+def body_refused(exc: BodyError) -> GatewayError:
+    """A body the server would not read: too large (413), too slow (408), or more bodies
+    in flight than the server holds at once (503, retryable)."""
+    if exc.status == 503:
+        return unavailable(exc.reason, exc.message, exc.retry_after_s or 1.0)
+    return GatewayError(exc.status, "invalid_request_error", exc.reason, exc.message)

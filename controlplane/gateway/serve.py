@@ -88,10 +88,14 @@ async def serve_gateway(
                 config.kv_bytes_per_token, config.credit_ttl_s,
             )  # fmt: skip
     gateway = Gateway(config, view, keys, clock, quotas, credits)
-    runner = web.AppRunner(gateway.app(), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(
+        gateway.app(),
+        handler_cancellation=True,
+        access_log=None,
+        keepalive_timeout=gateway.guard.limits.idle_timeout_s,
+    )
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port)
-    await site.start()
+    await gateway.guard.start(runner, host=config.host, port=config.port)
     port = runner.addresses[0][1]
     loop = asyncio.get_running_loop()
     if feed is not None:

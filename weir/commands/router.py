@@ -12,6 +12,7 @@ import argparse
 
 from weir.commands._redis_url import ENV as REDIS_URL_ENV
 from weir.commands._redis_url import add_redis_url_flags, redis_url
+from weir.commands._server_flags import add_server_flags, server_limits
 
 NAME = "router"
 DEFAULT_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
@@ -50,6 +51,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="this pool does prefill only: admit with a handoff credit on DECODE_POOL")  # fmt: skip
     add("--quotas", action="store_true",
         help="enforce tenant quotas from the control plane (needs --redis-url)")  # fmt: skip
+    add_server_flags(parser, max_connections=8192)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -105,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
             profile=profile,
             max_attempts=args.max_attempts,
             queue_max_wait_s=args.queue_max_wait_s,
+            server=server_limits(args),
             **overrides,
         )
         if (config.enforce_quotas or config.role is Role.PREFILL) and not url:

@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from weir.commands._redis_url import add_redis_url_flags, redis_url
+from weir.commands._server_flags import add_server_flags, server_limits
 
 NAME = "sidecar"
 ADMIN_TOKEN_ENV = "WEIR_ADMIN_TOKEN"
@@ -64,6 +65,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "neither: the admin routes are open); drain: the token it sends",
     )
     parser.add_argument("--log-level", default="INFO", help="logging level")
+    add_server_flags(parser, max_connections=4096)
 
 
 def admin_token(token_file: str, env: Mapping[str, str] = os.environ) -> str:
@@ -119,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         control_plane = redis_url(args, NAME)
+        limits = server_limits(args)
     except ValueError as exc:
         sys.stderr.write(f"weir sidecar: {exc}\n")
         return 2
@@ -155,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
         heartbeat_s=args.heartbeat_s,
         lease_ttl_s=args.lease_ttl_s,
         admin_token=token,
+        server=limits,
     )
 
     async def main() -> None:
