@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -15,6 +14,7 @@ import aiohttp
 import pytest
 
 from tests.router.conftest import eventually
+from tests.router.router_process import weir_router
 from weir.cli import main
 from weir.local.redis_server import RedisServer
 
@@ -47,35 +47,26 @@ async def test_the_router_takes_the_url_from_env_or_file_and_never_prints_the_pa
         args += ["--redis-url-file", str(secret)]
     else:
         args += ["--redis-url", url]
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "weir.cli", "router", *args, env=env,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    try:
-        assert proc.stdout is not None
-        started = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
-        assert started.startswith("weir router: http://127.0.0.1:"), started
+    async with weir_router(*args, env=env) as running:
+        started = running.started
         assert f"from redis://:***@127.0.0.1:{locked_redis.port}/0" in started
         assert PASSWORD not in started
-        cmdline = await asyncio.to_thread(Path(f"/proc/{proc.pid}/cmdline").read_bytes)
+        cmdline = await asyncio.to_thread(Path(f"/proc/{running.proc.pid}/cmdline").read_bytes)
         assert (PASSWORD.encode() in cmdline) == (source == "flag")
         # The router reached Redis with the password: its pool view is current.
-        router = started.split()[2]
 
         async def following() -> bool:
             async with (
                 aiohttp.ClientSession() as http,
-                http.get(router + "/weir/v1/pool") as reply,
+                http.get(running.url + "/weir/v1/pool") as reply,
             ):
                 pool = await reply.json()
             return pool["error"] == "" and not pool["stale"]
 
         await eventually(following, "the router to follow the locked Redis", timeout_s=30)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        _, err = await asyncio.wait_for(proc.communicate(), 30)
-    assert PASSWORD not in err.decode()
-    warned = "the password in --redis-url shows in process listings" in err.decode()
+    err = running.stderr
+    assert PASSWORD not in err
+    warned = "the password in --redis-url shows in process listings" in err
     assert warned == (source == "flag")
 
 

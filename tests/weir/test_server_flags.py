@@ -3,12 +3,9 @@ and refuse values out of range before serving."""
 
 from __future__ import annotations
 
-import asyncio
-import signal
-import sys
-
 import pytest
 
+from tests.router.router_process import weir_router
 from tests.transport.raw_client import RawConnection, request_head
 from weir.cli import main
 
@@ -20,31 +17,20 @@ async def test_the_router_serves_with_the_limits_its_flags_give() -> None:
         "--max-body-mib", "0.01", "--max-connections", "2", "--header-timeout-s", "0.5",
         "--idle-timeout-s", "1",
     ]  # fmt: skip
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "weir.cli", "router", *args,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    try:
-        assert proc.stdout is not None
-        started = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
-        assert started.startswith("weir router: http://127.0.0.1:"), started
-        url = started.split()[2]
-        first = await RawConnection.open(url)
+    async with weir_router(*args) as router:
+        first = await RawConnection.open(router.url)
         await first.send(request_head("/v1/completions", 20_000))  # over 0.01 MiB
         answer = await first.answer()
         assert answer.status == 413
         assert "10486 bytes" in str(answer.error()["message"])
-        slow = await RawConnection.open(url)
+        slow = await RawConnection.open(router.url)
         await slow.send(b"POST /v1/completions HTTP/1.1\r\n")  # and no more of its head
-        over = await RawConnection.open(url)  # past --max-connections 2
+        over = await RawConnection.open(router.url)  # past --max-connections 2
         assert (await over.answer()).status == 503
         assert await slow.closed_by_server()  # the head's 0.5 s
         assert await first.closed_by_server()  # idle for 1 s after its answer
         for conn in (first, slow, over):
             await conn.close()
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        await asyncio.wait_for(proc.communicate(), 30)
 
 
 @pytest.mark.parametrize(
