@@ -62,6 +62,7 @@ class ControlLink:
         service.quota = self.quota
         self.commands = CommandChannel(redis, pool)
         self._executed: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._room_unknown_until = 0.0  # relief's room reads paused until then (monotonic)
         self._heartbeat: asyncio.Task[None] | None = None
         self._commands: asyncio.Task[None] | None = None
         self._closing = False
@@ -160,11 +161,16 @@ class ControlLink:
     async def migration_room(self) -> int | None:
         """The largest continuation another endpoint of the pool (lease valid, same
         role) would admit, from what they last published; None when the control plane
-        cannot say (relief then migrates as if there were room)."""
+        cannot say (relief then migrates as if there were room). After a failed read it
+        does not ask again for a few heartbeats: relief under exhaustion must not wait
+        on an unreachable Redis pass after pass."""
+        if time.monotonic() < self._room_unknown_until:
+            return None
         try:
             snapshot = await asyncio.wait_for(self.registry.snapshot(), self.heartbeat_s)
         except (RedisError, OSError, SchemaError, TimeoutError) as exc:
             log.info("relief: the pool's room is unknown (%s)", exc)
+            self._room_unknown_until = time.monotonic() + 5 * self.heartbeat_s
             return None
         role = self.service.policy.role
         now_ms = snapshot.server_time_ms

@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 import pytest
 
-from controlplane.contract import Command, CommandKind, Lifecycle, TenantQuota
+from controlplane.contract import Command, CommandKind, EndpointState, Lifecycle, TenantQuota
 from controlplane.store import EndpointRegistry, PoolKeys, connect
 from controlplane.store.commands import CommandChannel
 from controlplane.store.connection import RedisSettings
@@ -326,3 +326,42 @@ async def test_commands_are_executed_once_and_acknowledged(
             await _until(paused)
     finally:
         await redis.aclose()
+
+
+async def test_relief_reads_the_room_its_peers_published(
+    engine: RunningEngine, redis_url: str
+) -> None:
+    """Relief's room elsewhere comes from the pool in Redis: the ready peers' published
+    headroom, not its own, and nothing it can use when Redis cannot be read."""
+    redis = connect(RedisSettings(url=redis_url))
+    registry = EndpointRegistry(redis, "p")
+    kv = pool_policy().kv
+
+    def peer(endpoint_id: str, used: int, lifecycle: Lifecycle) -> EndpointState:
+        return EndpointState(
+            pool="p", endpoint_id=endpoint_id, address="http://127.0.0.1:9", model=MODEL,
+            kv_capacity_tokens=10_000, kv_used_tokens=used, lifecycle=lifecycle,
+        )  # fmt: skip
+
+    try:
+        await registry.register(peer("roomy", 1_000, Lifecycle.READY), 30.0)
+        await registry.register(peer("full", 9_000, Lifecycle.READY), 30.0)
+        await registry.register(peer("leaving", 0, Lifecycle.DRAINING), 30.0)
+        config = SidecarConfig(
+            engine_url=engine.url, redis_url=redis_url, pool="p", endpoint_id="pod-r",
+            policy=pool_policy(), heartbeat_s=0.2,
+        )  # fmt: skip
+        async with serve_sidecar(config) as sidecar:
+            assert sidecar.link is not None
+            room = await sidecar.link.migration_room()
+            assert room == 10_000 - kv.safety_tokens(10_000) - 1_000
+    finally:
+        await redis.aclose()
+    with RedisServer() as gone:
+        url = gone.url
+    unreachable = SidecarConfig(
+        engine_url=engine.url, redis_url=url, pool="p", endpoint_id="pod-u", policy=pool_policy()
+    )
+    async with serve_sidecar(unreachable) as sidecar:
+        assert sidecar.link is not None
+        assert await sidecar.link.migration_room() is None
