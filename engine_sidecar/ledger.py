@@ -358,7 +358,9 @@ class Ledger:
         if verdict is AdmissionVerdict.ADMIT:
             reason = "queued_ahead"  # it fits, but others wait: the queue decides
         rec = flight.record
-        if queue.refuses(resumed=flight.resumed or rec.state is _S.DECODE_PREEMPTED):
+        # Accepted work: a continuation from elsewhere, or one preempted here.
+        resumed = flight.resumed or rec.state is _S.DECODE_PREEMPTED
+        if queue.refuses(resumed):
             raise OverloadError(
                 "queue_full",
                 retry_after_s(len(queue), sched.local_queue_size, sched.local_queue_max_wait_s),
@@ -372,7 +374,6 @@ class Ledger:
         # A preempted request waits as if queued since it first arrived: its aging carries
         # it ahead of newer arrivals of its class.
         since = rec.arrived_at if rec.state is _S.DECODE_PREEMPTED else now
-        resumed = flight.resumed or rec.state is _S.DECODE_PREEMPTED
         queue.offer(
             QueuedRequest(flight.rid, rec.priority, since, expires, rec.prompt_tokens, resumed),
             future,
