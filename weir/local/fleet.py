@@ -1,4 +1,4 @@
-"""A local fleet as plain processes: Redis, N engines each with a sidecar, and a router.
+"""A local fleet as plain processes: Redis, N engines each with a sidecar, and routers.
 
 `weir up` runs one. Every part is the real component started the way a cluster starts it
 (`weir engine` or SGLang's `launch_server`, `weir sidecar`, `weir router --policy-file`),
@@ -6,7 +6,8 @@ each child's output goes to a log file in the fleet's work directory, and `close
 every child, newest first, terminating politely and killing what does not exit in time.
 
 The router reads a pool policy written to the work directory, as it reads the operator's
-ConfigMap in a cluster. It declares demo tenants with quotas (`DEMO_TENANTS`), so tenant
+ConfigMap in a cluster. Several routers (`routers`) serve the same pool side by side, as the
+chart's replicas do: each follows the pool in Redis and charges the same tenant quotas. It declares demo tenants with quotas (`DEMO_TENANTS`), so tenant
 admission and the tenants dashboard work out of the box: the router is open (no API
 keys), a request names its tenant with `x-weir-tenant: interactive` (or `batch`), and
 one that names none is tenant `default`.
@@ -56,7 +57,8 @@ class FleetError(RuntimeError):
 @dataclass(frozen=True, slots=True)
 class FleetConfig:
     engines: int = 2
-    router_port: int = 8080
+    routers: int = 1
+    router_port: int = 8080  # the first router's (0: a free one); the others take free ones
     pool: str = "local"
     model: str = "meta-llama/Llama-3.1-8B-Instruct"
     engine: str = "reference"  # or "sglang"
@@ -74,6 +76,8 @@ class FleetConfig:
     def __post_init__(self) -> None:
         if not 1 <= self.engines <= 64:
             raise ValueError("engines must be between 1 and 64")
+        if not 1 <= self.routers <= 16:
+            raise ValueError("routers must be between 1 and 16")
         if self.engine not in ("reference", "sglang"):
             raise ValueError("engine must be 'reference' or 'sglang'")
         if self.engine == "sglang":
@@ -97,7 +101,7 @@ class LocalFleet(LocalService):
     redis_url: str = ""
     engine_urls: list[str] = field(default_factory=list)
     sidecar_urls: list[str] = field(default_factory=list)
-    router_url: str = ""
+    router_urls: list[str] = field(default_factory=list)
     _children: list[_Child] = field(default_factory=list)
 
     @property
@@ -139,17 +143,18 @@ class LocalFleet(LocalService):
                     control_plane=True,
                 )  # fmt: skip
                 self.sidecar_urls.append(f"http://127.0.0.1:{port}")
-            port = c.router_port or free_port()
             policy_file = self.workdir / "policy.json"
             policy_file.write_bytes(encode_json(self.policy()))
-            self._spawn(
-                "router",
-                [*WEIR, "router", "--port", str(port), "--policy-file", str(policy_file),
-                 "--bytes-per-token", "1" if c.engine == "reference" else "4"],
-                port,
-                control_plane=True,
-            )  # fmt: skip
-            self.router_url = f"http://127.0.0.1:{port}"
+            for i in range(c.routers):
+                port = (c.router_port if i == 0 else 0) or free_port()
+                self._spawn(
+                    "router" if i == 0 else f"router-{i}",
+                    [*WEIR, "router", "--port", str(port), "--policy-file", str(policy_file),
+                     "--bytes-per-token", "1" if c.engine == "reference" else "4"],
+                    port,
+                    control_plane=True,
+                )  # fmt: skip
+                self.router_urls.append(f"http://127.0.0.1:{port}")
             self._wait_ready()
         except BaseException:
             self.close()
@@ -200,13 +205,23 @@ class LocalFleet(LocalService):
                         f"{child.name} did not listen on {port}:\n{log_tail(child.log)}"
                     ) from None
 
+    @property
+    def router_url(self) -> str:
+        """The first router's URL (the only one, unless `routers` asks for more)."""
+        return self.router_urls[0] if self.router_urls else ""
+
     def _wait_ready(self) -> None:
-        """Until the router sees every sidecar's endpoint in its snapshot."""
+        """Until every router sees every sidecar's endpoint in its snapshot."""
         deadline = time.monotonic() + self.config.startup_timeout_s
+        waiting = list(self.router_urls)
         while True:
             try:
-                status = self.status()
-                if len(status["endpoints"]) >= self.config.engines and not status["stale"]:
+                while waiting:
+                    status = self.status(waiting[0])
+                    if len(status["endpoints"]) < self.config.engines or status["stale"]:
+                        break
+                    waiting.pop(0)
+                else:
                     return
             except (OSError, urllib.error.URLError, ValueError):
                 pass
@@ -217,14 +232,16 @@ class LocalFleet(LocalService):
                 raise FleetError("the router did not see every endpoint in time")
             time.sleep(0.1)
 
-    def status(self) -> dict[str, Any]:
-        """The fleet as the router sees it (`GET /weir/v1/pool`)."""
-        with urllib.request.urlopen(self.router_url + "/weir/v1/pool", timeout=5) as reply:
+    def status(self, router_url: str = "") -> dict[str, Any]:
+        """The fleet as a router (the first, by default) sees it (`GET /weir/v1/pool`)."""
+        url = router_url or self.router_url
+        with urllib.request.urlopen(url + "/weir/v1/pool", timeout=5) as reply:
             data: dict[str, Any] = json.loads(reply.read())
             return data
 
     def kill(self, name: str) -> None:
-        """SIGKILL one part (`engine-0`, `sidecar-1`, `router`), as a crashed pod's."""
+        """SIGKILL one part (`engine-0`, `sidecar-1`, `router`, `router-1`), as a crashed
+        pod's."""
         for child in self._children:
             if child.name == name:
                 child.proc.kill()
