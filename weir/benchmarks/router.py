@@ -16,6 +16,8 @@
    held together, and counted: each admission is a quota charge in Redis at the same
    moment as the others', so this is where a Redis client that runs out of connections
    shows (goal: all N held, no 503).
+5. With `--routers N`: the same traffic through one router and through N side by side on
+   a local fleet, and the endpoints' load under each (`weir.benchmarks._replicas`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 
+from weir.benchmarks import _replicas
 from weir.benchmarks._report import Figure, Report, add_output_flags, median_p99
 
 NAME = "router"
@@ -53,6 +56,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="also open N streams at once through a router with tenant quotas on (a "
              "redis-server of its own) and count how many it holds; 0 skips it",
     )  # fmt: skip
+    _replicas.add_flags(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -60,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--endpoints, --decisions and --runs must be positive")
     if args.quota_streams < 0:
         raise SystemExit("--quota-streams must not be negative")
+    _replicas.check_flags(args)
     report = Report(
         NAME,
         params={
@@ -69,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
             "streams": 0 if args.skip_proxy else args.streams,
             "tokens": args.tokens,
             "quota_streams": args.quota_streams,
+            "routers": args.routers,
             # Latency figures from a shared machine are only comparable at similar load.
             "load_avg_1m": round(os.getloadavg()[0], 2),
             "cpus": os.cpu_count(),
@@ -80,6 +86,8 @@ def run(args: argparse.Namespace) -> int:
         asyncio.run(_proxy(report, args))
     if args.quota_streams:
         asyncio.run(_quota_streams(report, args.quota_streams))
+    if args.routers:
+        asyncio.run(_replicas.replicas(report, args))
     report.emit(args.json)
     return 0
 
