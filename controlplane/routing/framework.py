@@ -10,10 +10,26 @@ before the pipeline runs.
 A decision over a large pool never scans it: the candidates are the request's owners,
 the endpoints that probably hold its prefix, and a request-dependent window of the
 snapshot's least pressured endpoints (power of k choices over a presorted list).
+
+Near-ties are spread (`Profile.tie_band`). Several routers serving one pool share one
+snapshot, and each counts only its own dispatches until the endpoints report them. Where
+candidates score alike (an idle pool; equally loaded endpoints whose KV differs by a
+percent or so) the picker's deterministic choice, the first of the highest, sends every
+router's next request to the same endpoint: R requests where one router sends one and
+spreads the rest. Among the candidates within `tie_band` of the picked one's total and
+credited with the same cached prefix, a hash of the request id chooses instead
+(randomized tie-breaking, as in Envoy's and llm-d's pickers). The routers' picks
+decorrelate; at light load a router's own dispatch (about 0.2 of queue score) still takes
+an endpoint out of the band, so one router never doubles up on it while an equal one is
+free; no pick trades cached tokens for balance. It does not spread what is not a tie: an
+endpoint one reported request below the others still gets one request from every router
+(docs/architecture.md, "Several routers per pool"). Pure: a request decides the same way
+everywhere, the simulator included.
 """
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
@@ -190,6 +206,33 @@ class Decision:
         return max(self.rejected.items(), key=lambda item: item[1])[0]
 
 
+def spread_ties(
+    request_id: str,
+    totals: Sequence[float],
+    affinity: Sequence[float] | None,
+    chosen: int,
+    band: float,
+) -> int:
+    """Among the candidates whose total is within `band` of `totals[chosen]` and whose
+    prefix-affinity score (when the profile has one) equals the chosen one's, the one a
+    hash of `request_id` names; `chosen` itself when it has no such peer."""
+    floor = totals[chosen] - band
+    if affinity is None:
+        ties = [i for i, total in enumerate(totals) if total >= floor]
+    else:
+        credit = affinity[chosen]
+        ties = [i for i, total in enumerate(totals) if total >= floor and affinity[i] == credit]
+    if len(ties) == 1:
+        return chosen
+    # CRC-32 is linear: ids that differ in one character (a simulator's r1, r2, ...) have
+    # related low bits. A multiplicative mix spreads them over the high bits, which pick;
+    # the candidate window's rotation uses the low ones.
+    mixed = (zlib.crc32(request_id.encode()) * _GOLDEN) & 0xFFFFFFFF
+    return ties[mixed * len(ties) >> 32]
+
+
+_GOLDEN = 0x9E3779B1  # 2^32 / the golden ratio, Knuth's multiplicative hash
+_AFFINITY = "prefix-affinity"  # the scorer whose equal scores mean equal cached prefixes
 _new = object.__new__
 # Each field's slot descriptor setter, in field order (see `Decision.of`).
 _DECISION_SLOTS: tuple[Callable[[Decision, object], None], ...] = tuple(
@@ -215,10 +258,15 @@ class Profile:
     picker: Picker
     candidates: int = 4
     max_prefix_holders: int = 4
+    # Near-ties within this much total score are spread by the request's hash (0: the
+    # picker's pick stands); see the module's docstring.
+    tie_band: float = 0.0
     # Bound methods and weights, looked up once per profile instead of per decision.
     _filter_fns: tuple[tuple[str, FilterFn], ...] = field(init=False, repr=False, compare=False)
     _score_fns: tuple[ScoreFn, ...] = field(init=False, repr=False, compare=False)
     _weights: tuple[float, ...] = field(init=False, repr=False, compare=False)
+    # Where the prefix-affinity scorer's column is among the scores (-1: none).
+    _affinity_at: int = field(init=False, repr=False, compare=False)
     # The plugins fused into one loop when they are all built-ins it reproduces.
     _fused: FusedPipeline | None = field(init=False, repr=False, compare=False)
     # This profile without its saturation filters, for resumes (itself if it has none).
@@ -227,6 +275,10 @@ class Profile:
     def __post_init__(self) -> None:
         if not self.scorers:
             raise ValueError(f"profile {self.name}: a profile needs at least one scorer")
+        if not (math.isfinite(self.tie_band) and self.tie_band >= 0.0):
+            raise ValueError(
+                f"profile {self.name}: tie_band must be a number >= 0, got {self.tie_band}"
+            )
         # Imported here: the fused pipeline is built from the plugins, which import this module.
         from controlplane.routing.fused import fuse
 
@@ -234,7 +286,9 @@ class Profile:
         setattr_(self, "_filter_fns", tuple((f.name, f.filter) for f in self.filters))
         setattr_(self, "_score_fns", tuple(ws.scorer.score for ws in self.scorers))
         setattr_(self, "_weights", tuple(ws.weight for ws in self.scorers))
-        setattr_(self, "_fused", fuse(self.filters, self.scorers, self.picker))
+        names = [ws.scorer.name for ws in self.scorers]
+        setattr_(self, "_affinity_at", names.index(_AFFINITY) if _AFFINITY in names else -1)
+        setattr_(self, "_fused", fuse(self.filters, self.scorers, self.picker, self.tie_band))
         kept = tuple(f for f in self.filters if f.name not in SATURATION)
         relaxed = self if kept == self.filters else replace(self, filters=kept)
         setattr_(self, "_for_resumes", relaxed)
@@ -297,6 +351,12 @@ class Profile:
         scores = [score(cycle, candidates) for score in self._score_fns]
         totals = [sum(map(mul, weights, column)) for column in zip(*scores, strict=True)]
         chosen = self.picker.pick(cycle, candidates, totals)
+        if self.tie_band and len(candidates) > 1:
+            at = self._affinity_at
+            chosen = spread_ties(
+                cycle.request.request_id, totals, scores[at] if at >= 0 else None, chosen,
+                self.tie_band,
+            )  # fmt: skip
         return Decision.of(cycle.request, candidates, totals, chosen, rejected)
 
     def _candidates(

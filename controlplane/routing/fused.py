@@ -11,7 +11,8 @@ It decides exactly as the plugins do: the same kept candidates, bit-identical to
 weighted sum is added in scorer order, as `sum(map(mul, ...))` does on Python 3.11, and an
 absent scorer contributes `0.0 * score`, which leaves a non-negative sum unchanged), the
 same pick and the same rejection counts (built-in filters judge each candidate alone, so
-running them in sequence counts a candidate against the first one it fails).
+running them in sequence counts a candidate against the first one it fails), near-ties
+spread alike (`framework.spread_ties` over the same totals and prefix-affinity scores).
 tests/router/test_fused.py compares the two over random pools.
 """
 
@@ -39,6 +40,7 @@ from controlplane.routing.framework import (
     Filter,
     Picker,
     WeightedScorer,
+    spread_ties,
 )
 from controlplane.routing.pickers import MaxScore
 from controlplane.routing.scorers import (
@@ -100,6 +102,8 @@ class FusedPipeline:
     max_wait_s: float
     weights: tuple[float, float, float, float, float, float]
     halves: tuple[float, float, float, float, float, float]
+    tie_band: float = 0.0  # the profile's
+    has_affinity: bool = True  # prefix affinity is one of the profile's scorers
     _constants: _Constants = field(init=False, repr=False, compare=False)
     # Pass flags with a failure -> the profile's first filter among those failed.
     _blame: Mapping[tuple[bool, ...], str] = field(init=False, repr=False, compare=False)
@@ -177,10 +181,10 @@ class FusedPipeline:
         own = prompt + tokens * output_fraction
         base = prompt / rate - slo
         load_scale = load_penalty / (mean_load + 1.0)
-        # The prefix term of a candidate with no cache credit, as the plugins compute it.
-        prefix_uncached = w_prefix * (
-            h_prefix / (h_prefix + (prompt / rate if prompt > 0 else 0.0))
-        )
+        # The prefix score of a candidate with no cache credit, as the plugins compute it.
+        affinity_uncached = h_prefix / (h_prefix + (prompt / rate if prompt > 0 else 0.0))
+        band = self.tie_band
+        affinities: list[float] = []  # each kept candidate's, when near-ties are spread
         if role is Role.PREFILL:
             shipped = prompt * kv_bytes / transfer_rate
             transfer_prefill = w_transfer * (h_transfer / (h_transfer + shipped))
@@ -191,7 +195,7 @@ class FusedPipeline:
         kept: list[EndpointView] = []
         totals: list[float] = []
         rejected: dict[str, int] | None = None
-        chosen, best = 0, -math.inf
+        chosen, best, runner_up = 0, -math.inf, -math.inf
         for view in shortlist:
             endpoint_id = view.endpoint_id
             extra = inflight.get(endpoint_id, 0) if inflight else 0
@@ -228,9 +232,9 @@ class FusedPipeline:
                 cached = owner_tokens // 2
             if cached and not queue > max_wait:  # a long queue voids cache credit
                 uncached = (prompt - cached) / rate if cached < prompt else 0.0
-                prefix = w_prefix * (h_prefix / (h_prefix + uncached))
+                affinity = h_prefix / (h_prefix + uncached)
             else:
-                prefix = prefix_uncached
+                affinity = affinity_uncached
             capacity = view.kv_capacity_tokens
             if capacity > 0 and (c := (view.kv_committed_tokens + own) / capacity) < 1.0:
                 kv = kv_penalty * c * c / (1.0 - c)
@@ -243,7 +247,7 @@ class FusedPipeline:
                 missed = late + slo + tokens * view.predicted_tpot_s - deadline
                 risk = (late if late > 0.0 else 0.0) + (missed if missed > 0.0 else 0.0)
             total = (
-                prefix
+                w_prefix * affinity
                 + w_queue * (h_queue / (h_queue + queue))
                 + w_kv * (h_kv / (h_kv + kv))
                 + (w_slo * (h_slo / (h_slo + risk)) if risk else slo_met)
@@ -255,9 +259,13 @@ class FusedPipeline:
                 + (transfer_prefill if view.is_prefill else transfer_other)
             )
             if total > best or not kept:  # MaxScore: the first of the highest
-                chosen, best = len(kept), total
+                chosen, best, runner_up = len(kept), total, best
+            elif total > runner_up:
+                runner_up = total
             kept.append(view)
             totals.append(total)
+            if band:
+                affinities.append(affinity)
 
         if rejected is not None and len(rejected) > 1:  # in filter order, as the plugins count
             counts = rejected
@@ -266,11 +274,19 @@ class FusedPipeline:
             return Decision(
                 "", DecisionReason.NO_CANDIDATE, False, rejected=rejected or _NO_REJECTIONS
             )
+        if band and runner_up >= best - band:  # a near-tie: rare, so checked first
+            chosen = spread_ties(
+                request.request_id, totals, affinities if self.has_affinity else None, chosen,
+                band,
+            )  # fmt: skip
         return Decision.of(request, kept, totals, chosen, rejected)
 
 
 def fuse(
-    filters: Sequence[Filter], scorers: Sequence[WeightedScorer], picker: Picker
+    filters: Sequence[Filter],
+    scorers: Sequence[WeightedScorer],
+    picker: Picker,
+    tie_band: float = 0.0,
 ) -> FusedPipeline | None:
     """The fused form of these plugins, or None when any is not one it reproduces."""
     picker_type: type = type(picker)
@@ -325,4 +341,6 @@ def fuse(
             terms[4].half_at_s,
             terms[5].half_at_s,
         ),
+        tie_band=tie_band,
+        has_affinity=PrefixAffinity in kinds,
     )

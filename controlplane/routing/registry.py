@@ -2,20 +2,22 @@
 
 A profile is plain data (JSON, YAML, a ConfigMap):
 
-    {"name": "default", "candidates": 4,
+    {"name": "default", "candidates": 4, "tie_band": 0.005,
      "cost": {"prefill_tokens_per_s": 20000},
      "filters": ["lease-valid", "not-draining", {"name": "bounded-load", "factor": 1.25}],
      "scorers": [{"name": "prefix-affinity", "weight": 2, "block_tokens": 64}],
      "picker": "max-score"}
 
 Every scorer receives the profile's `CostModel` as `cost`; other keys are passed to the
-plugin's constructor, which validates them. Unknown names or parameters raise
-`ProfileError` naming the offending entry.
+plugin's constructor, which validates them. `tie_band` (default 0: off) spreads
+near-ties by the request's hash (`controlplane.routing.framework`). Unknown names or
+parameters raise `ProfileError` naming the offending entry.
 """
 
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -71,13 +73,19 @@ for _name, _factory in _BUILTIN_SCORERS:
 register(PluginKind.PICKER, "max-score", pickers.MaxScore)
 
 
+# Totals this close count as a tie: KV pressures a percent or so apart, never a request
+# queued or dispatched (a dispatch to an idle endpoint costs about 0.2 of its queue score).
+DEFAULT_TIE_BAND = 0.005
+
+
 def default_config(policy: RoutingPolicy | None = None) -> dict[str, Any]:
     """The cost model of ARCHITECTURE.md as a profile: every term one weighted scorer,
-    affinity one term among them."""
+    affinity one term among them, near-ties spread."""
     policy = policy or RoutingPolicy()
     return {
         "name": "default",
         "candidates": 4,
+        "tie_band": DEFAULT_TIE_BAND,
         "filters": [
             "lease-valid",
             "not-draining",
@@ -131,12 +139,21 @@ def profile_from_config(config: Mapping[str, Any]) -> Profile:
         raise ProfileError(f"profile 'candidates' must be a positive integer, got {candidates!r}")
     if not scorer_list:
         raise ProfileError("a profile needs at least one scorer")
+    band = config.get("tie_band", 0.0)
+    if not (
+        isinstance(band, int | float)
+        and not isinstance(band, bool)
+        and math.isfinite(band)
+        and band >= 0
+    ):
+        raise ProfileError(f"profile 'tie_band' must be a number >= 0, got {band!r}")
     return Profile(
         name=str(config.get("name", "default")),
         filters=tuple(filter_list),
         scorers=tuple(scorer_list),
         picker=picker,
         candidates=candidates,
+        tie_band=float(band),
     )
 
 

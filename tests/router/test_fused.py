@@ -1,6 +1,6 @@
 """The fused decision loop decides exactly as the plugins run one by one: same pick,
 same total score, same fallbacks, same rejection counts, over random pools, requests and
-profiles built from the built-in plugins."""
+profiles built from the built-in plugins, near-ties spread or not."""
 
 from __future__ import annotations
 
@@ -66,6 +66,7 @@ def _profiles(draw: st.DrawFn) -> dict[str, Any]:
     ]
     config["scorers"] = scorers or config["scorers"][:1]
     config["candidates"] = draw(st.integers(1, 6))
+    config["tie_band"] = draw(st.sampled_from((0.0, 0.005, 0.05, 1.0)))
     return config
 
 

@@ -14,6 +14,7 @@ from controlplane.routing import (
     Decision,
     DecisionReason,
     FairQueue,
+    InFlight,
     PoolSnapshot,
     PrefixIndex,
     ProfileError,
@@ -254,6 +255,59 @@ def test_the_shortlist_keeps_eligible_owners_and_never_picks_a_filtered_endpoint
         assert decision.fallbacks[0] == owners[1]
 
 
+def _bursts(band: float, routers: int, bursts: int = 24) -> list[list[str]]:
+    """Bursts of one request per router over four idle, identical endpoints, each router
+    deciding from the same snapshot and counting only its own dispatches: the picks."""
+    config = default_config()
+    config["tie_band"] = band
+    profile = profile_from_config(config)
+    snapshot = PoolSnapshot.of("p", [_state(f"e{i}") for i in range(4)], lease_deadline=10.0)
+    picks = []
+    for burst in range(bursts):
+        inflight = [InFlight() for _ in range(routers)]
+        chosen = []
+        for i in range(3):
+            own = inflight[i % routers]
+            ctx = RoutingContext(snapshot, 0.0, own.counts, own.total)
+            request_id = f"burst{burst}-{i}"
+            decision = profile.decide(_request(request_id=request_id), ctx)
+            own.add(decision.endpoint_id, request_id, 0.0)
+            chosen.append(decision.endpoint_id)
+        picks.append(chosen)
+    return picks
+
+
+def test_routers_sharing_a_snapshot_spread_near_ties_instead_of_herding() -> None:
+    """Three routers see the same idle pool: deciding alike, each sends its request to the
+    same endpoint (three where one router sends one, then spreads). With the default tie
+    band their picks decorrelate, while one router still never doubles up on an endpoint
+    while an equal one is free."""
+    herd = _bursts(band=0.0, routers=3)
+    assert all(len(set(burst)) == 1 for burst in herd)
+    spread = _bursts(band=default_config()["tie_band"], routers=3)
+    assert sum(len(set(burst)) == 1 for burst in spread) <= len(spread) // 4
+    assert {e for burst in spread for e in burst} == {"e0", "e1", "e2", "e3"}
+    for band in (0.0, default_config()["tie_band"]):
+        assert all(len(set(burst)) == 3 for burst in _bursts(band, routers=1))
+
+
+def test_a_tie_band_never_trades_cached_tokens_for_balance() -> None:
+    """However wide the band, a pick is spread only among candidates credited with the same
+    cached prefix: the owner of a prefix keeps it over equally idle endpoints."""
+    config = default_config()
+    config["tie_band"] = 1.0
+    profile = profile_from_config(config)
+    snapshot = PoolSnapshot.of("p", [_state(f"e{i}") for i in range(4)], lease_deadline=10.0)
+    index = PrefixIndex()
+    index.record("e1", (7, 8, 9))
+    for i in range(20):
+        owned = _request(request_id=f"r{i}", owners=("e2", "e0"))
+        assert profile.decide(owned, RoutingContext(snapshot, 0.0)).endpoint_id == "e2"
+        held = _request(request_id=f"h{i}", block_hashes=(7, 8, 9))
+        ctx = RoutingContext(snapshot, 0.0, prefix_index=index)
+        assert profile.decide(held, ctx).endpoint_id == "e1"
+
+
 @pytest.mark.parametrize(
     ("config", "message"),
     [
@@ -265,6 +319,10 @@ def test_the_shortlist_keeps_eligible_owners_and_never_picks_a_filtered_endpoint
         ({"filters": [{"name": "bounded-load", "factor": 0.5}], "scorers": ["queue"]}, ">= 1"),
         ({"scorers": ["queue"], "candidates": 0}, "positive integer"),
         ({"scorers": ["queue"], "cost": {"warp": 9}}, "profile 'cost'"),
+        ({"scorers": ["queue"], "tie_band": -0.1}, "tie_band"),
+        ({"scorers": ["queue"], "tie_band": math.inf}, "tie_band"),
+        ({"scorers": ["queue"], "tie_band": "wide"}, "tie_band"),
+        ({"scorers": ["queue"], "tie_band": True}, "tie_band"),
         ([], "must be a mapping"),
     ],
 )
