@@ -24,6 +24,11 @@ def test_weir_up_refuses_an_absurd_engine_count(capsys: pytest.CaptureFixture[st
     assert "engines must be between 1 and 64" in capsys.readouterr().err
 
 
+def test_weir_up_refuses_an_absurd_router_count(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["up", "--routers", "0"]) == 2
+    assert "routers must be between 1 and 16" in capsys.readouterr().err
+
+
 def test_weir_up_refuses_a_router_port_in_use(capsys: pytest.CaptureFixture[str]) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

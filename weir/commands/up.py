@@ -1,6 +1,7 @@
 """`weir up`: a local fleet serving real requests — the quickest way to see Weir work.
 
-Starts Redis (unless --redis-url), N engines each with a sidecar, and a router; prints the
+Starts Redis (unless --redis-url), N engines each with a sidecar, and a router (or several
+side by side on the same pool, `--routers`, as the chart's replicas); prints the
 URLs; streams a sample request through the router; then shows the fleet's status until
 Ctrl-C, when every child is stopped. `--smoke` exits after the sample traffic (non-zero if
 any request failed), which is how the end-to-end test drives it.
@@ -19,7 +20,8 @@ HELP = "Start a local fleet (Redis, engines, sidecars, router) and serve request
 def configure(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--engines", type=int, default=2, help="engines (each with a sidecar)")
-    add("--port", type=int, default=8080, help="the router's port (0: a free one)")
+    add("--port", type=int, default=8080, help="the first router's port (0: a free one)")
+    add("--routers", type=int, default=1, help="routers serving the pool side by side")
     add("--pool", default="local")
     add("--engine", choices=("reference", "sglang"), default="reference",
         help="reference engines, or real SGLang servers")  # fmt: skip
@@ -52,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = FleetConfig(
             engines=args.engines,
+            routers=args.routers,
             router_port=args.port,
             pool=args.pool,
             model=args.model,
@@ -79,7 +82,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"  redis    {redact_url(fleet.redis_url)}")
         for engine, sidecar in zip(fleet.engine_urls, fleet.sidecar_urls, strict=True):
             print(f"  engine   {engine}  sidecar {sidecar}")
-        print(f"  router   {fleet.router_url}   (OpenAI base URL: {fleet.router_url}/v1)")
+        for url in fleet.router_urls:
+            print(f"  router   {url}   (OpenAI base URL: {url}/v1)")
         print(f"  metrics  {fleet.router_url}/metrics   status {fleet.router_url}/weir/v1/pool")
         tenants = ", ".join(t.name for t in config.tenants)
         print(f"  tenants  {tenants} (header x-weir-tenant; none: default)", flush=True)
