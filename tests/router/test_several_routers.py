@@ -21,11 +21,11 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 
 import aiohttp
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from controlplane.contract import TenantQuota
 from controlplane.store import QuotaStore, RedisSettings, connect
 from tests.router.conftest import eventually
+from weir.local.exposition import counter
 from weir.local.fleet import DEMO_TENANTS, FleetConfig, LocalFleet
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
@@ -161,22 +161,12 @@ async def test_a_tenants_quota_is_exact_across_three_routers(
         await redis.aclose()
 
 
-async def _decisions(http: aiohttp.ClientSession, router: str, reason: str) -> float:
-    async with http.get(router + "/metrics") as reply:
-        text = await reply.text()
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == "weir_router_decisions_total" and sample.labels["reason"] == reason
-    )
-
-
 async def test_requests_sharing_a_prefix_land_on_its_owner_through_any_router(
     fleet: LocalFleet, http: aiohttp.ClientSession
 ) -> None:
     prefixes = range(6)
-    before = [await _decisions(http, r, "primary_owner") for r in fleet.router_urls]
+    decisions = "weir_router_decisions_total"
+    before = [await counter(http, r, decisions, reason="primary_owner") for r in fleet.router_urls]
     landed: dict[int, set[str]] = {p: set() for p in prefixes}
     for prefix in prefixes:
         for i, router in enumerate(fleet.router_urls):
@@ -186,7 +176,7 @@ async def test_requests_sharing_a_prefix_land_on_its_owner_through_any_router(
             assert await _finish(reply) == "length"
     assert all(len(endpoints) == 1 for endpoints in landed.values()), landed
     assert len(set().union(*landed.values())) > 1  # the prefixes have different owners
-    after = [await _decisions(http, r, "primary_owner") for r in fleet.router_urls]
+    after = [await counter(http, r, decisions, reason="primary_owner") for r in fleet.router_urls]
     assert [b - a for a, b in zip(before, after, strict=True)] == [len(prefixes)] * ROUTERS
 
 

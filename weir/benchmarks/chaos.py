@@ -105,22 +105,10 @@ async def _expected(http: Any, url: str, bodies: Sequence[dict[str, Any]]) -> li
     return list(await asyncio.gather(*(one(b) for b in bodies)))
 
 
-async def _counter(http: Any, url: str, name: str) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    async with http.get(url + "/metrics") as reply:
-        text = await reply.text()
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == name
-    )
-
-
 async def _scenario(args: argparse.Namespace, scenario: str, expected_url: str) -> _Outcome:
     import aiohttp
 
+    from weir.local.exposition import counter
     from weir.local.fleet import FleetConfig, LocalFleet
 
     burst = scenario == "kv burst"
@@ -151,8 +139,8 @@ async def _scenario(args: argparse.Namespace, scenario: str, expected_url: str) 
             preempted = 0.0
             for url in fleet.sidecar_urls:
                 with contextlib.suppress(aiohttp.ClientError):  # the killed one
-                    preempted += await _counter(http, url, "weir_sidecar_preemptions_total")
-            resumed = await _counter(http, fleet.router_url, "weir_router_resumes_total")
+                    preempted += await counter(http, url, "weir_sidecar_preemptions_total")
+            resumed = await counter(http, fleet.router_url, "weir_router_resumes_total")
         finally:
             await asyncio.to_thread(fleet.close)
     whole = sum(
