@@ -64,6 +64,9 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     add("--fleet-requests", type=int, default=120, help="requests per --routers run")
     add("--fleet-rate", type=float, default=8.0, help="arrivals per second, --routers runs")
     add("--fleet-burst", type=int, default=6, help="requests arriving at once, --routers runs")
+    add("--fleet-kv-tokens", type=int, default=8000,
+        help="each engine's KV pool in the --routers fleet (0: the model's own, ~790K): "
+             "small enough by default that a busy endpoint queues")  # fmt: skip
 
 
 def check_flags(args: argparse.Namespace) -> None:
@@ -72,12 +75,24 @@ def check_flags(args: argparse.Namespace) -> None:
     if args.routers and (
         args.fleet_engines < 2
         or min(args.fleet_requests, args.fleet_burst) < 1
+        or args.fleet_kv_tokens < 0
         or not args.fleet_rate > 0
     ):
         raise SystemExit(
             "--fleet-engines must be at least 2; --fleet-requests, --fleet-rate and "
-            "--fleet-burst positive"
+            "--fleet-burst positive; --fleet-kv-tokens not negative"
         )
+
+
+def params(args: argparse.Namespace) -> dict[str, object]:
+    """The --routers fleet and traffic, for the report's header."""
+    return {
+        "fleet_engines": args.fleet_engines,
+        "fleet_requests": args.fleet_requests,
+        "fleet_rate": args.fleet_rate,
+        "fleet_burst": args.fleet_burst,
+        "fleet_kv_tokens": args.fleet_kv_tokens,
+    }
 
 
 def traffic(seed: int, requests: int, rate: float, burst: int = 1) -> list[_Request]:
@@ -109,7 +124,7 @@ async def replicas(report: Report, args: argparse.Namespace) -> None:
 
     config = FleetConfig(
         engines=args.fleet_engines, routers=args.routers, router_port=0, model=_MODEL,
-        kv_tokens=8000, speed_factor=0.25,
+        kv_tokens=args.fleet_kv_tokens, speed_factor=0.25,
     )  # fmt: skip
     fleet = await asyncio.to_thread(LocalFleet(config).start)
     runs: dict[int, list[_Run]] = {1: [], args.routers: []}

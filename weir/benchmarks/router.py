@@ -75,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
             "tokens": args.tokens,
             "quota_streams": args.quota_streams,
             "routers": args.routers,
+            **(_replicas.params(args) if args.routers else {}),
             # Latency figures from a shared machine are only comparable at similar load.
             "load_avg_1m": round(os.getloadavg()[0], 2),
             "cpus": os.cpu_count(),
