@@ -13,8 +13,12 @@ event resumes the request as a continuation elsewhere, spliced into the same cli
 stream (`controlplane.gateway.relay`). A client that goes away aborts the request upstream
 at once (the connection is closed and `/abort_request` is sent for its rid).
 
-Decisions are pure and synchronous over the in-memory snapshot; besides the upstream call,
-the hot path's only I/O is the quota charge (and a prefill pool's credit).
+Where a request goes, when it waits, and when it is refused is the dispatch core's
+(`controlplane.routing.Dispatcher`, which the fleet simulator drives too): the gateway
+feeds it arrivals, attempts' outcomes, ends and reports, and turns its events into
+answers. Waiting is the gateway's: a future per placement, and one timer for the core's
+next wakeup. Decisions are pure and synchronous over the in-memory snapshot; besides the
+upstream call, the hot path's only I/O is the quota charge (and a prefill pool's credit).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -45,7 +49,7 @@ from controlplane.contract import (
 )
 from controlplane.contract import headers as wire
 from controlplane.gateway.credits import CREDIT_HEADER, HandoffGate
-from controlplane.gateway.errors import GatewayError, body_refused, overload, unavailable
+from controlplane.gateway.errors import GatewayError, body_refused, refusal_error, unavailable
 from controlplane.gateway.metrics import RouterMetrics, length_bucket
 from controlplane.gateway.pool import PoolView
 from controlplane.gateway.quotas import QuotaGate
@@ -54,29 +58,25 @@ from controlplane.gateway.requests import ClientRequest, Limits, decode_body, pa
 from controlplane.gateway.tenants import TENANT_HEADER, TenantKeys
 from controlplane.ownership import block_hashes, prefix_key
 from controlplane.routing import (
-    SATURATION,
     Decision,
+    Dispatcher,
     EndpointView,
-    FairQueue,
-    InFlight,
+    Placed,
     PoolSnapshot,
     PrefixIndex,
-    QueueFullError,
+    Profile,
     RouteRequest,
     RoutingContext,
     default_config,
     profile_from_config,
-    service_correction,
-    service_estimate,
 )
+from controlplane.routing.dispatch import Event
 from controlplane.transport import DONE, HTTPClient, Response, TransportError
 from controlplane.transport.event_stream import DirectWriter
 from controlplane.transport.guard import BodyError, RequestGuard, ServerLimits
 
 log = logging.getLogger(__name__)
 
-# Filters that remove endpoints for being full right now: a request they leave without a
-# candidate waits in the fair queue; any other refusal means nothing could serve it.
 MAX_HASHED_BLOCKS = 256
 # A report that reaches the router was taken at most this long before: what the router
 # sent earlier had reached the endpoint and is in it.
@@ -92,9 +92,10 @@ _API_PATHS = {
 
 @dataclass(frozen=True, slots=True)
 class GatewayConfig:
-    """How one gateway serves one pool. `max_attempts` bounds tries before the first
-    byte, `max_resumes` continuations after it (an engine or sidecar lost, a migration);
-    a resume that no endpoint can take yet waits for one up to `resume_wait_s`."""
+    """How one gateway serves one pool. `max_resumes` bounds continuations after the
+    first byte (an engine or sidecar lost, a migration); the fair queue's size and time to
+    live, the tries before the first byte and how long a resume waits for an endpoint are
+    the pool policy's (`routing`), shared with the simulator."""
 
     pool: str = "default"
     model: str = "reference"
@@ -106,11 +107,7 @@ class GatewayConfig:
     server: ServerLimits = field(default_factory=lambda: ServerLimits(max_connections=8192))
     routing: RoutingPolicy = field(default_factory=RoutingPolicy)
     profile: Mapping[str, Any] | None = None
-    max_attempts: int = 3
     max_resumes: int = 4
-    resume_wait_s: float = 60.0
-    queue_capacity_per_band: int = 256
-    queue_max_wait_s: float = 30.0
     connect_timeout_s: float = 2.0
     chunk_timeout_s: float = 120.0
     enforce_quotas: bool = False
@@ -145,6 +142,41 @@ class GatewayConfig:
         return cls(**fields)
 
 
+class _CountedProfile:
+    """The pool's profile with every decision timed and counted
+    (`weir_router_decision_seconds`, `weir_router_decisions_total`)."""
+
+    def __init__(self, profile: Profile, metrics: RouterMetrics, pool: str) -> None:
+        self.profile = profile
+        self.metrics = metrics
+        self.pool = pool
+        self._seconds = metrics.decision_seconds.labels(pool)
+        self._counters: dict[tuple[str, bool], Any] = {}
+
+    def decide(self, request: RouteRequest, ctx: RoutingContext) -> Decision:
+        return self._observed(self.profile.decide, request, ctx)
+
+    def decide_resume(self, request: RouteRequest, ctx: RoutingContext) -> Decision:
+        return self._observed(self.profile.decide_resume, request, ctx)
+
+    def _observed(
+        self,
+        decide: Callable[[RouteRequest, RoutingContext], Decision],
+        request: RouteRequest,
+        ctx: RoutingContext,
+    ) -> Decision:
+        started = time.perf_counter()
+        decision = decide(request, ctx)
+        self._seconds.observe(time.perf_counter() - started)
+        key = (decision.reason if decision.endpoint_id else decision.refusal, decision.owner_hit)
+        counter = self._counters.get(key)
+        if counter is None:  # label lookups cost more than the count: once per outcome
+            counter = self.metrics.decisions.labels(self.pool, key[0], str(key[1]).lower())
+            self._counters[key] = counter
+        counter.inc()
+        return decision
+
+
 class _ClientGoneError(Exception):
     """The client closed its connection while we wrote to it."""
 
@@ -165,9 +197,8 @@ class _Exchange:
     upstream_rid: str = ""
     first_token_at: float = 0.0
     finish: str = "error"
-    failed: set[str] = field(default_factory=set)  # lost mid-request: never tried again
-    refused: set[str] = field(default_factory=set)  # refused or migrated it: avoided a while
-    retry_after_s: float = 0.0
+    retry_after_s: float = 0.0  # the last upstream refusal's
+    placed: asyncio.Future[str] | None = None  # where the dispatch core sends it next
     credit: str = ""
     continuation: bytes = b""  # a migrating sidecar's continuation, for the next sidecar
 
@@ -195,12 +226,13 @@ class Gateway:
         self.profile = profile_from_config(config.profile or default_config(config.routing))
         self.prefix_index = PrefixIndex()
         self.metrics = RouterMetrics(config.pool)
-        self._decision_seconds = self.metrics.decision_seconds.labels(config.pool)
-        self._decisions: dict[tuple[str, bool], Any] = {}
-        self.queue: FairQueue[tuple[RouteRequest, asyncio.Future[Decision]]] = FairQueue(
-            config.queue_capacity_per_band, config.queue_max_wait_s
+        self.dispatch: Dispatcher[_Exchange] = Dispatcher(
+            _CountedProfile(self.profile, self.metrics, config.pool),
+            config.routing,
+            self.prefix_index,
         )
-        self.inflight = InFlight()
+        self._wakeup: asyncio.TimerHandle | None = None
+        self._wakeup_at = 0.0
         self._versions: dict[str, int] = {}  # each endpoint's last report seen
         self._http: HTTPClient | None = None
         self._background: set[asyncio.Task[None]] = set()
@@ -236,6 +268,8 @@ class Gateway:
         )
 
     async def _stop(self, _app: web.Application) -> None:
+        if self._wakeup is not None:
+            self._wakeup.cancel()
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
         if self._http is not None:
@@ -275,111 +309,93 @@ class Gateway:
             owners=self.view.owners(key),
         )
 
-    def decide(
-        self, route: RouteRequest, snapshot: PoolSnapshot, now: float, resume: bool = False
-    ) -> Decision:
-        """One pure decision, timed and counted, with the endpoint reserved if picked."""
-        started = time.perf_counter()
-        inflight = self.inflight
-        ctx = RoutingContext(snapshot, now, inflight.counts, inflight.total, self.prefix_index)
-        decide = self.profile.decide_resume if resume else self.profile.decide
-        decision = decide(route, ctx)
-        self._decision_seconds.observe(time.perf_counter() - started)
-        key = (decision.reason if decision.endpoint_id else decision.refusal, decision.owner_hit)
-        counter = self._decisions.get(key)
-        if counter is None:  # label lookups cost more than the count: once per outcome
-            counter = self.metrics.decisions.labels(self.config.pool, key[0], str(key[1]).lower())
-            self._decisions[key] = counter
-        counter.inc()
-        if decision.endpoint_id:
-            self.inflight.add(decision.endpoint_id, route.request_id, now)
-        return decision
-
-    def _release(self, endpoint_id: str, request_id: str) -> None:
-        self.inflight.remove(endpoint_id, request_id)
-        self._pump()
-
-    async def _admit(self, route: RouteRequest) -> Decision:
+    async def _admit(self, ex: _Exchange) -> str:
+        """The endpoint a new request goes to first: at once, or once it has waited in
+        the fair queue. Raises `GatewayError` when it is refused."""
         now = self.clock()
         snapshot = self.view.current(now)
-        if not self.queue.waiting_at_or_above(route.priority):
-            decision = self.decide(route, snapshot, now)
-            if decision.endpoint_id:
-                # Served at once, still served: the virtual token counter counts all
-                # service, so a heavy tenant does not enter a saturated period as new.
-                self.queue.charge(
-                    route.tenant, service_estimate(route.prompt_tokens, route.max_new_tokens)
-                )
-                return decision
-            if decision.refusal not in SATURATION:
-                raise unavailable(
-                    decision.refusal,
-                    f"no endpoint of pool {self.config.pool!r} can serve model "
-                    f"{route.model!r} now ({decision.refusal})",
-                )
-        return await self._wait_in_queue(route, now)
+        placed = self._placement(ex)
+        self._deliver(self.dispatch.arrive(ex.route, ex, now, snapshot))
+        return await self._placed(ex, placed, now)
 
-    async def _wait_in_queue(self, route: RouteRequest, now: float) -> Decision:
-        future: asyncio.Future[Decision] = asyncio.get_running_loop().create_future()
+    async def _redispatch(self, ex: _Exchange, outcome: str) -> str:
+        """Where the request goes after an attempt that did not end it: `refused` (the
+        endpoint did not take it, nothing of the attempt reached the client), `broken` or
+        `preempted` (its stream stopped mid-answer: a resume)."""
+        now = self.clock()
+        snapshot = self._routable(now)
+        placed = self._placement(ex)
+        rid = ex.route.request_id
+        if outcome == "refused":
+            events = self.dispatch.refused(rid, now, snapshot, ex.retry_after_s)
+        else:
+            broken = outcome == "broken"
+            events = self.dispatch.handed_back(
+                rid, ex.received.tokens, now, snapshot, broken=broken
+            )
+        self._deliver(events)
+        return await self._placed(ex, placed, now)
+
+    def _finish(self, ex: _Exchange) -> None:
+        """The request is over for the router: its reservation, any wait and its charge
+        are settled, and the room it leaves goes to what waits."""
+        now = self.clock()
+        self._deliver(
+            self.dispatch.finished(
+                ex.route.request_id, ex.received.tokens, now, self._routable(now)
+            )
+        )
+
+    def _placement(self, ex: _Exchange) -> asyncio.Future[str]:
+        ex.placed = asyncio.get_running_loop().create_future()
+        return ex.placed
+
+    async def _placed(self, ex: _Exchange, placed: asyncio.Future[str], since: float) -> str:
+        if placed.done():
+            return placed.result()
         try:
-            self.queue.offer(
-                route.request_id, route.tenant, route.priority,
-                service_estimate(route.prompt_tokens, route.max_new_tokens), now,
-                (route, future),
-            )  # fmt: skip
-        except QueueFullError as exc:
-            raise overload(
-                "queue_full", "every endpoint is saturated and the queue is full",
-                exc.retry_after_s,
-            ) from None  # fmt: skip
-        # A deadline shorter than the queue's time to live bounds the wait.
-        wait_s = self.queue.max_wait_s
-        if route.deadline_s:
-            wait_s = min(wait_s, route.deadline_s)
-        try:
-            return await asyncio.wait_for(future, wait_s)
-        except TimeoutError:
-            if wait_s < self.queue.max_wait_s:
-                raise GatewayError(
-                    504, "deadline", "deadline",
-                    "the request's deadline passed while every endpoint was saturated",
-                ) from None  # fmt: skip
-            raise overload(
-                "queue_timeout",
-                f"every endpoint stayed saturated for {self.queue.max_wait_s:g}s",
-                self.queue.retry_after_s(self.clock()),
-            ) from None
-        except BaseException:
-            # Handed an endpoint just as the client left: give the reservation back.
-            if future.done() and not future.cancelled():
-                self._release(future.result().endpoint_id, route.request_id)
-            raise
+            return await placed
         finally:
-            self.queue.remove(route.request_id)
-            self.metrics.queue_seconds.labels(self.config.pool, str(route.priority)).observe(
-                self.clock() - now
+            self.metrics.queue_seconds.labels(self.config.pool, str(ex.route.priority)).observe(
+                self.clock() - since
             )
 
-    def _pump(self) -> None:
-        """Hand queued requests, fairest first, to endpoints that have room again."""
-        if not len(self.queue):
-            return
-        now = self.clock()
-        try:
-            snapshot = self.view.current(now)
-        except GatewayError:
-            return
-        while (entry := self.queue.peek()) is not None:
-            route, future = entry.payload
-            if future.done():
-                self.queue.remove(entry.key)
+    def _deliver(self, events: list[Event[_Exchange]]) -> None:
+        """The core's decisions to the requests that wait on them (a request whose
+        client left meanwhile has its reservation given back by `_finish`)."""
+        for event in events:
+            placed = event.payload.placed
+            if placed is None or placed.done():
                 continue
-            waited = replace(route, waited_s=now - entry.enqueued_at)
-            decision = self.decide(waited, snapshot, now)
-            if not decision.endpoint_id:
-                return
-            self.queue.pop()
-            future.set_result(decision)
+            if isinstance(event, Placed):
+                placed.set_result(event.endpoint_id)
+            else:
+                placed.set_exception(refusal_error(event.refusal))
+        self._arm_wakeup()
+
+    def _arm_wakeup(self) -> None:
+        """One timer for the core's next wakeup (a wait that ends, an endpoint avoided
+        by a resume that may be asked again), moved earlier when needed."""
+        when = self.dispatch.next_wakeup()
+        if when is None or (self._wakeup is not None and self._wakeup_at <= when):
+            return
+        if self._wakeup is not None:
+            self._wakeup.cancel()
+        self._wakeup_at = when
+        loop = asyncio.get_running_loop()
+        self._wakeup = loop.call_later(max(0.0, when - self.clock()), self._wake)
+
+    def _wake(self) -> None:
+        self._wakeup = None
+        now = self.clock()
+        self._deliver(self.dispatch.pump(now, self._routable(now)))
+
+    def _routable(self, now: float) -> PoolSnapshot | None:
+        """The snapshot to place requests on, None while it is too stale."""
+        try:
+            return self.view.current(now)
+        except GatewayError:
+            return None
 
     def _snapshot_changed(self, snapshot: PoolSnapshot, removed: tuple[EndpointView, ...]) -> None:
         self._served = self._models_of(snapshot)
@@ -391,7 +407,7 @@ class Gateway:
         for view in snapshot.endpoints:
             if versions.get(view.endpoint_id) != view.state.version:
                 versions[view.endpoint_id] = view.state.version
-                self.inflight.reported(view.endpoint_id, shown)
+                self.dispatch.reported(view.endpoint_id, shown)
         expired = 0
         for view in removed:
             versions.pop(view.endpoint_id, None)
@@ -399,7 +415,7 @@ class Gateway:
             expired += view.lease_deadline <= now
         if expired:
             self.metrics.lease_expiries.labels(self.config.pool).inc(expired)
-        self._pump()
+        self._deliver(self.dispatch.pump(now, self._routable(now)))
 
     # -- request handling ------------------------------------------------------------
 
@@ -439,20 +455,22 @@ class Gateway:
             return self._refuse(exc, tenant)
         except BodyError as exc:
             return self._refuse(body_refused(exc), tenant)
-        credit = ""
+        received = Received(api, prompt_tokens=client.prompt_tokens)
+        splicer = Splicer(received, self.config.limits.bytes_per_token)
+        ex = _Exchange(client, route, tenant, started, received, splicer)
         try:
             if self.credits is not None:
-                credit = (await self.credits.take(route.request_id, client.prompt_tokens)).credit_id
-            decision = await self._admit(route)
+                ex.credit = (
+                    await self.credits.take(route.request_id, client.prompt_tokens)
+                ).credit_id
+            endpoint_id = await self._admit(ex)
         except BaseException as exc:
+            self._finish(ex)  # e.g. a client that left while its request was queued
             self._release_quota(route.request_id, 0, 0)
             if isinstance(exc, GatewayError):
                 return self._refuse(exc, tenant)
             raise
-        received = Received(api, prompt_tokens=client.prompt_tokens)
-        splicer = Splicer(received, self.config.limits.bytes_per_token)
-        ex = _Exchange(client, route, tenant, started, received, splicer, credit=credit)
-        return await self._serve(request, ex, decision)
+        return await self._serve(request, ex, endpoint_id)
 
     def _check_adapter(self, model: str, adapter: str) -> None:
         """404 for a LoRA adapter (`lora_path`) that no endpoint of the model serves. With
@@ -474,41 +492,18 @@ class Gateway:
         return exc.response()
 
     async def _serve(
-        self, request: web.Request, ex: _Exchange, decision: Decision
+        self, request: web.Request, ex: _Exchange, endpoint_id: str
     ) -> web.StreamResponse:
-        targets = [decision.endpoint_id, *decision.fallbacks]
         body = ex.client.body
         resumes = 0
-        reserved = decision.endpoint_id
         try:
-            attempts = 0
             while True:
-                outcome, result = await self._attempt(request, ex, reserved, body)
+                outcome, result = await self._attempt(request, ex, endpoint_id, body)
                 if outcome == "done":
                     assert result is not None
                     return result
-                self._release(reserved, ex.route.request_id)
-                if outcome == "refused" and ex.response is None:
-                    ex.failed.add(reserved)
-                    reserved = ""
-                    attempts += 1
-                    targets = [t for t in targets if t not in ex.failed]
-                    if attempts >= self.config.max_attempts or not targets:
-                        return self._refuse_after_attempts(ex)
-                    reserved = targets[0]
-                    self.inflight.add(reserved, ex.route.request_id, self.clock())
-                    continue
-                if outcome == "refused":
-                    # A resume its target could not take yet: what it carries is intact.
-                    ex.refused.add(reserved)
-                    reserved = ""
-                else:
+                if outcome != "refused":
                     # Broken or preempted after bytes reached the client: resume elsewhere.
-                    # A broken endpoint is not tried again; one that migrated the stream
-                    # away is only avoided while another can take it.
-                    ex.refused.clear()
-                    (ex.failed if outcome == "broken" else ex.refused).add(reserved)
-                    reserved = ""
                     if ex.received.finish_reason or resumes >= self.config.max_resumes:
                         return await self._end_stream(ex, complete=bool(ex.received.finish_reason))
                     resumes += 1
@@ -523,10 +518,14 @@ class Gateway:
                         except GatewayError as exc:  # e.g. a prompt the router cannot rebuild
                             return await self._end_stream(ex, complete=False, refusal=exc)
                         ex.splicer.resumed()
-                next_decision = await self._place_resume(ex)
-                if next_decision is None:
-                    return await self._end_stream(ex, complete=False)
-                reserved = next_decision.endpoint_id
+                try:
+                    endpoint_id = await self._redispatch(ex, outcome)
+                except GatewayError as exc:
+                    if ex.response is not None:  # a resume no endpoint took in time
+                        return await self._end_stream(ex, complete=False, refusal=exc)
+                    ex.finish = "overload"  # every endpoint tried refused it
+                    self.metrics.overloads.labels(self.config.pool, exc.reason).inc()
+                    return exc.response()
         except (asyncio.CancelledError, _ClientGoneError):
             ex.finish = "cancelled"
             self._abort_upstream(ex)
@@ -534,42 +533,9 @@ class Gateway:
                 return ex.response
             raise
         finally:
-            if reserved:
-                self._release(reserved, ex.route.request_id)
+            self._finish(ex)
             self._release_quota(ex.route.request_id, ex.client.prompt_tokens, ex.received.tokens)
             self._account(ex)
-
-    async def _place_resume(self, ex: _Exchange) -> Decision | None:
-        """Where an accepted stream resumes. It is never refused for saturation
-        (`Profile.decide_resume`); while every endpoint that could take it has just
-        refused it (a full local queue, a draining sidecar) or none is routable, it waits,
-        backing off, and asks them all again, for up to `resume_wait_s`."""
-        deadline = self.clock() + self.config.resume_wait_s
-        delay_s = 0.05
-        while True:
-            decision = self._resume_decision(ex)
-            if decision is not None:
-                return decision
-            left = deadline - self.clock()
-            if left <= 0:
-                return None
-            await asyncio.sleep(min(delay_s, left))
-            delay_s = min(1.0, delay_s * 2)
-            ex.refused.clear()
-
-    def _resume_decision(self, ex: _Exchange) -> Decision | None:
-        now = self.clock()
-        try:
-            snapshot = self.view.current(now)
-        except GatewayError:
-            return None
-        route = replace(
-            ex.route,
-            exclude=frozenset(ex.failed | ex.refused),
-            prompt_tokens=ex.route.prompt_tokens + ex.received.tokens,
-        )
-        decision = self.decide(route, snapshot, now, resume=True)
-        return decision if decision.endpoint_id else None
 
     def _continuation(self, ex: _Exchange) -> Continuation:
         """What the client holds, as the contract's continuation record."""
@@ -588,16 +554,6 @@ class Gateway:
             max_new_tokens=client.max_new_tokens,
             priority=client.priority,
         )
-
-    def _refuse_after_attempts(self, ex: _Exchange) -> web.Response:
-        exc = overload(
-            "endpoints_overloaded",
-            f"{len(ex.failed)} endpoint(s) refused or failed before the first byte",
-            ex.retry_after_s or 1.0,
-        )
-        ex.finish = "overload"
-        self.metrics.overloads.labels(self.config.pool, exc.reason).inc()
-        return exc.response()
 
     async def _attempt(
         self, request: web.Request, ex: _Exchange, endpoint_id: str, body: Mapping[str, Any]
@@ -788,7 +744,6 @@ class Gateway:
         now = self.clock()
         out = ex.received.tokens
         buckets = (length_bucket(ex.client.prompt_tokens), length_bucket(out))
-        self.queue.charge(tenant, service_correction(ex.route.max_new_tokens, out))
         m.requests.labels(pool, tenant, ex.finish).inc()
         m.tokens.labels(pool, tenant, "input").inc(ex.client.prompt_tokens)
         m.tokens.labels(pool, tenant, "output").inc(out)
@@ -874,7 +829,7 @@ class Gateway:
                 "kv_capacity_tokens": e.state.kv_capacity_tokens,
                 "running_requests": e.state.running_requests,
                 "queued_requests": e.state.queued_requests,
-                "router_inflight": self.inflight.count(e.endpoint_id),
+                "router_inflight": self.dispatch.inflight.count(e.endpoint_id),
                 "lease_left_s": None
                 if e.lease_deadline == float("inf")
                 else round(e.lease_deadline - now, 3),
@@ -889,7 +844,7 @@ class Gateway:
                 "snapshot_age_s": round(now - self.view.confirmed_at, 3),
                 "stale": self.view.is_stale(now),
                 "error": self.view.error,
-                "queued": len(self.queue),
+                "queued": len(self.dispatch.queue),
                 "endpoints": endpoints,
             }
         )

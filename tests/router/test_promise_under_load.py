@@ -22,7 +22,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from controlplane.contract import PoolPolicy, encode_json
+from controlplane.contract import PoolPolicy, RoutingPolicy, encode_json
 from controlplane.gateway import GatewayConfig, RunningGateway, serve_gateway
 from engine_sidecar.server import RunningSidecar, SidecarConfig, serve_sidecar
 from fleetsim.engine import EngineConfig
@@ -56,7 +56,10 @@ async def live_fleet(
     `weir sidecar` process of its own (in `workdir`), which a test may SIGKILL."""
     async with contextlib.AsyncExitStack() as stack:
         engines, sidecars, procs = {}, {}, {}
-        policy = PoolPolicy(pool=POOL, model=MODEL, context_length=4096)
+        policy = PoolPolicy(
+            pool=POOL, model=MODEL, context_length=4096,
+            routing=RoutingPolicy(queue_max_wait_s=60.0),
+        )  # fmt: skip
         for i in range(size):
             endpoint_id = f"s{i}"
             engines[endpoint_id] = await stack.enter_async_context(
@@ -83,9 +86,7 @@ async def live_fleet(
                     )
                 )
             )  # fmt: skip
-        router = await serve_gateway(
-            GatewayConfig.from_policy(policy, queue_max_wait_s=60.0), redis_url=redis_url
-        )
+        router = await serve_gateway(GatewayConfig.from_policy(policy), redis_url=redis_url)
         stack.push_async_callback(router.close)
         view = router.gateway.view
         await until(lambda: len(view.snapshot.endpoints) == size, "every sidecar registered")
@@ -171,7 +172,9 @@ async def _expected(bodies: list[dict[str, object]]) -> list[str]:
 
 async def _settled(fleet: LiveFleet) -> None:
     gateway = fleet.router.gateway
-    await until(lambda: gateway.inflight.total == 0, "the router to release every endpoint")
+    await until(
+        lambda: gateway.dispatch.inflight.total == 0, "the router to release every endpoint"
+    )
     for sidecar in fleet.sidecars.values():
         await until(lambda s=sidecar: not s.service.ledger.flights, "the sidecars to empty")
         assert sidecar.service.ledger.own_used == 0

@@ -45,8 +45,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add("--staleness-s", type=float,
         help="route on the last snapshot this long while Redis is unreachable, then refuse "
              "(default: the policy's routing.snapshot_staleness_s, else 10)")  # fmt: skip
-    add("--queue-max-wait-s", type=float, default=30.0)
-    add("--max-attempts", type=int, default=3, help="endpoints tried before the first byte")
+    add("--queue-max-wait-s", type=float,
+        help="longest a request waits in the fair queue while every endpoint is saturated "
+             "(default: the policy's routing.queue_max_wait_s, else 30)")  # fmt: skip
+    add("--max-attempts", type=int,
+        help="endpoints tried before the first byte (default: the policy's "
+             "routing.max_attempts, else 3)")  # fmt: skip
     add("--prefill-for", metavar="DECODE_POOL", default="",
         help="this pool does prefill only: admit with a handoff credit on DECODE_POOL")  # fmt: skip
     add("--quotas", action="store_true",
@@ -89,9 +93,16 @@ def run(args: argparse.Namespace) -> int:
         )
         if args.pool and args.pool != policy.pool:
             raise ValueError(f"--pool {args.pool} but the policy is for pool {policy.pool}")
-        routing = policy.routing
-        if args.staleness_s is not None:
-            routing = msgspec.structs.replace(routing, snapshot_staleness_s=args.staleness_s)
+        flags = {
+            "snapshot_staleness_s": args.staleness_s,
+            "queue_max_wait_s": args.queue_max_wait_s,
+            "max_attempts": args.max_attempts,
+        }
+        given = {name: value for name, value in flags.items() if value is not None}
+        if given:
+            policy = msgspec.structs.replace(
+                policy, routing=msgspec.structs.replace(policy.routing, **given)
+            )
         overrides: dict[str, object] = {}
         if args.prefill_for:
             overrides.update(role=Role.PREFILL, decode_pool=args.prefill_for)
@@ -103,10 +114,7 @@ def run(args: argparse.Namespace) -> int:
             host=args.host,
             port=args.port,
             limits=Limits(args.context_length or policy.context_length, args.bytes_per_token),
-            routing=routing,
             profile=profile,
-            max_attempts=args.max_attempts,
-            queue_max_wait_s=args.queue_max_wait_s,
             server=server_limits(args),
             **overrides,
         )
