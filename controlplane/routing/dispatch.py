@@ -263,9 +263,7 @@ class Dispatcher(Generic[P]):
         request.generated = generated_tokens
         request.waiting_since = now
         self._resuming[request_id] = request
-        events: list[Event[P]] = []
-        self._pump(now, snapshot, events)
-        return events
+        return self.pump(now, snapshot)
 
     def finished(
         self,
@@ -288,9 +286,7 @@ class Dispatcher(Generic[P]):
             self.queue.charge(
                 route.tenant, service_correction(route.max_new_tokens, generated_tokens)
             )
-        events: list[Event[P]] = []
-        self._pump(now, snapshot, events)
-        return events
+        return self.pump(now, snapshot)
 
     def reported(self, endpoint_id: str, taken_at: float) -> None:
         """The endpoint reported at `taken_at`: what was sent to it before is in the

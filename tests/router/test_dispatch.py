@@ -24,11 +24,14 @@ def _snapshot(**endpoints: str) -> PoolSnapshot:
     """Endpoints by id, each normal, critical (saturated for new work) or draining."""
     states = [
         EndpointState(
-            pool="p", endpoint_id=endpoint_id, address=f"http://{endpoint_id}", model="m",
+            pool="p",
+            endpoint_id=endpoint_id,
+            address=f"http://{endpoint_id}",
+            model="m",
             kv_capacity_tokens=100_000,
             watermark=WatermarkState.CRITICAL if kind == CRITICAL else WatermarkState.NORMAL,
             lifecycle=Lifecycle.DRAINING if kind == DRAINING else Lifecycle.READY,
-        )  # fmt: skip
+        )
         for endpoint_id, kind in endpoints.items()
     ]
     return PoolSnapshot.of("p", states)
@@ -52,7 +55,8 @@ def test_a_placed_request_is_reserved_charged_once_and_settled_when_it_ends() ->
     core: Dispatcher[str] = Dispatcher(PROFILE, RoutingPolicy())
     snapshot = _snapshot(e0=NORMAL, e1=NORMAL)
     (placed,) = core.arrive(_route("r1", owners=("e1",)), "p1", 0.0, snapshot)
-    assert isinstance(placed, Placed) and (placed.payload, placed.endpoint_id) == ("p1", "e1")
+    assert isinstance(placed, Placed)
+    assert (placed.payload, placed.endpoint_id) == ("p1", "e1")
     assert (core.inflight.count("e1"), core.queue.counter("a")) == (1, 100 + 50 / 2)
     assert core.finished("r1", 10, 1.0, snapshot) == []
     # The estimate's half of the output limit (25) became the 10 it really generated.
@@ -93,7 +97,8 @@ def test_a_refusal_other_than_saturation_is_a_503_named_by_its_filter() -> None:
     (refused,) = core.arrive(_route("r1"), "p1", 0.0, _snapshot(e0=DRAINING, e1=DRAINING))
     assert isinstance(refused, Refused)
     assert (refused.refusal.status, refused.refusal.reason) == (503, "not-draining")
-    assert refused.refusal.retryable and not core.waiting("r1")
+    assert refused.refusal.retryable
+    assert not core.waiting("r1")
 
 
 def test_a_wait_ends_with_a_full_queue_its_time_to_live_or_its_deadline() -> None:
@@ -109,13 +114,17 @@ def test_a_wait_ends_with_a_full_queue_its_time_to_live_or_its_deadline() -> Non
     assert core.arrive(_route("r3", priority=1, deadline_s=2.0), "p3", 1.0, full) == []
     assert core.next_wakeup() == 3.0
     (late,) = core.pump(3.0, full)
-    assert isinstance(late, Refused) and late.refusal.status == 504
-    assert late.refusal.reason == "deadline" and late.refusal.retry_after_s is None
+    assert isinstance(late, Refused)
+    assert late.refusal.status == 504
+    assert late.refusal.reason == "deadline"
+    assert late.refusal.retry_after_s is None
     assert core.next_wakeup() == 5.0
     (timeout,) = core.pump(5.0, None)  # waits end even while the snapshot is stale
-    assert isinstance(timeout, Refused) and timeout.payload == "p1"
+    assert isinstance(timeout, Refused)
+    assert timeout.payload == "p1"
     assert (timeout.refusal.status, timeout.refusal.reason) == (429, "queue_timeout")
-    assert core.next_wakeup() is None and not len(core.queue)
+    assert core.next_wakeup() is None
+    assert not len(core.queue)
 
 
 def test_an_endpoint_that_refuses_before_the_first_byte_passes_it_to_the_next() -> None:
@@ -136,18 +145,18 @@ def test_an_endpoint_that_refuses_before_the_first_byte_passes_it_to_the_next() 
 def test_a_resume_is_never_sent_back_where_it_broke_and_waits_only_so_long() -> None:
     core: Dispatcher[str] = Dispatcher(PROFILE, RoutingPolicy(resume_wait_s=60.0))
     snapshot = _snapshot(e0=NORMAL, e1=CRITICAL)
-    assert _outcomes(core.arrive(_route("r1", owners=("e0",)), "p", 0.0, snapshot)) == [
-        ("p", "e0")
-    ]
+    assert _outcomes(core.arrive(_route("r1", owners=("e0",)), "p", 0.0, snapshot)) == [("p", "e0")]
     # Saturation does not keep an accepted stream off e1.
     assert _outcomes(core.handed_back("r1", 40, 1.0, snapshot, broken=True)) == [("p", "e1")]
     assert core.handed_back("r1", 80, 2.0, snapshot, broken=True) == []
-    assert core.waiting("r1") and core.next_wakeup() == 62.0
+    assert core.waiting("r1")
+    assert core.next_wakeup() == 62.0
     assert core.pump(30.0, snapshot) == []  # both broke it: neither is asked again
     (lost,) = core.pump(62.0, snapshot)
     assert isinstance(lost, Refused)
     assert (lost.refusal.status, lost.refusal.reason) == (503, "resume_failed")
-    assert core.inflight.total == 0 and core.next_wakeup() is None
+    assert core.inflight.total == 0
+    assert core.next_wakeup() is None
 
 
 def test_an_endpoint_that_migrated_or_refused_a_resume_is_avoided_a_backoff() -> None:
@@ -190,4 +199,5 @@ def test_an_adopted_continuation_is_placed_as_a_resume_and_never_charged() -> No
     full = _snapshot(e0=CRITICAL)
     assert _outcomes(core.adopt(_route("r1"), "p", 1, 0.0, full)) == [("p", "e0")]
     assert core.finished("r1", 30, 1.0, full) == []
-    assert core.queue.counter("a") == 0.0 and core.inflight.total == 0
+    assert core.queue.counter("a") == 0.0
+    assert core.inflight.total == 0
