@@ -50,8 +50,6 @@ class Flight:
     handoff_s: float = 0.0  # first token on prefill to the next one on decode
     # Refusals (429/503) a patient client retried after.
     retries: int = 0
-    # The router queue (by role) whose tenant counter was charged for it, "" until then.
-    charged_in: str = ""
 
     @property
     def rid(self) -> str:
