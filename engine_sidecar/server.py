@@ -171,7 +171,9 @@ async def serve_sidecar(config: SidecarConfig) -> AsyncIterator[RunningSidecar]:
         if config.redis_url:
             link = ControlLink(
                 service,
-                connect(RedisSettings(url=config.redis_url, client_name=f"weir-sidecar-{port}")),
+                connect(
+                    RedisSettings.from_url(config.redis_url, client_name=f"weir-sidecar-{port}")
+                ),
                 config.pool,
                 endpoint_id,
                 config.advertise_url or url,
