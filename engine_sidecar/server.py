@@ -160,7 +160,11 @@ async def serve_sidecar(config: SidecarConfig) -> AsyncIterator[RunningSidecar]:
         guard = service.guard
         # The router's request id first; a client that calls the sidecar directly may
         # give its own.
-        ids = request_ids(SidecarService.REQUEST_PATHS, (wire.REQUEST_ID, wire.CLIENT_REQUEST_ID))
+        ids = request_ids(
+            SidecarService.REQUEST_PATHS,
+            (wire.REQUEST_ID, wire.CLIENT_REQUEST_ID),
+            "weir.sidecar.request",
+        )
         app = web.Application(
             client_max_size=service.continuation_limit, middlewares=[ids, guard.middleware]
         )

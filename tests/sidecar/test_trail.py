@@ -12,12 +12,15 @@ from typing import Any
 
 import aiohttp
 import pytest
+from opentelemetry import trace
 
+from controlplane.trace.spans import outgoing
 from controlplane.trace.trail import DECISIONS, Trail, carried_request_id, sidecar_rid
 from engine_sidecar.server import RunningSidecar, SidecarConfig, serve_sidecar
 from fleetsim.server import serve_engine
 from tests.sidecar.conftest import engine_config, pool_policy
 from tests.sidecar.streams import read_sse
+from tests.spans import recorded_spans
 
 TOKEN = "trail-admin-token-0123456789"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
@@ -137,3 +140,38 @@ def test_no_sidecar_rid_is_a_prefix_of_another() -> None:
     engine_rids = [f"{r}s{n:03d}" for r in rids for n in (0, 1)]
     for one in engine_rids:
         assert [other for other in engine_rids if other.startswith(one)] == [one]
+
+
+async def test_spans_follow_a_request_from_its_caller_to_each_engine_segment(
+    sidecar: RunningSidecar,
+) -> None:
+    """The caller's trace continues at the sidecar: a server span for the request, one
+    client span per engine segment (two here: preempted and recomputed in place)."""
+    tracer = trace.get_tracer("test")
+    with recorded_spans() as exporter:
+        with tracer.start_as_current_span("caller") as caller:
+            headers = outgoing({"x-weir-request-id": "traced-1"})
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(
+                sidecar.url + "/generate", json=LONG | {"stream": True}, headers=headers
+            ) as r,
+        ):
+            rid = r.headers["x-weir-request-id"]
+            await read_sse(r, stop_after=10)
+            async with http.post(
+                sidecar.url + "/weir/v1/preempt",
+                json={"rid": rid, "mode": "recompute"},
+                headers=ADMIN,
+            ) as answer:
+                assert answer.status == 200
+            assert (await read_sse(r)).done
+        spans = {s.name: s for s in exporter.get_finished_spans() if s.name != "caller"}
+        segments = [s for s in exporter.get_finished_spans() if s.name == "weir.sidecar.engine"]
+    request = spans["weir.sidecar.request"]
+    trace_id = caller.get_span_context().trace_id
+    assert request.context.trace_id == trace_id
+    assert request.parent.span_id == caller.get_span_context().span_id
+    assert request.attributes["weir.request_id"] == "traced-1"
+    assert [s.attributes["weir.engine_rid"] for s in segments] == [f"{rid}s000", f"{rid}s001"]
+    assert all(s.parent.span_id == request.context.span_id for s in segments)

@@ -24,7 +24,7 @@ import argparse
 import sys
 
 from weir.commands._admin_token import add_admin_token_flag, admin_token
-from weir.commands._logging_flags import add_logging_flags, configure_logging
+from weir.commands._observability_flags import add_logging_flags, configure_observability
 from weir.commands._redis_url import add_redis_url_flags, redis_url
 from weir.commands._server_flags import add_server_flags, server_limits
 
@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
 
     from engine_sidecar.server import SidecarConfig, load_policy, serve_sidecar
 
-    configure_logging(args)
+    configure_observability(args, "weir-sidecar")
     from controlplane.contract import SchemaError
 
     try:

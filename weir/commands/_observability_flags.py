@@ -1,5 +1,6 @@
 """Logging flags of the request-path services (`weir router`, `weir sidecar`): the level,
-and the per-request decision records (`controlplane.trace.trail`)."""
+and the per-request decision records (`controlplane.trace.trail`); and their tracing,
+which the standard OpenTelemetry variables configure (`controlplane.trace.spans`)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ def add_logging_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def configure_logging(args: argparse.Namespace) -> None:
-    from controlplane.trace.trail import configure_logging as configure
+def configure_observability(args: argparse.Namespace, service: str) -> None:
+    from controlplane.trace.spans import configure_tracing
+    from controlplane.trace.trail import configure_logging
 
-    configure(args.log_level, args.log_decisions)
+    configure_logging(args.log_level, args.log_decisions)
+    configure_tracing(service)
