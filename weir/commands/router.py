@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 
+from weir.commands._observability_flags import add_logging_flags, configure_observability
 from weir.commands._redis_url import ENV as REDIS_URL_ENV
 from weir.commands._redis_url import add_redis_url_flags, redis_url
 from weir.commands._server_flags import add_server_flags, server_limits
@@ -51,6 +52,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="this pool does prefill only: admit with a handoff credit on DECODE_POOL")  # fmt: skip
     add("--quotas", action="store_true",
         help="enforce tenant quotas from the control plane (needs --redis-url)")  # fmt: skip
+    add_logging_flags(parser)
     add_server_flags(parser, max_connections=8192)
 
 
@@ -118,6 +120,8 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError, ProfileError, SchemaError, yaml.YAMLError) as exc:
         print(f"weir router: {exc}", file=sys.stderr)
         return 2
+
+    configure_observability(args, "weir-router")
 
     async def serve() -> int:
         stop = asyncio.Event()
