@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -81,6 +82,7 @@ def _load(path: str) -> ModuleType:
     if spec is None or spec.loader is None:
         raise SystemExit(f"--http-baseline: {path} is not a Python module")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
