@@ -36,9 +36,8 @@ async def refused_port() -> AsyncIterator[str]:
 
 @contextlib.asynccontextmanager
 async def router(endpoint: str, **config: object) -> AsyncIterator[RunningGateway]:
-    settings: dict[str, object] = {"connect_timeout_s": 0.3, "chunk_timeout_s": 0.3, **config}
     running = await serve_gateway(
-        GatewayConfig(model=MODEL, **settings),  # type: ignore[arg-type]
+        GatewayConfig(model=MODEL, **config),  # type: ignore[arg-type]
         endpoints=[endpoint],
     )
     try:
@@ -59,22 +58,27 @@ def retries(running: RunningGateway) -> dict[str, float]:
     return {reason: n for reason, n in counts.items() if n}
 
 
-UPSTREAMS: dict[str, Callable[[], AbstractAsyncContextManager[str]]] = {
-    "connect_error": refused_port,
-    "connect_timeout": unanswered_listener,
-    "read_timeout": lambda: tcp_server(silent),
-    "protocol_error": lambda: tcp_server(
-        answering(b"HTTP/1.1 200 OK\r\nContent-Length: +2\r\n\r\n{}")
+# Each failing endpoint, and the router settings that make it fail that way (short
+# timeouts only where the failure is a timeout: elsewhere a busy machine could time out
+# before the endpoint's answer arrives).
+UPSTREAMS: dict[str, tuple[Callable[[], AbstractAsyncContextManager[str]], dict[str, float]]] = {
+    "connect_error": (refused_port, {}),
+    "connect_timeout": (unanswered_listener, {"connect_timeout_s": 0.3}),
+    "read_timeout": (lambda: tcp_server(silent), {"chunk_timeout_s": 0.3}),
+    "protocol_error": (
+        lambda: tcp_server(answering(b"HTTP/1.1 200 OK\r\nContent-Length: +2\r\n\r\n{}")),
+        {},
     ),
-    "connection_closed": lambda: tcp_server(hang_up),
+    "connection_closed": (lambda: tcp_server(hang_up), {}),
 }
 
 
 @pytest.mark.parametrize("reason", UPSTREAMS)
 async def test_a_failure_before_the_first_byte_is_counted_as_what_it_was(reason: str) -> None:
+    upstream, config = UPSTREAMS[reason]
     async with (
-        UPSTREAMS[reason]() as endpoint,
-        router(endpoint) as running,
+        upstream() as endpoint,
+        router(endpoint, **config) as running,
         aiohttp.ClientSession() as http,
         http.post(running.url + "/v1/completions", data=COMPLETION) as reply,
     ):
@@ -98,7 +102,7 @@ async def test_an_endpoint_whose_connections_are_all_busy_is_a_pool_timeout() ->
 
     async with (
         tcp_server(slow) as endpoint,
-        router(endpoint, max_upstream_connections=1, chunk_timeout_s=30.0) as running,
+        router(endpoint, max_upstream_connections=1, connect_timeout_s=0.5) as running,
         aiohttp.ClientSession() as http,
     ):
 

@@ -257,6 +257,7 @@ async def test_a_request_waits_no_longer_than_the_connect_timeout_for_a_connecti
         origin = next(iter(client._origins.values()))
         assert not origin.waiters
         # A waiter gets the connection as soon as it comes free.
+        client.connect_timeout_s = 30.0  # (and no sooner)
         waiting = asyncio.ensure_future(client.request("GET", url + "/x"))
         await asyncio.sleep(0.05)
         assert not waiting.done()
