@@ -48,6 +48,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
              "(default: the policy's routing.snapshot_staleness_s, else 10)")  # fmt: skip
     add("--queue-max-wait-s", type=float, default=30.0)
     add("--max-attempts", type=int, default=3, help="endpoints tried before the first byte")
+    add("--max-upstream-connections", type=int, default=8192,
+        help="connections open to one endpoint at once; past it a request waits for one to "
+             "come free (up to the connect timeout), then tries another endpoint")  # fmt: skip
     add("--prefill-for", metavar="DECODE_POOL", default="",
         help="this pool does prefill only: admit with a handoff credit on DECODE_POOL")  # fmt: skip
     add("--quotas", action="store_true",
@@ -80,6 +83,8 @@ def run(args: argparse.Namespace) -> int:
             )
         if not (0.5 <= args.bytes_per_token <= 16):
             raise ValueError("--bytes-per-token must be between 0.5 and 16")
+        if args.max_upstream_connections < 1:
+            raise ValueError("--max-upstream-connections must be at least 1")
         keys = TenantKeys.load(args.api_keys) if args.api_keys else TenantKeys()
         profile = yaml.safe_load(Path(args.profile).read_text()) if args.profile else None
         if profile is not None:
@@ -108,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
             routing=routing,
             profile=profile,
             max_attempts=args.max_attempts,
+            max_upstream_connections=args.max_upstream_connections,
             queue_max_wait_s=args.queue_max_wait_s,
             server=server_limits(args),
             **overrides,
