@@ -72,7 +72,7 @@ async def serve_gateway(
         view.update(static_endpoints(config.pool, config.model, endpoints), clock())
     else:
         view = PoolView(config.pool, config.routing.snapshot_staleness_s)
-        redis = connect(RedisSettings(url=redis_url, client_name="weir-router"))
+        redis = connect(RedisSettings.from_url(redis_url, client_name="weir-router"))
         registry = EndpointRegistry(redis, config.pool)
         follower = PoolFollower(registry)
         owners = RingOwners(config.routing.virtual_nodes)

@@ -1,5 +1,11 @@
 """Connecting to Redis: standalone or Sentinel, AUTH, TLS, timeouts, retries with jitter.
 
+Every component takes one URL (`RedisSettings.from_url`), so the same Secret works for a
+standalone Redis (`redis://`, `rediss://`, `unix://`) and for a Sentinel-managed primary:
+`redis+sentinel://[[user]:password@]host:port[,host:port...]/service[/db]` (`rediss+sentinel`
+for TLS to the sentinels and the primary; `?sentinel_password=` when the sentinels require
+their own password). The userinfo's password is the primary's.
+
 A lost connection is retried with exponential backoff and full jitter (so a fleet of
 sidecars does not reconnect in lock step after a Redis restart); each retry opens a fresh
 connection, and behind Sentinel a fresh connection asks the sentinels who the master is
@@ -22,6 +28,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
 
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
@@ -80,15 +87,68 @@ class RedisSettings:
         if self.max_connections < 1:
             raise ValueError("max_connections must be at least 1")
 
+    @classmethod
+    def from_url(cls, url: str, **overrides: Any) -> RedisSettings:
+        """Settings for `url` (see the module's docstring for the forms), with `overrides`
+        for the fields a URL does not carry (timeouts, retries, client name). Raises
+        ValueError, naming what is wrong but never the password, for a URL it cannot use."""
+        scheme = url.partition("://")[0].lower() if "://" in url else ""
+        if scheme in ("redis", "rediss", "unix"):
+            return cls(url=url, **overrides)
+        if scheme not in ("redis+sentinel", "rediss+sentinel"):
+            raise ValueError(
+                f"unsupported Redis URL {redact_url(url)!r}: use redis://, rediss://, unix://, "
+                "redis+sentinel:// or rediss+sentinel://"
+            )
+        return cls(**(_sentinel_fields(url, tls=scheme == "rediss+sentinel") | overrides))
+
+
+def _sentinel_fields(url: str, tls: bool) -> dict[str, Any]:
+    """The fields of a `redis+sentinel://` URL."""
+    parts = urlsplit(url)
+    userinfo, _, hosts = parts.netloc.rpartition("@")
+    user, _, password = userinfo.partition(":")
+    sentinels = tuple(_host_port(item, url) for item in hosts.split(",") if item)
+    if not sentinels:
+        raise ValueError(f"{redact_url(url)!r} names no sentinel (host:port[,host:port...])")
+    path = [segment for segment in parts.path.split("/") if segment]
+    if not 1 <= len(path) <= 2:
+        raise ValueError(f"{redact_url(url)!r}: the path must be /service or /service/db")
+    if len(path) == 2 and not path[1].isdigit():
+        raise ValueError(f"{redact_url(url)!r}: the database must be a number, got {path[1]!r}")
+    query = parse_qs(parts.query)
+    unknown = set(query) - {"sentinel_password"}
+    if unknown:
+        raise ValueError(f"{redact_url(url)!r}: unknown parameter(s) {sorted(unknown)}")
+    return {
+        "url": "",
+        "sentinels": sentinels,
+        "sentinel_service": unquote(path[0]),
+        "db": int(path[1]) if len(path) == 2 else 0,
+        "username": unquote(user) or None,
+        "password": unquote(password) or None,
+        "sentinel_password": query.get("sentinel_password", [None])[0],
+        "tls": tls,
+    }
+
+
+def _host_port(item: str, url: str) -> tuple[str, int]:
+    """`host:port` or `[v6]:port` (a sentinel's port has no default: 26379 is a habit)."""
+    host, _, port = item.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{redact_url(url)!r}: {item!r} is not host:port")
+    return host.removeprefix("[").removesuffix("]"), int(port)
+
 
 _USERINFO_PASSWORD = re.compile(r"^((?:[A-Za-z][A-Za-z0-9+.-]*://)?[^:/?#@]*:)[^/?#]*@")
-_QUERY_PASSWORD = re.compile(r"([?&]password=)[^&#]*", re.IGNORECASE)
+_QUERY_PASSWORD = re.compile(r"([?&](?:sentinel_)?password=)[^&#]*", re.IGNORECASE)
 
 
 def redact_url(url: str) -> str:
-    """`url` as it may be logged or printed: its password — in the userinfo
-    (`redis://user:PASSWORD@host`, `redis://:PASSWORD@host`) or a `password` query
-    parameter (`unix:///run/redis.sock?password=PASSWORD`) — replaced by `***`."""
+    """`url` as it may be logged or printed: its passwords — in the userinfo
+    (`redis://user:PASSWORD@host`, `redis://:PASSWORD@host`), a `password` query parameter
+    (`unix:///run/redis.sock?password=PASSWORD`) or a `sentinel_password` one — replaced
+    by `***`."""
     return _QUERY_PASSWORD.sub(r"\1***", _USERINFO_PASSWORD.sub(r"\1***@", url, count=1))
 
 

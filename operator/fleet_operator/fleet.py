@@ -120,7 +120,7 @@ class RedisControlPlane:
     @classmethod
     def from_url(cls, url: str) -> RedisControlPlane:
         # Few retries: a status pass should report Redis as unreachable, not hang on it.
-        return cls(connect(RedisSettings(url=url, retries=2, client_name="weir-operator")))
+        return cls(connect(RedisSettings.from_url(url, retries=2, client_name="weir-operator")))
 
     async def observe(self, pool: str) -> FleetObservation:
         try:

@@ -1,5 +1,6 @@
 """Connection settings against real servers: TLS with AUTH, refused bad settings, callers
-beyond the pool's size waiting for a connection (standalone and behind Sentinel);
+beyond the pool's size waiting for a connection (standalone and behind Sentinel); the URL
+forms every component takes (a Sentinel-managed primary behind AUTH among them);
 stopping loops over Redis commands; URLs fit to log."""
 
 from __future__ import annotations
@@ -162,6 +163,10 @@ async def test_a_loop_that_takes_a_cancellation_for_a_redis_timeout_is_still_sto
         ("redis://weir:p%40ss:w@rd@h:6379", "redis://weir:***@h:6379"),  # '@' and ':' in it
         ("redis://weir:s3cret@h/0?ssl_cert_reqs=none", "redis://weir:***@h/0?ssl_cert_reqs=none"),
         ("unix:///run/redis.sock?db=0&password=s3cret", "unix:///run/redis.sock?db=0&password=***"),
+        (
+            "redis+sentinel://:s3cret@s1:26379,s2:26379/weir?sentinel_password=s3cret2",
+            "redis+sentinel://:***@s1:26379,s2:26379/weir?sentinel_password=***",
+        ),
         ("redis://h:6379/0?Password=s3cret#x", "redis://h:6379/0?Password=***#x"),
         ("weir:s3cret@h:6379", "weir:***@h:6379"),  # no scheme
         # Nothing to hide: unchanged.
@@ -180,3 +185,59 @@ def test_a_redacted_url_hides_only_its_password(url: str, shown: str) -> None:
         kept = redis.connection.parse_url(url)
         seen = redis.connection.parse_url(shown)
         assert {**kept, "password": None} == {**seen, "password": None}
+
+
+def test_a_sentinel_url_names_the_sentinels_the_service_and_the_primary_s_auth() -> None:
+    settings = RedisSettings.from_url(
+        "rediss+sentinel://weir:p%40ss@s1.redis:26379,[fd00::7]:26380/weir-prod/2"
+        "?sentinel_password=sp",
+        retries=3,
+        client_name="weir-router",
+    )
+    assert settings.sentinels == (("s1.redis", 26379), ("fd00::7", 26380))
+    assert (settings.sentinel_service, settings.db) == ("weir-prod", 2)
+    assert (settings.username, settings.password) == ("weir", "p@ss")
+    assert (settings.sentinel_password, settings.tls) == ("sp", True)
+    assert (settings.retries, settings.client_name) == (3, "weir-router")
+    plain = RedisSettings.from_url("redis+sentinel://127.0.0.1:26379/weir")
+    assert (plain.username, plain.password, plain.db, plain.tls) == (None, None, 0, False)
+    direct = RedisSettings.from_url("rediss://:pw@redis:6380/1", retries=1)
+    assert (direct.url, direct.sentinels, direct.retries) == ("rediss://:pw@redis:6380/1", (), 1)
+
+
+@pytest.mark.parametrize(
+    ("url", "complaint"),
+    [
+        ("http://:s3cret@redis:6379/0", "unsupported Redis URL"),
+        ("127.0.0.1:6379", "unsupported Redis URL"),
+        ("redis+sentinel://:s3cret@/weir", "names no sentinel"),
+        ("redis+sentinel://:s3cret@s1/weir", "is not host:port"),
+        ("redis+sentinel://:s3cret@s1:99999/weir", "is not host:port"),
+        ("redis+sentinel://:s3cret@s1:26379", "/service or /service/db"),
+        ("redis+sentinel://:s3cret@s1:26379/weir/zero", "must be a number"),
+        ("redis+sentinel://:s3cret@s1:26379/weir?password=x", "unknown parameter"),
+    ],
+)
+def test_a_url_no_component_can_use_is_refused_without_showing_its_password(
+    url: str, complaint: str
+) -> None:
+    with pytest.raises(ValueError, match=complaint) as refused:
+        RedisSettings.from_url(url)
+    assert "s3cret" not in str(refused.value)
+
+
+async def test_the_primary_behind_sentinel_with_auth_is_reached_from_a_url() -> None:
+    with SentinelTopology(password=PASSWORD) as topology:
+        client = connect(RedisSettings.from_url(topology.url, retries=1))
+        try:
+            stored = await EndpointRegistry(client, POOL).register(endpoint("a"), ttl_s=10)
+            assert stored.epoch == 1
+        finally:
+            await client.aclose()
+        wrong = topology.url.replace(PASSWORD, "nope")
+        refused = connect(RedisSettings.from_url(wrong, retries=0))
+        try:
+            with pytest.raises(redis.AuthenticationError):
+                await refused.ping()
+        finally:
+            await refused.aclose()
