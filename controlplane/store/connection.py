@@ -47,7 +47,13 @@ from redis.asyncio.cluster import ClusterNode, ClusterPipeline, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import ExponentialWithJitterBackoff
-from redis.exceptions import ConnectionError, TimeoutError
+from redis.exceptions import (
+    AuthenticationError,
+    ConnectionError,
+    RedisClusterException,
+    SlotNotCoveredError,
+    TimeoutError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -126,10 +132,11 @@ class RedisSettings:
         return cls(**(_sentinel_fields(url, tls=scheme == "rediss+sentinel") | overrides))
 
 
-def _host_list_fields(url: str, what: str, tls: bool) -> tuple[dict[str, Any], list[str]]:
+def _host_list_fields(
+    url: str, field: str, what: str, tls: bool
+) -> tuple[dict[str, Any], list[str]]:
     """What a `redis+sentinel://` or `redis+cluster://` URL's authority holds: the
-    credentials, TLS, and `what` (its hosts, under that field name); and the URL's path
-    segments."""
+    credentials, TLS, and its hosts (`what`s, in `field`); and the URL's path segments."""
     parts = urlsplit(url)
     userinfo, _, hosts = parts.netloc.rpartition("@")
     user, _, password = userinfo.partition(":")
@@ -138,7 +145,7 @@ def _host_list_fields(url: str, what: str, tls: bool) -> tuple[dict[str, Any], l
         raise ValueError(f"{redact_url(url)!r} names no {what} (host:port[,host:port...])")
     fields = {
         "url": "",
-        f"{what}s": addresses,
+        field: addresses,
         "username": unquote(user) or None,
         "password": unquote(password) or None,
         "tls": tls,
@@ -148,7 +155,7 @@ def _host_list_fields(url: str, what: str, tls: bool) -> tuple[dict[str, Any], l
 
 def _cluster_fields(url: str, tls: bool) -> dict[str, Any]:
     """The fields of a `redis+cluster://` URL."""
-    fields, path = _host_list_fields(url, "cluster_node", tls)
+    fields, path = _host_list_fields(url, "cluster_nodes", "cluster node", tls)
     if path not in ([], ["0"]):
         raise ValueError(f"{redact_url(url)!r}: a Redis Cluster has only database 0 (/0 or none)")
     if urlsplit(url).query:
@@ -158,7 +165,7 @@ def _cluster_fields(url: str, tls: bool) -> dict[str, Any]:
 
 def _sentinel_fields(url: str, tls: bool) -> dict[str, Any]:
     """The fields of a `redis+sentinel://` URL."""
-    fields, path = _host_list_fields(url, "sentinel", tls)
+    fields, path = _host_list_fields(url, "sentinels", "sentinel", tls)
     if not 1 <= len(path) <= 2:
         raise ValueError(f"{redact_url(url)!r}: the path must be /service or /service/db")
     if len(path) == 2 and not path[1].isdigit():
@@ -328,9 +335,23 @@ class _Cluster(RedisCluster):
             _HOLDS_PERMIT.reset(held)
             self._permits.release()
 
+    async def initialize(self, *args: Any, **kwargs: Any) -> _Cluster:
+        """Read the cluster's slots. redis-py reports a cluster it cannot read (no node
+        answers, AUTH refused, slots uncovered) with an exception outside RedisError,
+        which the store's loops would not take for an outage and retry."""
+        try:
+            await super().initialize(*args, **kwargs)
+        except RedisClusterException as exc:
+            refused = isinstance(exc.__cause__, AuthenticationError)
+            raise (AuthenticationError if refused else ConnectionError)(str(exc)) from exc
+        return self
+
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         async with self.permit():
-            return await super().execute_command(*args, **kwargs)
+            try:
+                return await super().execute_command(*args, **kwargs)
+            except SlotNotCoveredError as exc:  # outside RedisError too
+                raise ConnectionError(str(exc)) from exc
 
     def pipeline(self, transaction: Any = None, shard_hint: Any = None) -> ClusterPipeline:
         if shard_hint:
