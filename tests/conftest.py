@@ -53,6 +53,14 @@ def redis_cluster_url(redis_cluster: ClusterTopology) -> str:
     return redis_cluster.url
 
 
+@pytest.fixture(params=["standalone", "cluster"])
+def store_url(request: pytest.FixtureRequest) -> str:
+    """An empty Redis of either kind, as the URL every component takes: a test that
+    takes it runs on both."""
+    fixture = "redis_url" if request.param == "standalone" else "redis_cluster_url"
+    return str(request.getfixturevalue(fixture))
+
+
 @pytest.fixture
 def fresh_redis() -> Iterator[RedisServer]:
     """A redis-server of the test's own, for tests that restart or kill it."""

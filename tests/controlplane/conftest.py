@@ -1,7 +1,8 @@
 """Fixtures for the control-plane store tests: clients of the real redis-server fixtures.
 
-`client` (and `registry` on it) runs each store test twice: on a standalone server and on
-a Redis Cluster, where every key of a pool lives in one hash slot."""
+`client` (and `registry` on it) runs each store test twice, as `store_url` does: on a
+standalone server and on a Redis Cluster, where every key of a pool lives in one hash
+slot."""
 
 from __future__ import annotations
 
@@ -11,13 +12,6 @@ import pytest
 
 from controlplane.store import EndpointRegistry, RedisClient, RedisSettings, connect
 from tests.controlplane.records import POOL
-
-
-@pytest.fixture(params=["standalone", "cluster"])
-def store_url(request: pytest.FixtureRequest) -> str:
-    """An empty Redis of either kind, as the URL every component takes."""
-    fixture = "redis_url" if request.param == "standalone" else "redis_cluster_url"
-    return str(request.getfixturevalue(fixture))
 
 
 @pytest.fixture
