@@ -21,7 +21,7 @@ from weir.local.redis_server import RedisNotInstalledError, RedisServer
 PRIMARIES = 3
 
 
-def wait_until(what: str, done: Callable[[], bool], timeout_s: float = 30.0) -> None:
+def _wait_until(what: str, done: Callable[[], bool], timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not done():
         if time.monotonic() > deadline:
@@ -168,7 +168,7 @@ class ClusterTopology(LocalService):
             except redis.RedisError:
                 return False
 
-        wait_until("every node ok, in agreement, every replica in sync", healthy, timeout_s)
+        _wait_until("every node ok, in agreement, every replica in sync", healthy, timeout_s)
 
     def close(self) -> None:
         for node in self.nodes:
