@@ -584,8 +584,14 @@ def test_notes_render_with_next_steps(values: Path) -> None:
         assert f"svc/weir-router-{pool['name']}" in notes
 
 
-def test_an_external_sentinel_managed_redis_is_taken_by_url() -> None:
-    url = "redis+sentinel://:pw@sentinel-0.redis:26379,sentinel-1.redis:26379/weir"
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis+sentinel://:pw@sentinel-0.redis:26379,sentinel-1.redis:26379/weir",
+        "rediss+cluster://:pw@redis-0.redis:6379,redis-1.redis:6379",
+    ],
+)
+def test_an_external_sentinel_managed_or_cluster_redis_is_taken_by_url(url: str) -> None:
     out = run_helm("template", "weir", str(CHART), "--set", "redis.enabled=false",
                    "--set", "redis.external.url=" + url.replace(",", "\\,"))  # fmt: skip
     assert out.returncode == 0, out.stderr
