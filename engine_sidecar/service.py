@@ -57,7 +57,14 @@ from controlplane.contract import (
 )
 from controlplane.contract import headers as wire
 from controlplane.trace.middleware import REQUEST_ID
-from controlplane.trace.trail import Trail, carried_request_id, request_id_of, sidecar_rid
+from controlplane.trace.trail import (
+    NO_REQUEST,
+    Trail,
+    carried_request_id,
+    current_request,
+    request_id_of,
+    sidecar_rid,
+)
 from controlplane.transport.admin import Handler, admin_only
 from controlplane.transport.event_stream import DirectWriter
 from controlplane.transport.guard import BodyError, RequestGuard, ServerLimits
@@ -99,7 +106,11 @@ CONTINUE_PATH = "/weir/v1/continue"
 
 
 def error_body(kind: str, message: str, **extra: str) -> bytes:
-    return msgspec.json.encode({"error": {"type": kind, "message": message, **extra}})
+    """An OpenAI-shaped error, naming the request being handled, if any."""
+    error = {"type": kind, "message": message, **extra}
+    if (request_id := current_request.get()) != NO_REQUEST:
+        error.setdefault("request_id", request_id)
+    return msgspec.json.encode({"error": error})
 
 
 def overload_response(reason: str, retry_after_s: int, message: str) -> web.Response:

@@ -71,6 +71,9 @@ from controlplane.routing import (
     profile_from_config,
 )
 from controlplane.routing.dispatch import Event
+from controlplane.trace.middleware import REQUEST_ID, request_ids
+from controlplane.trace.spans import CLIENT, TRACER, outgoing
+from controlplane.trace.trail import Trail
 from controlplane.transport import (
     DONE,
     MAX_CONNECTIONS_PER_ORIGIN,
@@ -78,6 +81,7 @@ from controlplane.transport import (
     Response,
     TransportError,
 )
+from controlplane.transport.admin import admin_only
 from controlplane.transport.event_stream import DirectWriter
 from controlplane.transport.guard import BodyError, RequestGuard, ServerLimits
 
@@ -133,6 +137,9 @@ class GatewayConfig:
     # Tenant quotas this router publishes to the control plane at start (the pool
     # policy's); with quotas enforced, a tenant without one is refused with 403.
     tenants: tuple[TenantQuota, ...] = ()
+    # Bearer token of the debug route (GET /weir/v1/requests/{id}), and the one it shows
+    # the sidecars to read theirs; empty leaves the route open.
+    admin_token: str = field(default="", repr=False)
 
     @classmethod
     def from_policy(cls, policy: PoolPolicy, **overrides: Any) -> GatewayConfig:
@@ -158,28 +165,31 @@ class _CountedProfile:
     """The pool's profile with every decision timed and counted
     (`weir_router_decision_seconds`, `weir_router_decisions_total`)."""
 
-    def __init__(self, profile: Profile, metrics: RouterMetrics, pool: str) -> None:
+    def __init__(self, profile: Profile, metrics: RouterMetrics, pool: str, trail: Trail) -> None:
         self.profile = profile
         self.metrics = metrics
         self.pool = pool
+        self.trail = trail
         self._seconds = metrics.decision_seconds.labels(pool)
         self._counters: dict[tuple[str, bool], Any] = {}
 
     def decide(self, request: RouteRequest, ctx: RoutingContext) -> Decision:
-        return self._observed(self.profile.decide, request, ctx)
+        return self._observed(self.profile.decide, request, ctx, "route")
 
     def decide_resume(self, request: RouteRequest, ctx: RoutingContext) -> Decision:
-        return self._observed(self.profile.decide_resume, request, ctx)
+        return self._observed(self.profile.decide_resume, request, ctx, "route_resume")
 
     def _observed(
         self,
         decide: Callable[[RouteRequest, RoutingContext], Decision],
         request: RouteRequest,
         ctx: RoutingContext,
+        event: str,
     ) -> Decision:
         started = time.perf_counter()
         decision = decide(request, ctx)
         self._seconds.observe(time.perf_counter() - started)
+        self._record(event, request, decision)
         key = (decision.reason if decision.endpoint_id else decision.refusal, decision.owner_hit)
         counter = self._counters.get(key)
         if counter is None:  # label lookups cost more than the count: once per outcome
@@ -187,6 +197,27 @@ class _CountedProfile:
             self._counters[key] = counter
         counter.inc()
         return decision
+
+    def _record(self, event: str, request: RouteRequest, decision: Decision) -> None:
+        """The decision as the request's trail keeps it: the pick and why, each filter's
+        count of rejected candidates, and with decision logs on every candidate's total."""
+        fields: dict[str, Any] = {
+            "endpoint": decision.endpoint_id or None,
+            "reason": decision.reason if decision.endpoint_id else decision.refusal,
+            "owners": list(request.owners),
+            "owner_hit": decision.owner_hit,
+            "rejected": dict(decision.rejected),
+        }
+        if request.exclude:
+            fields["excluded"] = sorted(request.exclude)
+        if decision.endpoint_id:
+            fields["score"] = round(decision.score, 4)
+        if self.trail.detailed:
+            fields["candidates"] = {
+                view.endpoint_id: round(total, 4)
+                for view, total in zip(decision.eligible, decision.totals, strict=True)
+            }
+        self.trail.record(request.request_id, event, **fields)
 
 
 class _ClientGoneError(Exception):
@@ -210,6 +241,7 @@ class _Exchange:
     first_token_at: float = 0.0
     finish: str = "error"
     retry_after_s: float = 0.0  # the last upstream refusal's
+    upstream_refusal: str = ""  # the last endpoint's reason for refusing it
     placed: asyncio.Future[str] | None = None  # where the dispatch core sends it next
     credit: str = ""
     continuation: bytes = b""  # a migrating sidecar's continuation, for the next sidecar
@@ -238,8 +270,9 @@ class Gateway:
         self.profile = profile_from_config(config.profile or default_config(config.routing))
         self.prefix_index = PrefixIndex()
         self.metrics = RouterMetrics(config.pool)
+        self.trail = Trail("router")
         self.dispatch: Dispatcher[_Exchange] = Dispatcher(
-            _CountedProfile(self.profile, self.metrics, config.pool),
+            _CountedProfile(self.profile, self.metrics, config.pool, self.trail),
             config.routing,
             self.prefix_index,
         )
@@ -259,11 +292,19 @@ class Gateway:
     # -- lifecycle -------------------------------------------------------------------
 
     def app(self) -> web.Application:
+        ids = request_ids(
+            frozenset(_API_PATHS.values()), (wire.CLIENT_REQUEST_ID,), "weir.router.request"
+        )
         app = web.Application(
-            client_max_size=self.guard.limits.max_body_bytes, middlewares=[self.guard.middleware]
+            client_max_size=self.guard.limits.max_body_bytes,
+            middlewares=[ids, self.guard.middleware],
         )
         for api, path in _API_PATHS.items():
             app.router.add_post(path, self._entry(api))
+        app.router.add_get(
+            "/weir/v1/requests/{request_id}",
+            admin_only(self.config.admin_token, "router", self._story),
+        )
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/ready", self._ready)
@@ -290,8 +331,11 @@ class Gateway:
 
     # -- routing ---------------------------------------------------------------------
 
-    def route_request(self, client: ClientRequest, tenant: str) -> RouteRequest:
-        """The routing view of a request: block hashes and owners of its prefix."""
+    def route_request(
+        self, client: ClientRequest, tenant: str, request_id: str = ""
+    ) -> RouteRequest:
+        """The routing view of a request: block hashes and owners of its prefix
+        (`request_id`: the request's, else a fresh one)."""
         policy = self.config.routing
         identity = CacheIdentity(
             model=client.model,
@@ -309,7 +353,7 @@ class Gateway:
         else:
             key = prefix_key(identity, tokens, block, owner_blocks)
         return RouteRequest(
-            request_id=uuid.uuid4().hex,
+            request_id=request_id or uuid.uuid4().hex,
             model=client.model,
             prompt_tokens=client.prompt_tokens,
             max_new_tokens=client.max_new_tokens,
@@ -459,15 +503,20 @@ class Gateway:
             )
             if client.adapter:
                 self._check_adapter(client.model, client.adapter)
-            route = self.route_request(client, tenant)
+            route = self.route_request(client, tenant, request[REQUEST_ID])
+            self.trail.record(
+                route.request_id, "received", tenant=tenant, model=client.model,
+                api=api.value, prompt_tokens=client.prompt_tokens,
+                max_new_tokens=client.max_new_tokens, priority=client.priority,
+            )  # fmt: skip
             if self.quotas is not None:
                 await self.quotas.charge(
                     tenant, route.request_id, client.prompt_tokens, client.max_new_tokens
                 )
         except GatewayError as exc:
-            return self._refuse(exc, tenant)
+            return self._refuse(exc, tenant, request[REQUEST_ID])
         except BodyError as exc:
-            return self._refuse(body_refused(exc), tenant)
+            return self._refuse(body_refused(exc), tenant, request[REQUEST_ID])
         received = Received(api, prompt_tokens=client.prompt_tokens)
         splicer = Splicer(received, self.config.limits.bytes_per_token)
         ex = _Exchange(client, route, tenant, started, received, splicer)
@@ -481,7 +530,7 @@ class Gateway:
             self._finish(ex)  # e.g. a client that left while its request was queued
             self._release_quota(route.request_id, 0, 0)
             if isinstance(exc, GatewayError):
-                return self._refuse(exc, tenant)
+                return self._refuse(exc, tenant, route.request_id)
             raise
         return await self._serve(request, ex, endpoint_id)
 
@@ -496,7 +545,10 @@ class Gateway:
             f"{adapter!r} of model {model!r}", param="lora_path",
         )  # fmt: skip
 
-    def _refuse(self, exc: GatewayError, tenant: str) -> web.Response:
+    def _refuse(self, exc: GatewayError, tenant: str, request_id: str) -> web.Response:
+        self.trail.record(
+            request_id, "refused", status=exc.status, reason=exc.reason, message=exc.message
+        )
         pool = self.config.pool
         if exc.status in (429, 503):
             self.metrics.overloads.labels(pool, exc.reason).inc()
@@ -521,6 +573,10 @@ class Gateway:
                         return await self._end_stream(ex, complete=bool(ex.received.finish_reason))
                     resumes += 1
                     self.metrics.resumes.labels(self.config.pool, outcome).inc()
+                    self.trail.record(
+                        ex.route.request_id, "resume", cause=outcome, away_from=ex.endpoint,
+                        generated_tokens=ex.received.tokens,
+                    )  # fmt: skip
                     if not (outcome == "preempted" and ex.continuation):
                         # Rebuilt from what the client holds. A sidecar's own continuation
                         # (exact token ids, a stream that already continues the client's)
@@ -538,6 +594,11 @@ class Gateway:
                         return await self._end_stream(ex, complete=False, refusal=exc)
                     ex.finish = "overload"  # every endpoint tried refused it
                     self.metrics.overloads.labels(self.config.pool, exc.reason).inc()
+                    exc.upstream_reason = ex.upstream_refusal or None
+                    self.trail.record(
+                        ex.route.request_id, "refused", status=exc.status, reason=exc.reason,
+                        message=exc.message, upstream_reason=exc.upstream_reason,
+                    )  # fmt: skip
                     return exc.response()
         except (asyncio.CancelledError, _ClientGoneError):
             ex.finish = "cancelled"
@@ -577,7 +638,6 @@ class Gateway:
         view = self.view.snapshot.by_id.get(endpoint_id)
         if view is None:  # it left the pool since the decision
             return ("refused" if ex.response is None else "broken"), None
-        assert self._http is not None
         ex.endpoint, ex.address = endpoint_id, view.state.address
         ex.upstream_rid = uuid.uuid4().hex
         client = ex.client
@@ -600,6 +660,30 @@ class Gateway:
             left = client.deadline_s - (self.clock() - ex.started)
             headers[wire.DEADLINE_MS] = str(max(1, int(left * 1000)))
         url = view.state.address + path
+        with TRACER.start_as_current_span(
+            "weir.router.attempt", kind=CLIENT,
+            attributes={"weir.endpoint": endpoint_id, "http.route": path},
+        ):  # fmt: skip
+            outcome = await self._call(request, ex, endpoint_id, url, payload, outgoing(headers))
+        self.trail.record(
+            ex.route.request_id, "attempt", endpoint=endpoint_id, outcome=outcome[0],
+            upstream_rid=ex.upstream_rid, **({"refusal": ex.upstream_refusal}
+                                             if outcome[0] == "refused" else {}),
+        )  # fmt: skip
+        return outcome
+
+    async def _call(
+        self,
+        request: web.Request,
+        ex: _Exchange,
+        endpoint_id: str,
+        url: str,
+        payload: bytes,
+        headers: Mapping[str, str],
+    ) -> tuple[str, web.StreamResponse | None]:
+        """The upstream call of `_attempt`, and the relay of what it answers."""
+        assert self._http is not None
+        client = ex.client
         pool = self.config.pool
         relaying = False
         try:
@@ -609,6 +693,7 @@ class Gateway:
                 ex.upstream_rid = upstream.headers.get(wire.REQUEST_ID) or ex.upstream_rid
                 if upstream.status in (429, 503):
                     ex.retry_after_s = max(ex.retry_after_s, _retry_after(upstream))
+                    ex.upstream_refusal = f"{endpoint_id}: {_refusal_reason(await upstream.read())}"
                     self.metrics.retries.labels(pool, f"upstream_{upstream.status}").inc()
                     return "refused", None
                 if ex.route.block_hashes:
@@ -638,6 +723,7 @@ class Gateway:
                 return await self._relay(request, ex, upstream)
         except TransportError as exc:
             log.info("endpoint %s failed: %s", endpoint_id, exc)
+            ex.upstream_refusal = f"{endpoint_id}: {exc.reason}"
             if not relaying:
                 # Nothing reached the client: another endpoint may take it, whatever went
                 # wrong here. The label says what did (a refused connect, a timeout, a
@@ -656,6 +742,7 @@ class Gateway:
                     "Content-Type": "text/event-stream",
                     "Cache-Control": "no-cache",
                     wire.ENDPOINT: ex.endpoint,
+                    wire.CLIENT_REQUEST_ID: ex.route.request_id,
                 },
             )
         out = ex.out
@@ -704,7 +791,12 @@ class Gateway:
                 if refusal is not None
                 else ("resume_failed", "the engine failed and no endpoint could resume")
             )
-            error = {"error": {"type": "unavailable", "reason": reason, "message": message}}
+            error = {
+                "error": {
+                    "type": "unavailable", "reason": reason, "message": message,
+                    "request_id": ex.route.request_id,
+                }
+            }  # fmt: skip
             await _write(response, sse(msgspec.json.encode(error)))
         await _write(response, sse(DONE))
         await response.write_eof()
@@ -759,6 +851,11 @@ class Gateway:
         m, pool, tenant = self.metrics, self.config.pool, ex.tenant
         now = self.clock()
         out = ex.received.tokens
+        self.trail.record(
+            ex.route.request_id, "end", finish=ex.finish, endpoint=ex.endpoint or None,
+            output_tokens=out, e2e_s=round(now - ex.started, 6),
+            ttft_s=round(ex.first_token_at - ex.started, 6) if ex.first_token_at else None,
+        )  # fmt: skip
         buckets = (length_bucket(ex.client.prompt_tokens), length_bucket(out))
         m.requests.labels(pool, tenant, ex.finish).inc()
         m.tokens.labels(pool, tenant, "input").inc(ex.client.prompt_tokens)
@@ -820,6 +917,39 @@ class Gateway:
             m.endpoint_kv.labels(pool, e.endpoint_id, "capacity").set(s.kv_capacity_tokens)
         for (lifecycle, watermark), n in counts.items():
             m.endpoints.labels(pool, lifecycle, watermark).set(n)
+
+    async def _story(self, request: web.Request) -> web.Response:
+        """One request's whole story: what this router decided about it, and what each
+        endpoint it went to recorded (read from their sidecars with the admin token)."""
+        request_id = request.match_info["request_id"]
+        story = self.trail.story(request_id)
+        if story is None:
+            return GatewayError(
+                404, "not_found_error", "unknown_request",
+                f"no record of request {request_id!r} here (unknown, or forgotten: the "
+                f"router keeps its last {self.trail.max_requests} requests)",
+            ).response()  # fmt: skip
+        endpoints = sorted({e["endpoint"] for e in story["events"] if e["event"] == "attempt"})
+        stories = await asyncio.gather(*(self._endpoint_story(e, request_id) for e in endpoints))
+        return web.json_response({**story, "endpoints": dict(zip(endpoints, stories, strict=True))})
+
+    async def _endpoint_story(self, endpoint_id: str, request_id: str) -> Any:
+        """What `endpoint_id`'s sidecar recorded about the request, or why it cannot say."""
+        view = self.view.snapshot.by_id.get(endpoint_id)
+        if view is None or self._http is None:
+            return {"unavailable": "the endpoint has left the pool"}
+        headers = dict(_JSON)
+        if self.config.admin_token:
+            headers["Authorization"] = f"Bearer {self.config.admin_token}"
+        url = f"{view.state.address}/weir/v1/requests/{request_id}"
+        try:
+            async with await self._http.request("GET", url, b"", headers) as reply:
+                raw = await reply.read()
+                if reply.status != 200:
+                    return {"unavailable": f"the sidecar answered {reply.status}"}
+                return msgspec.json.decode(raw)
+        except (TransportError, msgspec.DecodeError) as exc:
+            return {"unavailable": f"the sidecar did not answer: {exc}"}
 
     async def _pool_status(self, _request: web.Request) -> web.Response:
         """`GET /weir/v1/pool`: the fleet as this router sees it (`weir up`'s status view).
@@ -892,6 +1022,15 @@ async def _write(response: web.StreamResponse, data: bytes) -> None:
         await response.write(data)
     except (ConnectionResetError, aiohttp.ClientConnectionResetError) as exc:
         raise _ClientGoneError() from exc
+
+
+def _refusal_reason(raw: bytes) -> str:
+    """The reason an endpoint's refusal names (`{"error": {"reason": ...}}`)."""
+    try:
+        error = msgspec.json.decode(raw).get("error") or {}
+        return str(error.get("reason") or error.get("type") or "refused")
+    except (msgspec.DecodeError, AttributeError):
+        return "refused"
 
 
 def _retry_after(upstream: Response) -> float:

@@ -15,6 +15,7 @@ from aiohttp import web
 
 from controlplane.contract.request_checks import RequestCheckError
 from controlplane.routing import Refusal
+from controlplane.trace.trail import NO_REQUEST, current_request
 from controlplane.transport.guard import BodyError
 
 
@@ -37,11 +38,17 @@ class GatewayError(Exception):
         self.message = message
         self.retry_after_s = retry_after_s
         self.param = param
+        # Why the last endpoint tried refused it, when endpoints refused it.
+        self.upstream_reason: str | None = None
 
     def response(self) -> web.Response:
         error = {"type": self.error_type, "reason": self.reason, "message": self.message}
         if self.param is not None:
             error["param"] = self.param
+        if self.upstream_reason is not None:
+            error["upstream_reason"] = self.upstream_reason
+        if (request_id := current_request.get()) != NO_REQUEST:
+            error["request_id"] = request_id
         body = {"error": error}
         headers = {}
         if self.retry_after_s is not None:

@@ -31,8 +31,9 @@ _CARRIED = re.compile(r"[A-Za-z0-9._:-]{1,64}\Z")
 # Never in a request id (and allowed in store keys): it ends the id in a sidecar rid.
 RID_SEPARATOR = "@"
 
+NO_REQUEST = "-"
 current_request: contextvars.ContextVar[str] = contextvars.ContextVar(
-    "weir_request_id", default="-"
+    "weir_request_id", default=NO_REQUEST
 )
 
 DECISIONS = logging.getLogger("weir.decisions")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 
+from weir.commands._admin_token import add_admin_token_flag, admin_token
 from weir.commands._observability_flags import add_logging_flags, configure_observability
 from weir.commands._redis_url import ENV as REDIS_URL_ENV
 from weir.commands._redis_url import add_redis_url_flags, redis_url
@@ -59,6 +60,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="this pool does prefill only: admit with a handoff credit on DECODE_POOL")  # fmt: skip
     add("--quotas", action="store_true",
         help="enforce tenant quotas from the control plane (needs --redis-url)")  # fmt: skip
+    add_admin_token_flag(parser, "the debug route GET /weir/v1/requests/{id}, also shown to "
+                         "the sidecars to read theirs")  # fmt: skip
     add_logging_flags(parser)
     add_server_flags(parser, max_connections=8192)
 
@@ -124,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
             profile=profile,
             max_upstream_connections=args.max_upstream_connections,
             server=server_limits(args),
+            admin_token=admin_token(args.admin_token_file),
             **overrides,
         )
         if (config.enforce_quotas or config.role is Role.PREFILL) and not url:
@@ -136,6 +140,13 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     configure_observability(args, "weir-router")
+    if not config.admin_token:
+        import logging
+
+        logging.getLogger("weir.router").warning(
+            "no admin token: GET /weir/v1/requests/{id} is open to anyone who reaches the "
+            "router (set --admin-token-file or WEIR_ADMIN_TOKEN)"
+        )
 
     async def serve() -> int:
         stop = asyncio.Event()
