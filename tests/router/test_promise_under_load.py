@@ -1,6 +1,7 @@
 """Weir's promise where it matters: a live fleet (router, sidecars, reference engines,
-real Redis) run into KV exhaustion, or losing an engine for good, keeps every admitted
-stream — each ends with its natural finish and exactly the text an uninterrupted run
+real Redis) run into KV exhaustion, losing an engine or a sidecar for good, losing its
+Redis primary to a Sentinel failover, or on a Redis Cluster seeing its pool's hash slot
+move to another primary, keeps every admitted stream — each ends with its natural finish and exactly the text an uninterrupted run
 gives, none ends `resume_failed`, and KV and the router's reservations return to zero.
 
 Bounded: small-KV engines at many times real speed, a few dozen streams, loopback only.
@@ -15,19 +16,24 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
 import pytest
+import redis
 
-from controlplane.contract import PoolPolicy, RoutingPolicy, encode_json
+from controlplane.contract import PoolPolicy, RoutingPolicy, TenantQuota, encode_json
 from controlplane.gateway import GatewayConfig, RunningGateway, serve_gateway
+from controlplane.store import PoolKeys, QuotaStore, RedisSettings, connect
 from engine_sidecar.server import RunningSidecar, SidecarConfig, serve_sidecar
 from fleetsim.engine import EngineConfig
 from fleetsim.server import RunningEngine, serve_engine
-from tests.router.conftest import MODEL, until
+from tests.controlplane.cluster_topology import ClusterTopology
+from tests.controlplane.sentinel_topology import SentinelTopology
+from tests.router.conftest import MODEL, eventually, until
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 POOL = "promise"
@@ -51,13 +57,15 @@ async def live_fleet(
     *,
     processes: frozenset[str] = frozenset(),
     workdir: Path | None = None,
+    tenants: tuple[TenantQuota, ...] = (),
 ) -> AsyncIterator[LiveFleet]:
     """`size` endpoints s0, s1, …; those named in `processes` run their sidecar as a
-    `weir sidecar` process of its own (in `workdir`), which a test may SIGKILL."""
+    `weir sidecar` process of its own (in `workdir`), which a test may SIGKILL. With
+    `tenants`, the router enforces their quotas."""
     async with contextlib.AsyncExitStack() as stack:
         engines, sidecars, procs = {}, {}, {}
         policy = PoolPolicy(
-            pool=POOL, model=MODEL, context_length=4096,
+            pool=POOL, model=MODEL, context_length=4096, tenants=tenants,
             routing=RoutingPolicy(queue_max_wait_s=60.0),
         )  # fmt: skip
         for i in range(size):
@@ -279,3 +287,105 @@ async def test_a_sidecar_killed_mid_stream_loses_no_stream(redis_url: str, tmp_p
         assert lost > 0
         assert _router_count(fleet, "weir_router_resumes_total", reason="broken") == lost
         await _settled(fleet)
+
+
+async def test_a_redis_failover_loses_no_stream_and_leaks_no_quota() -> None:
+    """The Redis primary dies mid-stream and Sentinel promotes its replica. Router and
+    sidecars, given only a redis+sentinel:// URL (with AUTH), follow the new primary:
+    every stream ends whole, the tenant's quota — exact while they run — is back to zero
+    once they end (releases that fell in the outage land later), and new requests are
+    admitted again. How long new requests were refused is printed, not asserted."""
+    bodies = [_body(i, 1000) for i in range(8)]
+    expected = await _expected(bodies)
+    probe = {"model": MODEL, "prompt": "probe", "max_tokens": 2}
+    with SentinelTopology(password="weir-failover") as topology:
+        settings = RedisSettings.from_url(topology.url, retries=10, backoff_cap_s=0.2)
+        quotas = QuotaStore(connect(settings), POOL)
+        async with (
+            live_fleet(topology.url, kv_tokens=20_000, tenants=(TenantQuota(name="default",
+                       max_concurrency=10),)) as fleet,
+            aiohttp.ClientSession() as session,
+        ):  # fmt: skip
+            streams = [Stream() for _ in bodies]
+            running = asyncio.gather(
+                *(_stream(session, fleet.router.url, b, s) for b, s in zip(bodies, streams,
+                                                                          strict=True))
+            )  # fmt: skip
+            await asyncio.wait_for(asyncio.gather(*(s.progress.wait() for s in streams)), 60.0)
+            assert (await quotas.usage("default")).concurrency == len(bodies)
+            primary = redis.Redis(port=topology.master.port, password=topology.password)
+            primary.wait(1, 5000)  # the replica has every charge
+            primary.close()
+            await asyncio.to_thread(topology.master.stop)
+            died = asyncio.get_running_loop().time()
+            answers: list[int] = []
+
+            async def admitted() -> bool:
+                async with session.post(fleet.router.url + "/v1/completions", json=probe) as r:
+                    answers.append(r.status)
+                    return r.status == 200
+
+            await eventually(admitted, "a request admitted after the failover", timeout_s=60)
+            refused_s = asyncio.get_running_loop().time() - died
+            await asyncio.wait_for(running, 60.0)
+            _assert_whole(streams, expected)
+            assert set(answers) <= {200, 503}, answers  # refused while no primary, then served
+            print(f"\nredis failover: new requests refused for {refused_s:.2f}s "
+                  f"({len(answers) - 1} probes answered 503)")  # fmt: skip
+            await _settled(fleet)
+
+            async def released() -> bool:
+                return (await quotas.usage("default")).concurrency == 0
+
+            await eventually(released, "every quota slot to come back", timeout_s=30)
+        await quotas.redis.aclose()
+
+
+async def test_a_fleet_on_a_redis_cluster_keeps_every_stream_while_the_pool_s_slot_moves(
+    redis_cluster: ClusterTopology, redis_cluster_url: str
+) -> None:
+    """Router and sidecars given only a redis+cluster:// URL (with AUTH), the tenant's
+    quota on: mid-stream, the pool's hash slot migrates to another primary key by key.
+    Every stream ends whole, the quota is exact before and after the move and back to
+    zero once the streams end, and new requests are admitted."""
+    bodies = [_body(i, 400) for i in range(8)]
+    expected = await _expected(bodies)
+    quotas = QuotaStore(connect(RedisSettings.from_url(redis_cluster_url)), POOL)
+    tenant = TenantQuota(name="default", max_concurrency=10)
+    async with (
+        live_fleet(redis_cluster_url, kv_tokens=20_000, tenants=(tenant,)) as fleet,
+        aiohttp.ClientSession() as session,
+    ):
+        streams = [Stream() for _ in bodies]
+        running = asyncio.gather(
+            *(
+                _stream(session, fleet.router.url, b, s)
+                for b, s in zip(bodies, streams, strict=True)
+            )
+        )
+        await asyncio.wait_for(asyncio.gather(*(s.progress.wait() for s in streams)), 60.0)
+        assert (await quotas.usage("default")).concurrency == len(bodies)
+        key = PoolKeys(POOL).state
+        target = next(n for n in redis_cluster.primaries() if n is not redis_cluster.owner(key))
+        moved = await asyncio.to_thread(redis_cluster.migrate_slot, key, target,
+                                        lambda: time.sleep(0.05))  # fmt: skip
+        assert redis_cluster.owner(key) is target
+        assert not running.done()  # the slot moved mid-stream
+        assert (await quotas.usage("default")).concurrency == len(bodies)
+        probe = {"model": MODEL, "prompt": "probe", "max_tokens": 2}
+
+        async def admitted() -> bool:
+            async with session.post(fleet.router.url + "/v1/completions", json=probe) as r:
+                return r.status == 200
+
+        await eventually(admitted, "a request admitted after the move", timeout_s=30)
+        await asyncio.wait_for(running, 60.0)
+        _assert_whole(streams, expected)
+        print(f"\nslot migration under a fleet: {moved} keys moved mid-stream")
+        await _settled(fleet)
+
+        async def released() -> bool:
+            return (await quotas.usage("default")).concurrency == 0
+
+        await eventually(released, "every quota slot to come back", timeout_s=30)
+    await quotas.redis.aclose()

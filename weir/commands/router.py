@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 
+from weir.commands._observability_flags import add_logging_flags, configure_observability
 from weir.commands._redis_url import ENV as REDIS_URL_ENV
 from weir.commands._redis_url import add_redis_url_flags, redis_url
 from weir.commands._server_flags import add_server_flags, server_limits
@@ -51,10 +52,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add("--max-attempts", type=int,
         help="endpoints tried before the first byte (default: the policy's "
              "routing.max_attempts, else 3)")  # fmt: skip
+    add("--max-upstream-connections", type=int, default=8192,
+        help="connections open to one endpoint at once; past it a request waits for one to "
+             "come free (up to the connect timeout), then tries another endpoint")  # fmt: skip
     add("--prefill-for", metavar="DECODE_POOL", default="",
         help="this pool does prefill only: admit with a handoff credit on DECODE_POOL")  # fmt: skip
     add("--quotas", action="store_true",
         help="enforce tenant quotas from the control plane (needs --redis-url)")  # fmt: skip
+    add_logging_flags(parser)
     add_server_flags(parser, max_connections=8192)
 
 
@@ -82,6 +87,8 @@ def run(args: argparse.Namespace) -> int:
             )
         if not (0.5 <= args.bytes_per_token <= 16):
             raise ValueError("--bytes-per-token must be between 0.5 and 16")
+        if args.max_upstream_connections < 1:
+            raise ValueError("--max-upstream-connections must be at least 1")
         keys = TenantKeys.load(args.api_keys) if args.api_keys else TenantKeys()
         profile = yaml.safe_load(Path(args.profile).read_text()) if args.profile else None
         if profile is not None:
@@ -115,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
             port=args.port,
             limits=Limits(args.context_length or policy.context_length, args.bytes_per_token),
             profile=profile,
+            max_upstream_connections=args.max_upstream_connections,
             server=server_limits(args),
             **overrides,
         )
@@ -126,6 +134,8 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError, ProfileError, SchemaError, yaml.YAMLError) as exc:
         print(f"weir router: {exc}", file=sys.stderr)
         return 2
+
+    configure_observability(args, "weir-router")
 
     async def serve() -> int:
         stop = asyncio.Event()
