@@ -30,6 +30,8 @@ from engine_sidecar.policy.queue import (
     retry_after_s,
 )
 from engine_sidecar.policy.relief import (
+    ModeCosts,
+    ReliefCosts,
     ReliefPlan,
     Rung,
     VictimCandidate,
@@ -59,6 +61,8 @@ __all__ = [
     "OutputLengthPredictor",
     "PoolOutlook",
     "QueuedRequest",
+    "ModeCosts",
+    "ReliefCosts",
     "ReliefPlan",
     "RequestRecord",
     "RequestState",
