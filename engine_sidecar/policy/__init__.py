@@ -30,6 +30,7 @@ from engine_sidecar.policy.queue import (
     retry_after_s,
 )
 from engine_sidecar.policy.relief import (
+    H200_LLAMA_8B,
     ModeCosts,
     ReliefCosts,
     ReliefPlan,
@@ -50,6 +51,7 @@ from engine_sidecar.policy.watermark import (
 )
 
 __all__ = [
+    "H200_LLAMA_8B",
     "TRANSITIONS",
     "AdmissionDecision",
     "AdmissionQueue",

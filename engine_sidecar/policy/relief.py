@@ -110,6 +110,21 @@ class ReliefCosts:
         return 2.0 * tokens * self.kv_bytes_per_token / self.host_bytes_per_s
 
 
+# The live sidecar's figures until an engine publishes its own: an 8B model (Llama-3.1-8B)
+# on an H200, as the reference engine's roofline has it: 2·params FLOPs per token and
+# 4·layers·hidden per attention pair at 60 % of 989 TFLOP/s, a decode step reading the
+# weights at 80 % of 4.8 TB/s plus 3 ms, 128 KiB of KV per token, and PCIe Gen5 x16 at
+# 50 GB/s to host memory. Only the costs' ratios decide a mode, so a faster or slower
+# GPU of the same balance chooses alike.
+H200_LLAMA_8B = ReliefCosts(
+    prefill_s_per_token=2 * 8.03e9 / (989e12 * 0.6),
+    prefill_s_per_pair=4 * 32 * 4096 / (989e12 * 0.6),
+    decode_step_s=0.003 + 2 * 8.03e9 / (4.8e12 * 0.8),
+    kv_bytes_per_token=2 * 32 * 8 * 128 * 2,
+    host_bytes_per_s=50e9,
+)
+
+
 @dataclass(frozen=True, slots=True)
 class ModeCosts:
     """A victim's three costs, each the seconds until it produces again; None where

@@ -17,6 +17,7 @@ from controlplane.contract import (
     WatermarkState,
 )
 from engine_sidecar.policy import KVUsage, ReliefCosts, Rung, VictimCandidate, plan_relief
+from tests.sidecar.test_relief import _cand
 
 CAPACITY = 400_000
 POLICY = PoolPolicy(
@@ -41,21 +42,9 @@ H200_8B = ReliefCosts(
 
 
 def victim(rid: str, context: int, **kw: object) -> VictimCandidate:
-    fields: dict[str, object] = {
-        "rid": rid,
-        "prompt_tokens": context - 100,
-        "generated_tokens": 100,
-        "max_new_tokens": 1000,
-        "predicted_total_tokens": 800,
-        "reserved_growth_tokens": 80,
-        "priority": 0,
-        "deadline_at": 0.0,
-        "preemptions": 0,
-        "recomputable": True,
-        "migratable": False,
-    }
-    fields.update(kw)
-    return VictimCandidate(**fields)  # type: ignore[arg-type]
+    """A candidate with `context` tokens of KV (100 generated, unless `kw` says)."""
+    fields: dict[str, object] = {"generated_tokens": 100, **kw}
+    return _cand(rid, prompt_tokens=context - int(fields["generated_tokens"]), **fields)  # type: ignore[call-overload]
 
 
 def modes(
