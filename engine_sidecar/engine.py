@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 import msgspec
 
+from controlplane.trace.spans import CLIENT, TRACER, outgoing
 from controlplane.transport import HTTPClient, Response, SSEEvent, TransportError
 
 _json_decode = msgspec.json.Decoder().decode
@@ -250,14 +251,21 @@ class SGLangEngine:
     @asynccontextmanager
     async def open(self, path: str, body: dict[str, Any]) -> AsyncIterator[_HTTPStream]:
         url = self.url + path
-        try:
-            response = await self._http.request("POST", url, msgspec.json.encode(body), _JSON)
-        except TransportError as exc:
-            raise EngineError(f"POST {url}: {exc}") from exc
-        # Errors inside the block are the caller's (a client that went away, say): only
-        # reading the engine's answer turns into EngineError, in _HTTPStream.
-        async with response:
-            yield _HTTPStream(url, response)
+        # One span per engine segment (a resume in place is a second one), named by the
+        # engine rid, which SGLang's own logs print.
+        with TRACER.start_as_current_span(
+            "weir.sidecar.engine", kind=CLIENT,
+            attributes={"weir.engine_rid": str(body.get("rid", "")), "http.route": path},
+        ):  # fmt: skip
+            headers = outgoing(dict(_JSON))
+            try:
+                response = await self._http.request("POST", url, msgspec.json.encode(body), headers)
+            except TransportError as exc:
+                raise EngineError(f"POST {url}: {exc}") from exc
+            # Errors inside the block are the caller's (a client that went away, say):
+            # only reading the engine's answer turns into EngineError, in _HTTPStream.
+            async with response:
+                yield _HTTPStream(url, response)
 
     async def abort(self, rid: str) -> None:
         status = await self._post("/abort_request", {"rid": rid, "abort_all": False})

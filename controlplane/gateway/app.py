@@ -69,7 +69,13 @@ from controlplane.routing import (
     service_correction,
     service_estimate,
 )
-from controlplane.transport import DONE, HTTPClient, Response, TransportError
+from controlplane.transport import (
+    DONE,
+    MAX_CONNECTIONS_PER_ORIGIN,
+    HTTPClient,
+    Response,
+    TransportError,
+)
 from controlplane.transport.event_stream import DirectWriter
 from controlplane.transport.guard import BodyError, RequestGuard, ServerLimits
 
@@ -94,7 +100,12 @@ _API_PATHS = {
 class GatewayConfig:
     """How one gateway serves one pool. `max_attempts` bounds tries before the first
     byte, `max_resumes` continuations after it (an engine or sidecar lost, a migration);
-    a resume that no endpoint can take yet waits for one up to `resume_wait_s`."""
+    a resume that no endpoint can take yet waits for one up to `resume_wait_s`.
+    `max_upstream_connections` caps the connections open to one endpoint: past it a
+    request waits for one to come free, up to `connect_timeout_s`, then tries another
+    endpoint. Its default is the router's own connection cap (`server.max_connections`'s
+    default): a client connection has at most one request upstream at a time, so the cap
+    binds only on requests no client waits for (aborts) piling up on one endpoint."""
 
     pool: str = "default"
     model: str = "reference"
@@ -113,6 +124,7 @@ class GatewayConfig:
     queue_max_wait_s: float = 30.0
     connect_timeout_s: float = 2.0
     chunk_timeout_s: float = 120.0
+    max_upstream_connections: int = MAX_CONNECTIONS_PER_ORIGIN
     enforce_quotas: bool = False
     # A prefill pool (role PREFILL) takes a handoff credit on its decode pool's class.
     role: Role = Role.MIXED
@@ -233,6 +245,7 @@ class Gateway:
         self._http = HTTPClient(
             connect_timeout_s=self.config.connect_timeout_s,
             read_timeout_s=self.config.chunk_timeout_s,
+            max_connections_per_origin=self.config.max_upstream_connections,
         )
 
     async def _stop(self, _app: web.Application) -> None:
@@ -670,7 +683,10 @@ class Gateway:
         except TransportError as exc:
             log.info("endpoint %s failed: %s", endpoint_id, exc)
             if not relaying:
-                self.metrics.retries.labels(pool, "connect_error").inc()
+                # Nothing reached the client: another endpoint may take it, whatever went
+                # wrong here. The label says what did (a refused connect, a timeout, a
+                # malformed answer, ...: `TransportError.reason`).
+                self.metrics.retries.labels(pool, exc.reason).inc()
                 return "refused", None
             return "broken", None
 

@@ -196,7 +196,9 @@ ROUTER: tuple[MetricSpec, ...] = (
     MetricSpec(
         "weir_router_retries_total",
         _C,
-        "Requests retried on another endpoint before the first byte.",
+        "Requests retried on another endpoint before the first byte, by reason: the "
+        "endpoint's 429 or 503, or how the call failed (connect_error, connect_timeout, "
+        "pool_timeout, read_timeout, protocol_error, connection_closed).",
         ("pool", "reason"),
     ),
     MetricSpec(

@@ -199,6 +199,8 @@ class ReliefPlan:
     victims: tuple[VictimChoice, ...]
     needed_tokens: int
     favoured: tuple[str, ...]
+    # Every candidate scored, best victim first: the alternatives a victim was chosen over.
+    ranked: tuple[tuple[str, VictimScore], ...] = ()
 
     @property
     def admission_paused(self) -> bool:
@@ -434,4 +436,5 @@ def plan_relief(
         for r in (Rung.MIGRATE, Rung.OFFLOAD, Rung.RECOMPUTE, Rung.TERMINATE)
         if any(v.mode is r for v in victims)
     ]
-    return ReliefPlan(watermark, (*rungs, *ordered), tuple(victims), needed, favoured)
+    ranked = tuple((cand.rid, score) for score, cand in scored)
+    return ReliefPlan(watermark, (*rungs, *ordered), tuple(victims), needed, favoured, ranked)

@@ -1,6 +1,7 @@
 """Weir's promise where it matters: a live fleet (router, sidecars, reference engines,
-real Redis) run into KV exhaustion, losing an engine or a sidecar for good, or losing its
-Redis primary to a Sentinel failover, keeps every admitted stream — each ends with its natural finish and exactly the text an uninterrupted run
+real Redis) run into KV exhaustion, losing an engine or a sidecar for good, losing its
+Redis primary to a Sentinel failover, or on a Redis Cluster seeing its pool's hash slot
+move to another primary, keeps every admitted stream — each ends with its natural finish and exactly the text an uninterrupted run
 gives, none ends `resume_failed`, and KV and the router's reservations return to zero.
 
 Bounded: small-KV engines at many times real speed, a few dozen streams, loopback only.
@@ -15,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,10 +27,11 @@ import redis
 
 from controlplane.contract import PoolPolicy, TenantQuota, encode_json
 from controlplane.gateway import GatewayConfig, RunningGateway, serve_gateway
-from controlplane.store import QuotaStore, RedisSettings, connect
+from controlplane.store import PoolKeys, QuotaStore, RedisSettings, connect
 from engine_sidecar.server import RunningSidecar, SidecarConfig, serve_sidecar
 from fleetsim.engine import EngineConfig
 from fleetsim.server import RunningEngine, serve_engine
+from tests.controlplane.cluster_topology import ClusterTopology
 from tests.controlplane.sentinel_topology import SentinelTopology
 from tests.router.conftest import MODEL, eventually, until
 
@@ -333,3 +336,53 @@ async def test_a_redis_failover_loses_no_stream_and_leaks_no_quota() -> None:
 
             await eventually(released, "every quota slot to come back", timeout_s=30)
         await quotas.redis.aclose()
+
+
+async def test_a_fleet_on_a_redis_cluster_keeps_every_stream_while_the_pool_s_slot_moves(
+    redis_cluster: ClusterTopology, redis_cluster_url: str
+) -> None:
+    """Router and sidecars given only a redis+cluster:// URL (with AUTH), the tenant's
+    quota on: mid-stream, the pool's hash slot migrates to another primary key by key.
+    Every stream ends whole, the quota is exact before and after the move and back to
+    zero once the streams end, and new requests are admitted."""
+    bodies = [_body(i, 400) for i in range(8)]
+    expected = await _expected(bodies)
+    quotas = QuotaStore(connect(RedisSettings.from_url(redis_cluster_url)), POOL)
+    tenant = TenantQuota(name="default", max_concurrency=10)
+    async with (
+        live_fleet(redis_cluster_url, kv_tokens=20_000, tenants=(tenant,)) as fleet,
+        aiohttp.ClientSession() as session,
+    ):
+        streams = [Stream() for _ in bodies]
+        running = asyncio.gather(
+            *(
+                _stream(session, fleet.router.url, b, s)
+                for b, s in zip(bodies, streams, strict=True)
+            )
+        )
+        await asyncio.wait_for(asyncio.gather(*(s.progress.wait() for s in streams)), 60.0)
+        assert (await quotas.usage("default")).concurrency == len(bodies)
+        key = PoolKeys(POOL).state
+        target = next(n for n in redis_cluster.primaries() if n is not redis_cluster.owner(key))
+        moved = await asyncio.to_thread(redis_cluster.migrate_slot, key, target,
+                                        lambda: time.sleep(0.05))  # fmt: skip
+        assert redis_cluster.owner(key) is target
+        assert not running.done()  # the slot moved mid-stream
+        assert (await quotas.usage("default")).concurrency == len(bodies)
+        probe = {"model": MODEL, "prompt": "probe", "max_tokens": 2}
+
+        async def admitted() -> bool:
+            async with session.post(fleet.router.url + "/v1/completions", json=probe) as r:
+                return r.status == 200
+
+        await eventually(admitted, "a request admitted after the move", timeout_s=30)
+        await asyncio.wait_for(running, 60.0)
+        _assert_whole(streams, expected)
+        print(f"\nslot migration under a fleet: {moved} keys moved mid-stream")
+        await _settled(fleet)
+
+        async def released() -> bool:
+            return (await quotas.usage("default")).concurrency == 0
+
+        await eventually(released, "every quota slot to come back", timeout_s=30)
+    await quotas.redis.aclose()

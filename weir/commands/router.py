@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 
+from weir.commands._observability_flags import add_logging_flags, configure_observability
 from weir.commands._redis_url import ENV as REDIS_URL_ENV
 from weir.commands._redis_url import add_redis_url_flags, redis_url
 from weir.commands._server_flags import add_server_flags, server_limits
@@ -47,10 +48,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
              "(default: the policy's routing.snapshot_staleness_s, else 10)")  # fmt: skip
     add("--queue-max-wait-s", type=float, default=30.0)
     add("--max-attempts", type=int, default=3, help="endpoints tried before the first byte")
+    add("--max-upstream-connections", type=int, default=8192,
+        help="connections open to one endpoint at once; past it a request waits for one to "
+             "come free (up to the connect timeout), then tries another endpoint")  # fmt: skip
     add("--prefill-for", metavar="DECODE_POOL", default="",
         help="this pool does prefill only: admit with a handoff credit on DECODE_POOL")  # fmt: skip
     add("--quotas", action="store_true",
         help="enforce tenant quotas from the control plane (needs --redis-url)")  # fmt: skip
+    add_logging_flags(parser)
     add_server_flags(parser, max_connections=8192)
 
 
@@ -78,6 +83,8 @@ def run(args: argparse.Namespace) -> int:
             )
         if not (0.5 <= args.bytes_per_token <= 16):
             raise ValueError("--bytes-per-token must be between 0.5 and 16")
+        if args.max_upstream_connections < 1:
+            raise ValueError("--max-upstream-connections must be at least 1")
         keys = TenantKeys.load(args.api_keys) if args.api_keys else TenantKeys()
         profile = yaml.safe_load(Path(args.profile).read_text()) if args.profile else None
         if profile is not None:
@@ -106,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
             routing=routing,
             profile=profile,
             max_attempts=args.max_attempts,
+            max_upstream_connections=args.max_upstream_connections,
             queue_max_wait_s=args.queue_max_wait_s,
             server=server_limits(args),
             **overrides,
@@ -118,6 +126,8 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError, ProfileError, SchemaError, yaml.YAMLError) as exc:
         print(f"weir router: {exc}", file=sys.stderr)
         return 2
+
+    configure_observability(args, "weir-router")
 
     async def serve() -> int:
         stop = asyncio.Event()
