@@ -80,7 +80,8 @@ class Flight:
     engine_rid: str = ""
     client_rid: str = ""  # the rid the client (a router) gave, for its /abort_request
     task: asyncio.Task[Any] | None = None  # the handler serving it, cancelled by an abort
-    preempt_mode: str = ""  # set by relief or a command: "recompute" or "migrate"
+    preempt_mode: str = ""  # set by relief or a command: "recompute", "offload", "migrate"…
+    offloaded: int = 0  # KV tokens an offload left in the engine's host tier, until it resumes
     first_token_mono: float = 0.0
     cancelled_mono: float = 0.0
     resumed: bool = False  # a continuation from another endpoint: accepted work

@@ -82,6 +82,8 @@ from engine_sidecar.intake import (
 from engine_sidecar.ledger import COMMITTED, Flight, Ledger, OverloadError
 from engine_sidecar.metrics import SidecarMetrics, length_bucket
 from engine_sidecar.policy import (
+    H200_LLAMA_8B,
+    ReliefCosts,
     RequestRecord,
     RequestState,
     SequenceOutlook,
@@ -98,6 +100,7 @@ _TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
 _SSE_HEADERS = {"content-type": "text/event-stream", "cache-control": "no-cache"}
 DONE = b"data: [DONE]\n\n"
 _RESUMABLE = frozenset({_S.DECODING, _S.DECODE_READY})
+_MODES = ("recompute", "offload", "migrate", "terminate")
 PREEMPTED_EVENT = b"event: weir.preempted\n"
 TOO_LARGE = "too_large"  # admission's reason for a request that can never fit
 
@@ -192,6 +195,13 @@ class SidecarService:
         modes = policy.scheduling.preemption_modes
         self._may_recompute = PreemptionMode.RECOMPUTE in modes
         self._may_migrate = PreemptionMode.MIGRATE in modes
+        # Offload is a resume in place whose pages wait in the engine's host tier: it
+        # needs one, and relief weighs it against recompute and migrate by cost.
+        self.costs = H200_LLAMA_8B
+        self.host_tier_tokens = info.host_tier_tokens(self.costs.kv_bytes_per_token)
+        self._may_offload = PreemptionMode.OFFLOAD in modes and self.host_tier_tokens > 0
+        if not self.host_tier_tokens:
+            self.costs = replace(self.costs, host_bytes_per_s=0.0)
         # Whether the engine's /generate streams carry each event's ids only (SGLang
         # 0.5.5) or all so far (0.5.23): learnt from the first stream that shows it.
         self.ids_delta: bool | None = None
@@ -320,9 +330,9 @@ class SidecarService:
         try:
             body = await self.guard.read(request, parse_json)
             rid, mode = body.get("rid"), body.get("mode", "recompute")
-            if not isinstance(rid, str) or mode not in ("recompute", "migrate", "terminate"):
+            if not isinstance(rid, str) or mode not in _MODES:
                 raise RequestError(
-                    'expected {"rid": str, "mode": "recompute"|"migrate"|"terminate"}'
+                    'expected {"rid": str, "mode": "recompute"|"offload"|"migrate"|"terminate"}'
                 )
         except RequestError as exc:
             return _bad(exc)
@@ -404,7 +414,7 @@ class SidecarService:
             # A completion prompted by token ids extends by the ids the engine reports.
             recomputable=streamed
             and (intake.recomputable or self.info.openai_token_ids)
-            and self._may_recompute,
+            and (self._may_recompute or self._may_offload),
             migratable=streamed
             and self._may_migrate
             and request.headers.get(wire.MIGRATABLE) == "1",
@@ -674,9 +684,13 @@ class SidecarService:
                 self._note_admission(flight, exc)
                 await self._end_stream(response, flight, "overload", f"could not resume: {exc}")
                 return response
+            finally:
+                flight.offloaded = 0  # resumed or ended: its host pages are claimed no more
             self._note_admission(flight)
             self.metrics.count(
-                "weir_sidecar_recomputed_tokens_total",
+                "weir_sidecar_offloaded_tokens_total"
+                if mode == "offload"
+                else "weir_sidecar_recomputed_tokens_total",
                 amount=flight.record.prompt_tokens + flight.record.generated_tokens,
             )
             segment += 1
@@ -724,6 +738,8 @@ class SidecarService:
     def _preempted(self, flight: Flight, mode: str) -> None:
         self.ledger.move(flight, _S.DECODE_PREEMPTED)
         flight.preempt_mode = ""
+        if mode == "offload":
+            flight.offloaded = flight.record.prompt_tokens + flight.record.generated_tokens
         self.metrics.count("weir_sidecar_preemptions_total", mode)
 
     async def _end_stream(
@@ -857,17 +873,19 @@ class SidecarService:
     # -- actions -------------------------------------------------------------------------
 
     def begin_preempt(self, rid: str, mode: str, why: str) -> Flight | None:
-        """Mark a decoding request for preemption (recompute, migrate or terminate) for
-        the reason `why` (recorded); the engine abort follows. None when it is not
-        decoding, already being preempted, over its preemption cap, or the mode is not
-        allowed for it."""
+        """Mark a decoding request for preemption (recompute, offload, migrate or
+        terminate) for the reason `why` (recorded); the engine abort follows. None when it
+        is not decoding, already being preempted, over its preemption cap, or the mode is
+        not allowed for it."""
         flight = self.ledger.flights.get(rid)
         if flight is None or flight.preempt_mode or flight.record.state is not _S.DECODING:
             return None
         rec = flight.record
         if mode == "migrate" and not rec.migratable:
             return None
-        if mode == "recompute" and not rec.recomputable:
+        if mode == "recompute" and not (rec.recomputable and self._may_recompute):
+            return None
+        if mode == "offload" and not (rec.recomputable and self._may_offload):
             return None
         if mode != "terminate" and not self._resumable(flight):
             return None
@@ -917,7 +935,7 @@ class SidecarService:
         ledger = self.ledger
         plan = plan_relief(
             ledger.usage(), ledger.watermark, ledger.candidates(), self.policy, ledger.clock(),
-            migration_room,
+            migration_room, self.relief_costs(),
         )  # fmt: skip
         notes = []
         chosen = {victim.rid for victim in plan.victims}
@@ -938,6 +956,13 @@ class SidecarService:
         for note in notes:
             log.info("relief (%s, needs %d tokens): %s", plan.watermark, plan.needed_tokens, note)
         return notes
+
+    def relief_costs(self) -> ReliefCosts:
+        """The costs relief weighs, with the host room offloads may still claim: the host
+        pool less what offloaded requests not yet resumed left there."""
+        held = sum(f.offloaded for f in self.ledger.flights.values())
+        room = max(0, self.host_tier_tokens - held) if self._may_offload else 0
+        return replace(self.costs, host_room_tokens=room)
 
     async def drain(self, deadline_s: float) -> dict[str, int]:
         """Stop admitting; let in-flight requests finish until the deadline, then migrate

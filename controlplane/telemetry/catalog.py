@@ -102,6 +102,12 @@ SIDECAR: tuple[MetricSpec, ...] = (
         _EP,
     ),
     MetricSpec(
+        "weir_sidecar_offloaded_tokens_total",
+        _C,
+        "Tokens resumed from the engine's host tier instead of re-prefilled (offloads).",
+        _EP,
+    ),
+    MetricSpec(
         "weir_sidecar_transferred_bytes_total",
         _C,
         "KV or continuation bytes moved to another endpoint.",

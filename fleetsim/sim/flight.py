@@ -40,6 +40,9 @@ class Flight:
     visit_cached: int = -1
     preemptions: dict[str, int] = field(default_factory=dict)
     recomputed_tokens: int = 0
+    # A relief victim's history, until its continuation's first token says how much of it
+    # a prefix cache gave back (the rest was recomputed).
+    resume_tokens: int = 0
     queued_since: float = -1.0
     queue_time_s: float = 0.0
     # P/D: prompt tokens whose KV a prefill engine computed and handed off, waiting to be

@@ -20,7 +20,10 @@ resumes one class ahead and never refused for a full queue; held equal to the le
 tests/fleetsim/test_orchestration_parity.py); engine priority from urgency (`engine_priority`);
 watermarks with hysteresis (`classify`) published with every heartbeat and at once on a
 change; and the relief ladder (`plan_relief`): at exhaustion, victims are migrated (a
-continuation re-routed by the router, excluding this endpoint) or recomputed in place.
+continuation re-routed by the router, excluding this endpoint), offloaded (resumed in
+place from the engine's host tier) or recomputed in place. On engines with a host tier
+the choice is relief's cost comparison (`ReliefCosts` from the engines' roofline, the
+host room less what this sidecar's offloads not yet resumed hold).
 
 Router gate (`fleetsim.sim.gate`): tenant quotas, when the pool policy declares tenants,
 and on a disaggregated fleet a decode handoff credit before a prefill is admitted, both
@@ -42,7 +45,7 @@ chunk boundaries, mixed prefill/decode iterations with a prefill time budget), a
 operator renders them from the pool spec. When an engine dies,
 the router, which holds every stream, re-routes what it had in flight as continuations.
 
-Not modelled: KV token-second quotas (the sidecar's charge), offload/swap.
+Not modelled: KV token-second quotas (the sidecar's charge).
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ import functools
 import math
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from controlplane.contract import (
     CacheIdentity,
@@ -86,6 +89,7 @@ from engine_sidecar.policy import (
     OutputLengthPredictor,
     PoolOutlook,
     QueuedRequest,
+    ReliefCosts,
     Rung,
     SequenceOutlook,
     VictimCandidate,
@@ -148,6 +152,8 @@ class Sidecar:
     reserved_tokens: int = 0
     accounted_at: float = -1e9
     version: int = 0
+    # Offloaded victims not yet back in the engine, with the KV each left in its host tier.
+    offloaded: dict[str, tuple[Flight, int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.ledger = Ledger(self.policy, self.capacity_tokens, self.clock)
@@ -190,6 +196,31 @@ class Sidecar:
     def usage(self) -> KVUsage:
         return KVUsage(self.capacity_tokens, self.used_tokens, self.reserved_tokens)
 
+    def host_held(self) -> int:
+        """KV its offloads left in the host tier and have not loaded back yet."""
+        for rid, (flight, _) in list(self.offloaded.items()):
+            if flight.done or flight.stage is Stage.ENGINE:
+                del self.offloaded[rid]
+        return sum(tokens for _, tokens in self.offloaded.values())
+
+
+def relief_costs(config: EngineConfig) -> ReliefCosts | None:
+    """Relief's costs on engines of this config, from their roofline (None without a host
+    tier: relief then takes the ladder's order, as before offload existed)."""
+    if not config.enable_hierarchical_cache:
+        return None
+    timing = config.timing
+    model, hw = timing.model, timing.hardware
+    flops = hw.flops * hw.compute_efficiency
+    return ReliefCosts(
+        prefill_s_per_token=2.0 * model.params / flops,
+        prefill_s_per_pair=4.0 * model.layers * model.hidden / flops,
+        decode_step_s=timing.iteration_s(0, 0, 0, 1, 0),
+        kv_bytes_per_token=model.kv_bytes_per_token,
+        host_bytes_per_s=hw.host_bytes_per_s,
+        host_room_tokens=config.host_total_tokens,
+    )
+
 
 class WeirPolicy:
     name = "weir"
@@ -215,6 +246,7 @@ class WeirPolicy:
         self._delivering = False
         self._wakeups: dict[Role, float] = {}  # each router's earliest timer set
         self._gate: RouterGate | None = None
+        self._costs: ReliefCosts | None = None
 
     @property
     def sim(self) -> Simulation:
@@ -261,6 +293,7 @@ class WeirPolicy:
             "transfer_bytes_per_s": sim.config.kv_link_bytes_per_s,
         }
         self.profile = profile_from_config(config)
+        self._costs = relief_costs(sim.engine_config)
         self.sidecars = [
             Sidecar(
                 e.index, f"engine-{e.index}", e.capacity_tokens, policy, lambda: sim.now, e.role
@@ -652,18 +685,26 @@ class WeirPolicy:
             if i != sidecar.index and state.role is sidecar.role and self._leases[i] > now
         ]
         room = peer_room(peers, policy.kv)
-        plan = plan_relief(sidecar.usage(), sidecar.watermark, candidates, policy, now, room)
+        costs = self._costs
+        if costs is not None:
+            on_host = sidecar.host_held()
+            costs = replace(costs, host_room_tokens=max(0, costs.host_room_tokens - on_host))
+        plan = plan_relief(sidecar.usage(), sidecar.watermark, candidates, policy, now, room, costs)
         sidecar.admission_paused = plan.admission_paused
         for victim in plan.victims:
             flight = sidecar.held[victim.rid].flight
             self._release(sidecar, flight)
             self.sim.withdraw(flight, now)
-            flight.recomputed_tokens += flight.spec.input_tokens + flight.generated
+            # What its continuation computes again is known when it resumes: its history
+            # less what a prefix cache (device or host) gives back there.
+            flight.resume_tokens = flight.spec.input_tokens + flight.generated
             if victim.mode is Rung.MIGRATE:
                 flight.preempted("migrate")
                 self._hand_back(flight, now, broken=False)
-            elif victim.mode is Rung.RECOMPUTE:
-                flight.preempted("recompute")
+            elif victim.mode in (Rung.RECOMPUTE, Rung.OFFLOAD):
+                flight.preempted(victim.mode.value)
+                if victim.mode is Rung.OFFLOAD:
+                    sidecar.offloaded[flight.rid] = (flight, flight.resume_tokens)
                 self._offer(sidecar, flight, now)
             else:
                 self.sim.end(flight, FinishReason.ABORTED, now, "terminated by relief")
