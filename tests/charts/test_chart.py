@@ -610,6 +610,11 @@ def test_decision_logs_and_tracing_reach_routers_and_the_operator() -> None:
     deployments = {d["metadata"]["name"]: d for d in found["Deployment"]}
     router = deployments["weir-router-chat"]["spec"]["template"]["spec"]["containers"][0]
     assert "--log-decisions" in router["args"]
+    token = router["args"][router["args"].index("--admin-token-file") + 1]
+    assert token == "/etc/weir/admin/token"
+    volumes = deployments["weir-router-chat"]["spec"]["template"]["spec"]["volumes"]
+    (admin,) = [v for v in volumes if v["name"] == "admin-token"]
+    assert admin["secret"]["secretName"] == "weir-sidecar-admin"
     env = {e["name"]: e.get("value") for e in router["env"]}
     assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://collector.monitoring:4318"
     operator = deployments["weir-operator"]["spec"]["template"]["spec"]["containers"][0]
