@@ -18,11 +18,16 @@ import logging
 import time
 from collections.abc import Awaitable
 
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from controlplane.contract import EndpointState, Lifecycle, SchemaError
-from controlplane.store import EndpointLease, EndpointRegistry, FencedError, cancel_loops
+from controlplane.store import (
+    EndpointLease,
+    EndpointRegistry,
+    FencedError,
+    RedisClient,
+    cancel_loops,
+)
 from controlplane.store.commands import CommandChannel
 from controlplane.store.quotas import QuotaStore
 from engine_sidecar.ledger import COMMITTED
@@ -37,7 +42,7 @@ class ControlLink:
     def __init__(
         self,
         service: SidecarService,
-        redis: Redis,
+        redis: RedisClient,
         pool: str,
         endpoint_id: str,
         address: str,

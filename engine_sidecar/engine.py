@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 import msgspec
 
+from controlplane.trace.spans import CLIENT, TRACER, outgoing
 from controlplane.transport import HTTPClient, Response, SSEEvent, TransportError
 
 _json_decode = msgspec.json.Decoder().decode
@@ -47,6 +48,16 @@ class EngineInfo:
     max_req_input_len: int
     loads_api: str  # "v1_loads" (0.5.23) or "get_load" (0.5.5)
     incremental_streaming: bool = False  # --incremental-streaming-output
+    # The hierarchical cache's host pool (--enable-hierarchical-cache): --hicache-size
+    # GB when given, else --hicache-ratio times the device pool; 0 and 0.0 without one.
+    hicache_size_gb: int = 0
+    hicache_ratio: float = 0.0
+
+    def host_tier_tokens(self, kv_bytes_per_token: int) -> int:
+        """The host pool's capacity in tokens (0: no host tier)."""
+        if self.hicache_size_gb > 0:
+            return int(self.hicache_size_gb * 1e9 // kv_bytes_per_token)
+        return int(self.hicache_ratio * self.kv_capacity_tokens)
 
     @property
     def pause_takes_mode(self) -> bool:
@@ -57,6 +68,19 @@ class EngineInfo:
         """OpenAI streams can carry token ids: `return_token_ids` on completions and
         `return_*_ids_in_sglext` on chat, which SGLang 0.5.23 has and 0.5.5 has not."""
         return _version(self.version) >= (0, 5, 23)
+
+
+def _hicache(info: dict[str, Any]) -> dict[str, Any]:
+    """The host pool's size flags from server info, when the hierarchical cache is on
+    (SGLang reports the ratio unresolved, None, when it was left to its default of 2)."""
+    if not info.get("enable_hierarchical_cache"):
+        return {}
+    ratio = info.get("hicache_ratio")
+    size = info.get("hicache_size")
+    return {
+        "hicache_ratio": float(ratio) if isinstance(ratio, int | float) else 2.0,
+        "hicache_size_gb": size if isinstance(size, int) else 0,
+    }
 
 
 def _version(text: str) -> tuple[int, ...]:
@@ -198,6 +222,7 @@ class SGLangEngine:
             max_req_input_len=_int(info.get("max_req_input_len")),
             loads_api="v1_loads" if loads_status == 200 else "get_load",
             incremental_streaming=bool(info.get("incremental_streaming_output", False)),
+            **_hicache(info),
         )
         return self._info
 
@@ -226,14 +251,21 @@ class SGLangEngine:
     @asynccontextmanager
     async def open(self, path: str, body: dict[str, Any]) -> AsyncIterator[_HTTPStream]:
         url = self.url + path
-        try:
-            response = await self._http.request("POST", url, msgspec.json.encode(body), _JSON)
-        except TransportError as exc:
-            raise EngineError(f"POST {url}: {exc}") from exc
-        # Errors inside the block are the caller's (a client that went away, say): only
-        # reading the engine's answer turns into EngineError, in _HTTPStream.
-        async with response:
-            yield _HTTPStream(url, response)
+        # One span per engine segment (a resume in place is a second one), named by the
+        # engine rid, which SGLang's own logs print.
+        with TRACER.start_as_current_span(
+            "weir.sidecar.engine", kind=CLIENT,
+            attributes={"weir.engine_rid": str(body.get("rid", "")), "http.route": path},
+        ):  # fmt: skip
+            headers = outgoing(dict(_JSON))
+            try:
+                response = await self._http.request("POST", url, msgspec.json.encode(body), headers)
+            except TransportError as exc:
+                raise EngineError(f"POST {url}: {exc}") from exc
+            # Errors inside the block are the caller's (a client that went away, say):
+            # only reading the engine's answer turns into EngineError, in _HTTPStream.
+            async with response:
+                yield _HTTPStream(url, response)
 
     async def abort(self, rid: str) -> None:
         status = await self._post("/abort_request", {"rid": rid, "abort_all": False})

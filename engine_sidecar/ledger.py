@@ -22,6 +22,7 @@ from typing import Any
 from controlplane.contract import FinishReason, PoolPolicy, WatermarkState
 from engine_sidecar.intake import Intake
 from engine_sidecar.policy import (
+    AdmissionDecision,
     AdmissionQueue,
     AdmissionVerdict,
     GrowthRate,
@@ -79,10 +80,12 @@ class Flight:
     engine_rid: str = ""
     client_rid: str = ""  # the rid the client (a router) gave, for its /abort_request
     task: asyncio.Task[Any] | None = None  # the handler serving it, cancelled by an abort
-    preempt_mode: str = ""  # set by relief or a command: "recompute" or "migrate"
+    preempt_mode: str = ""  # set by relief or a command: "recompute", "offload", "migrate"…
+    offloaded: int = 0  # KV tokens an offload left in the engine's host tier, until it resumes
     first_token_mono: float = 0.0
     cancelled_mono: float = 0.0
     resumed: bool = False  # a continuation from another endpoint: accepted work
+    admission: AdmissionDecision | None = None  # the last admission decision, explained
 
     @property
     def record(self) -> RequestRecord:
@@ -326,7 +329,7 @@ class Ledger:
 
     # -- admission -------------------------------------------------------------------------
 
-    def _decide(self, flight: Flight) -> tuple[AdmissionVerdict, str]:
+    def _decide(self, flight: Flight) -> AdmissionDecision:
         rec = flight.record
         if rec.generated_tokens == 0 or flight.predicted_total == 0:
             self.predict(flight)
@@ -338,17 +341,18 @@ class Ledger:
             self.watermark,
             self.admission_open,
         )
-        decision = decide_admission(
+        flight.admission = decide_admission(
             self._outlook(flight), rec.prompt_tokens + rec.generated_tokens, pool, self.policy.kv
         )
-        return decision.verdict, decision.reason
+        return flight.admission
 
     async def admit(self, flight: Flight) -> None:
         """Admit `flight` (new, or preempted and resuming) now or after a bounded wait in
         the local queue (`AdmissionQueue`'s discipline); raises OverloadError. On return
         its KV is committed."""
         sched = self.policy.scheduling
-        verdict, reason = self._decide(flight)
+        decision = self._decide(flight)
+        verdict, reason = decision.verdict, decision.reason
         if verdict is AdmissionVerdict.REFUSE:
             raise _never_fits(reason)
         queue = self._queue
@@ -417,7 +421,7 @@ class Ledger:
         flight = self.flights.get(queued.rid)
         if flight is None or waiter.done():
             return None  # its waiter left
-        return self._decide(flight)[0]
+        return self._decide(flight).verdict
 
 
 def _never_fits(reason: str) -> OverloadError:

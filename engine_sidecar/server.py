@@ -23,7 +23,9 @@ import yaml
 from aiohttp import web
 
 from controlplane.contract import PoolPolicy, SchemaError, WatermarkState, decode_json
+from controlplane.contract import headers as wire
 from controlplane.store.connection import RedisSettings, connect
+from controlplane.trace.middleware import request_ids
 from controlplane.transport.guard import ServerLimits
 from engine_sidecar.control import ControlLink
 from engine_sidecar.engine import EngineAdapter, EngineError, EngineInfo, SGLangEngine
@@ -150,13 +152,21 @@ async def serve_sidecar(config: SidecarConfig) -> AsyncIterator[RunningSidecar]:
         )  # fmt: skip
         if not config.admin_token:
             log.warning(
-                "no admin token: /weir/v1/state, /weir/v1/preempt and /weir/v1/drain are "
+                "no admin token: /weir/v1/state, /weir/v1/requests, /weir/v1/preempt and "
+                "/weir/v1/drain are "
                 "open to anyone who reaches %s (set --admin-token-file or WEIR_ADMIN_TOKEN)",
                 url,
             )
         guard = service.guard
+        # The router's request id first; a client that calls the sidecar directly may
+        # give its own.
+        ids = request_ids(
+            SidecarService.REQUEST_PATHS,
+            (wire.REQUEST_ID, wire.CLIENT_REQUEST_ID),
+            "weir.sidecar.request",
+        )
         app = web.Application(
-            client_max_size=service.continuation_limit, middlewares=[guard.middleware]
+            client_max_size=service.continuation_limit, middlewares=[ids, guard.middleware]
         )
         app.add_routes(service.routes())
         runner = web.AppRunner(
@@ -171,7 +181,9 @@ async def serve_sidecar(config: SidecarConfig) -> AsyncIterator[RunningSidecar]:
         if config.redis_url:
             link = ControlLink(
                 service,
-                connect(RedisSettings(url=config.redis_url, client_name=f"weir-sidecar-{port}")),
+                connect(
+                    RedisSettings.from_url(config.redis_url, client_name=f"weir-sidecar-{port}")
+                ),
                 config.pool,
                 endpoint_id,
                 config.advertise_url or url,

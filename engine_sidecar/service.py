@@ -34,10 +34,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import re
-import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -58,6 +56,16 @@ from controlplane.contract import (
     encode_json,
 )
 from controlplane.contract import headers as wire
+from controlplane.trace.middleware import REQUEST_ID
+from controlplane.trace.trail import (
+    NO_REQUEST,
+    Trail,
+    carried_request_id,
+    current_request,
+    request_id_of,
+    sidecar_rid,
+)
+from controlplane.transport.admin import Handler, admin_only
 from controlplane.transport.event_stream import DirectWriter
 from controlplane.transport.guard import BodyError, RequestGuard, ServerLimits
 from engine_sidecar.engine import EngineAdapter, EngineError, EngineInfo
@@ -74,6 +82,8 @@ from engine_sidecar.intake import (
 from engine_sidecar.ledger import COMMITTED, Flight, Ledger, OverloadError
 from engine_sidecar.metrics import SidecarMetrics, length_bucket
 from engine_sidecar.policy import (
+    H200_LLAMA_8B,
+    ReliefCosts,
     RequestRecord,
     RequestState,
     SequenceOutlook,
@@ -90,12 +100,20 @@ _TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
 _SSE_HEADERS = {"content-type": "text/event-stream", "cache-control": "no-cache"}
 DONE = b"data: [DONE]\n\n"
 _RESUMABLE = frozenset({_S.DECODING, _S.DECODE_READY})
+_MODES = ("recompute", "offload", "migrate", "terminate")
 PREEMPTED_EVENT = b"event: weir.preempted\n"
 TOO_LARGE = "too_large"  # admission's reason for a request that can never fit
 
 
+CONTINUE_PATH = "/weir/v1/continue"
+
+
 def error_body(kind: str, message: str, **extra: str) -> bytes:
-    return msgspec.json.encode({"error": {"type": kind, "message": message, **extra}})
+    """An OpenAI-shaped error, naming the request being handled, if any."""
+    error = {"type": kind, "message": message, **extra}
+    if (request_id := current_request.get()) != NO_REQUEST:
+        error.setdefault("request_id", request_id)
+    return msgspec.json.encode({"error": error})
 
 
 def overload_response(reason: str, retry_after_s: int, message: str) -> web.Response:
@@ -138,6 +156,9 @@ class _Origin:
 
 
 class SidecarService:
+    # Where requests (and so request ids) arrive.
+    REQUEST_PATHS = frozenset((*ENGINE_PATH.values(), CONTINUE_PATH))
+
     def __init__(
         self,
         engine: EngineAdapter,
@@ -149,11 +170,12 @@ class SidecarService:
         server_limits: ServerLimits | None = None,
     ) -> None:
         self.engine = engine
-        self._admin_token = admin_token.encode()  # empty: the admin routes are open
+        self._admin_token = admin_token  # empty: the admin routes are open
         self.info = info
         self.policy = policy
         self.ledger = Ledger(policy, info.kv_capacity_tokens)
         self.metrics = SidecarMetrics(self.ledger, pool, endpoint_id)
+        self.trail = Trail(f"sidecar/{endpoint_id}")
         self.limits = Limits(
             model=policy.model or info.model,
             context_length=min(policy.context_length, info.context_length or policy.context_length),
@@ -173,6 +195,13 @@ class SidecarService:
         modes = policy.scheduling.preemption_modes
         self._may_recompute = PreemptionMode.RECOMPUTE in modes
         self._may_migrate = PreemptionMode.MIGRATE in modes
+        # Offload is a resume in place whose pages wait in the engine's host tier: it
+        # needs one, and relief weighs it against recompute and migrate by cost.
+        self.costs = H200_LLAMA_8B
+        self.host_tier_tokens = info.host_tier_tokens(self.costs.kv_bytes_per_token)
+        self._may_offload = PreemptionMode.OFFLOAD in modes and self.host_tier_tokens > 0
+        if not self.host_tier_tokens:
+            self.costs = replace(self.costs, host_bytes_per_s=0.0)
         # Whether the engine's /generate streams carry each event's ids only (SGLang
         # 0.5.5) or all so far (0.5.23): learnt from the first stream that shows it.
         self.ids_delta: bool | None = None
@@ -187,48 +216,20 @@ class SidecarService:
             return handler
 
         return [
-            web.post("/generate", entry(EngineAPI.GENERATE)),
-            web.post("/v1/completions", entry(EngineAPI.COMPLETIONS)),
-            web.post("/v1/chat/completions", entry(EngineAPI.CHAT)),
-            web.post("/weir/v1/continue", self.handle_continue),
+            *(web.post(path, entry(api)) for api, path in ENGINE_PATH.items()),
+            web.post(CONTINUE_PATH, self.handle_continue),
             web.post("/weir/v1/preempt", self._admin(self.handle_preempt)),
             web.post("/weir/v1/drain", self._admin(self.handle_drain)),
             web.post("/abort_request", self.handle_abort),
             web.get("/weir/v1/state", self._admin(self.handle_state)),
+            web.get("/weir/v1/requests/{request_id}", self._admin(self.handle_story)),
             web.get("/v1/models", self.handle_models),
             web.get("/health", self.handle_health),
             web.get("/metrics", self.handle_metrics),
         ]
 
-    def _admin(
-        self, handler: Callable[[web.Request], Awaitable[web.Response]]
-    ) -> Callable[[web.Request], Awaitable[web.Response]]:
-        """`handler` behind the admin token (`Authorization: Bearer TOKEN`), when one is
-        configured: 401 without it or with another."""
-
-        async def guarded(request: web.Request) -> web.Response:
-            if not self._admin_token:
-                return await handler(request)
-            given = request.headers.get("Authorization", "").strip()
-            scheme, _, token = given.partition(" ")
-            # Compared in constant time, whatever the scheme (its check comes after).
-            if hmac.compare_digest(token.strip().encode(), self._admin_token) and (
-                scheme.lower() == "bearer"
-            ):
-                return await handler(request)
-            return web.Response(
-                status=401,
-                body=error_body(
-                    "unauthorized",
-                    "this admin route needs the sidecar's admin token "
-                    "(Authorization: Bearer TOKEN)",
-                    reason="invalid_admin_token" if given else "missing_admin_token",
-                ),
-                content_type="application/json",
-                headers={"WWW-Authenticate": 'Bearer realm="weir-sidecar"'},
-            )
-
-        return guarded
+    def _admin(self, handler: Handler) -> Handler:
+        return admin_only(self._admin_token, "sidecar", handler)
 
     async def handle(self, request: web.Request, api: EngineAPI) -> web.StreamResponse:
         try:
@@ -313,13 +314,25 @@ class SidecarService:
             }
         )
 
+    async def handle_story(self, request: web.Request) -> web.Response:
+        """What this sidecar recorded about one request (by the router's request id)."""
+        request_id = request.match_info["request_id"]
+        story = self.trail.story(request_id)
+        if story is None:
+            return web.Response(
+                status=404,
+                body=error_body("not_found", f"no record of request {request_id} here"),
+                content_type="application/json",
+            )
+        return web.json_response(story)
+
     async def handle_preempt(self, request: web.Request) -> web.Response:
         try:
             body = await self.guard.read(request, parse_json)
             rid, mode = body.get("rid"), body.get("mode", "recompute")
-            if not isinstance(rid, str) or mode not in ("recompute", "migrate", "terminate"):
+            if not isinstance(rid, str) or mode not in _MODES:
                 raise RequestError(
-                    'expected {"rid": str, "mode": "recompute"|"migrate"|"terminate"}'
+                    'expected {"rid": str, "mode": "recompute"|"offload"|"migrate"|"terminate"}'
                 )
         except RequestError as exc:
             return _bad(exc)
@@ -330,7 +343,7 @@ class SidecarService:
                 status=404, body=error_body("not_found", f"no request {rid}"),
                 content_type="application/json",
             )  # fmt: skip
-        done = await self.preempt(rid, mode)
+        done = await self.preempt(rid, mode, "ordered through /weir/v1/preempt")
         return web.json_response({"preempted": done}, status=200 if done else 409)
 
     async def handle_abort(self, request: web.Request) -> web.Response:
@@ -388,7 +401,7 @@ class SidecarService:
         now = self.ledger.clock()
         streamed = intake.stream
         record = RequestRecord(
-            rid=f"weir{uuid.uuid4().hex}",
+            rid=sidecar_rid(request.get(REQUEST_ID) or carried_request_id(None)),
             tenant=tenant,
             model=intake.model,
             prompt_tokens=intake.prompt_tokens,
@@ -401,7 +414,7 @@ class SidecarService:
             # A completion prompted by token ids extends by the ids the engine reports.
             recomputable=streamed
             and (intake.recomputable or self.info.openai_token_ids)
-            and self._may_recompute,
+            and (self._may_recompute or self._may_offload),
             migratable=streamed
             and self._may_migrate
             and request.headers.get(wire.MIGRATABLE) == "1",
@@ -418,9 +431,12 @@ class SidecarService:
                     return overload_response(
                         "tenant_kv_quota", retry_after, f"tenant {tenant} is out of KV quota"
                     )
+            if resumed:
+                self._note(flight, "continuation", offset_tokens=record.prompt_tokens)
             try:
                 await self.ledger.admit(flight)
             except OverloadError as exc:
+                self._note_admission(flight, exc)
                 if exc.reason == TOO_LARGE and not resumed:
                     # Never fits, whenever it is retried: the client's error, not overload.
                     # A continuation keeps the overload answer: the router places it
@@ -429,6 +445,7 @@ class SidecarService:
                     return self._too_large(flight)
                 self._end(flight, _S.REJECTED, FinishReason.OVERLOAD, exc.reason)
                 return overload_response(exc.reason, exc.retry_after_s, str(exc))
+            self._note_admission(flight)
             if streamed:
                 return await self._stream(request, flight, reader or StreamReader(intake.api))
             return await self._unary(flight)
@@ -597,7 +614,12 @@ class SidecarService:
                     else:
                         if out is None:
                             out = await DirectWriter.open(
-                                request, {**_SSE_HEADERS, wire.REQUEST_ID: flight.rid}
+                                request,
+                                {
+                                    **_SSE_HEADERS,
+                                    wire.REQUEST_ID: flight.rid,
+                                    wire.CLIENT_REQUEST_ID: request_id_of(flight.rid),
+                                },
                             )
                             response = out.response
                         forwarder = Forwarder(reader, flight, self.ledger, self._note_tokens, base)
@@ -648,6 +670,7 @@ class SidecarService:
                 data = encode_json(cont)
                 await response.write_eof(PREEMPTED_EVENT + b"data: " + data + b"\n\n")
                 self.metrics.count("weir_sidecar_transferred_bytes_total", amount=len(data))
+                self._note(flight, "handed_back", continuation_bytes=len(data))
                 self._end(flight, _S.FINISHED, FinishReason.PREEMPTED)
                 return response
             if mode == "terminate":
@@ -658,10 +681,16 @@ class SidecarService:
             try:
                 await self.ledger.admit(flight)
             except OverloadError as exc:
+                self._note_admission(flight, exc)
                 await self._end_stream(response, flight, "overload", f"could not resume: {exc}")
                 return response
+            finally:
+                flight.offloaded = 0  # resumed or ended: its host pages are claimed no more
+            self._note_admission(flight)
             self.metrics.count(
-                "weir_sidecar_recomputed_tokens_total",
+                "weir_sidecar_offloaded_tokens_total"
+                if mode == "offload"
+                else "weir_sidecar_recomputed_tokens_total",
                 amount=flight.record.prompt_tokens + flight.record.generated_tokens,
             )
             segment += 1
@@ -709,6 +738,8 @@ class SidecarService:
     def _preempted(self, flight: Flight, mode: str) -> None:
         self.ledger.move(flight, _S.DECODE_PREEMPTED)
         flight.preempt_mode = ""
+        if mode == "offload":
+            flight.offloaded = flight.record.prompt_tokens + flight.record.generated_tokens
         self.metrics.count("weir_sidecar_preemptions_total", mode)
 
     async def _end_stream(
@@ -722,8 +753,9 @@ class SidecarService:
             await self._abort_engine(flight)
         if not flight.record.state.is_final:
             self._end(flight, _S.ABORTED, reason, kind)
+        body = error_body(kind, message, request_id=request_id_of(flight.rid))
         with contextlib.suppress(ConnectionResetError):
-            await response.write_eof(b"data: " + error_body(kind, message) + b"\n\n" + DONE)
+            await response.write_eof(b"data: " + body + b"\n\n" + DONE)
 
     async def _unary(self, flight: Flight) -> web.Response:
         api = flight.intake.api
@@ -769,12 +801,37 @@ class SidecarService:
         if flight.record.state.is_final:
             return
         self.ledger.move(flight, state, reason)
+        rec = flight.record
+        self._note(
+            flight, "end", state=state.value, reason=reason.value, why=why,
+            prompt_tokens=rec.prompt_tokens, generated_tokens=rec.generated_tokens,
+            preemptions=rec.preemptions,
+        )  # fmt: skip
         if state is _S.REJECTED:
             self.metrics.count("weir_sidecar_admission_rejections_total", why or reason.value)
         else:
             self.metrics.sequence_ended(flight.record.priority, flight.record.tenant)
         self.metrics.count("weir_sidecar_requests_finished_total", reason.value)
         self._release_quota(flight)
+
+    def _note(self, flight: Flight, event: str, **fields: Any) -> None:
+        self.trail.record(request_id_of(flight.rid), event, rid=flight.rid, **fields)
+
+    def _note_admission(self, flight: Flight, refused: OverloadError | None = None) -> None:
+        """The admission verdict and its arithmetic (tokens needed against available)."""
+        decision = flight.admission
+        fields: dict[str, Any] = {
+            "since_arrival_s": round(self.ledger.clock() - flight.arrived_mono, 6)
+        }
+        if decision is not None:
+            fields.update(
+                first_verdict=decision.verdict.value, first_reason=decision.reason,
+                needed_tokens=decision.needed_tokens, available_tokens=decision.available_tokens,
+            )  # fmt: skip
+        if refused is None:
+            self._note(flight, "admitted", **fields)
+        else:
+            self._note(flight, "refused", reason=refused.reason, message=str(refused), **fields)
 
     def _release_quota(self, flight: Flight) -> None:
         if self.quota is not None and self.quota.holds(flight):
@@ -815,25 +872,29 @@ class SidecarService:
 
     # -- actions -------------------------------------------------------------------------
 
-    def begin_preempt(self, rid: str, mode: str) -> Flight | None:
-        """Mark a decoding request for preemption (recompute, migrate or terminate); the
-        engine abort follows. None when it is not decoding, already being preempted, over
-        its preemption cap, or the mode is not allowed for it."""
+    def begin_preempt(self, rid: str, mode: str, why: str) -> Flight | None:
+        """Mark a decoding request for preemption (recompute, offload, migrate or
+        terminate) for the reason `why` (recorded); the engine abort follows. None when it
+        is not decoding, already being preempted, over its preemption cap, or the mode is
+        not allowed for it."""
         flight = self.ledger.flights.get(rid)
         if flight is None or flight.preempt_mode or flight.record.state is not _S.DECODING:
             return None
         rec = flight.record
         if mode == "migrate" and not rec.migratable:
             return None
-        if mode == "recompute" and not rec.recomputable:
+        if mode == "recompute" and not (rec.recomputable and self._may_recompute):
+            return None
+        if mode == "offload" and not (rec.recomputable and self._may_offload):
             return None
         if mode != "terminate" and not self._resumable(flight):
             return None
         flight.preempt_mode = mode
+        self._note(flight, "preempt", mode=mode, why=why, generated_tokens=rec.generated_tokens)
         return flight
 
-    async def preempt(self, rid: str, mode: str) -> bool:
-        flight = self.begin_preempt(rid, mode)
+    async def preempt(self, rid: str, mode: str, why: str) -> bool:
+        flight = self.begin_preempt(rid, mode, why)
         if flight is None:
             return False
         await self._abort_engine(flight)
@@ -864,7 +925,8 @@ class SidecarService:
 
     async def _preempt_best(self, rid: str) -> bool:
         """Migrate when the request can move, else recompute in place."""
-        return await self.preempt(rid, "migrate") or await self.preempt(rid, "recompute")
+        why = "ordered by the control plane"
+        return await self.preempt(rid, "migrate", why) or await self.preempt(rid, "recompute", why)
 
     def relieve(self, migration_room: int | None = None) -> list[str]:
         """One pass of the relief ladder; starts preemptions and returns explanations.
@@ -873,18 +935,34 @@ class SidecarService:
         ledger = self.ledger
         plan = plan_relief(
             ledger.usage(), ledger.watermark, ledger.candidates(), self.policy, ledger.clock(),
-            migration_room,
+            migration_room, self.relief_costs(),
         )  # fmt: skip
         notes = []
+        chosen = {victim.rid for victim in plan.victims}
+        passed_over = [
+            f"{rid}: {score.explain()}" for rid, score in plan.ranked if rid not in chosen
+        ]
         for victim in plan.victims:
             mode = victim.mode.value
             notes.append(f"{victim.rid} → {mode}: {victim.score.explain()}")
-            flight = self.begin_preempt(victim.rid, mode)
+            why = (
+                f"relief at {plan.watermark} needs {plan.needed_tokens} tokens; "
+                f"{victim.score.explain()}; over {len(passed_over)} other(s): "
+                + ("; ".join(passed_over[:3]) or "none")
+            )
+            flight = self.begin_preempt(victim.rid, mode, why)
             if flight is not None:
                 self._spawn(self._abort_engine(flight))
         for note in notes:
             log.info("relief (%s, needs %d tokens): %s", plan.watermark, plan.needed_tokens, note)
         return notes
+
+    def relief_costs(self) -> ReliefCosts:
+        """The costs relief weighs, with the host room offloads may still claim: the host
+        pool less what offloaded requests not yet resumed left there."""
+        held = sum(f.offloaded for f in self.ledger.flights.values())
+        room = max(0, self.host_tier_tokens - held) if self._may_offload else 0
+        return replace(self.costs, host_room_tokens=room)
 
     async def drain(self, deadline_s: float) -> dict[str, int]:
         """Stop admitting; let in-flight requests finish until the deadline, then migrate
@@ -897,9 +975,9 @@ class SidecarService:
         await self.ledger.wait_idle(deadline_s)
         migrated = aborted = 0
         for rid, flight in list(self.ledger.flights.items()):
-            if flight.record.migratable and await self.preempt(rid, "migrate"):
+            if flight.record.migratable and await self.preempt(rid, "migrate", "drain"):
                 migrated += 1
-            elif await self.preempt(rid, "terminate"):
+            elif await self.preempt(rid, "terminate", "drain deadline"):
                 aborted += 1
             else:
                 await self._abort_engine(flight)

@@ -11,7 +11,9 @@ cd "$root"
 venv=.venv
 
 apt_packages=(redis-server)
-if [ "$mode" = dev ]; then apt_packages+=(redis-sentinel prometheus); fi
+# redis-tools' redis-cli makes the tests' Redis Cluster (redis-server pulls it in; named so
+# that a trimmed install is caught here, not by a skipped tier).
+if [ "$mode" = dev ]; then apt_packages+=(redis-tools redis-sentinel prometheus); fi
 
 missing=()
 for pkg in "${apt_packages[@]}"; do

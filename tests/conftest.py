@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.controlplane.cluster_topology import ClusterTopology, running_cluster
 from tests.kube.control_plane import (
     Cluster,
     ControlPlane,
@@ -35,6 +36,29 @@ def redis_url(redis_server: RedisServer) -> str:
     client.flushall()
     client.close()
     return redis_server.url
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[ClusterTopology]:
+    """One real Redis Cluster (three primaries, one replica each, AUTH on) for the
+    session. Tests that move slots or kill nodes start a cluster of their own."""
+    with running_cluster(password="weir-cluster") as topology:
+        yield topology
+
+
+@pytest.fixture
+def redis_cluster_url(redis_cluster: ClusterTopology) -> str:
+    """The session's cluster, emptied: a `redis+cluster://` URL."""
+    redis_cluster.flush()
+    return redis_cluster.url
+
+
+@pytest.fixture(params=["standalone", "cluster"])
+def store_url(request: pytest.FixtureRequest) -> str:
+    """An empty Redis of either kind, as the URL every component takes: a test that
+    takes it runs on both."""
+    fixture = "redis_url" if request.param == "standalone" else "redis_cluster_url"
+    return str(request.getfixturevalue(fixture))
 
 
 @pytest.fixture

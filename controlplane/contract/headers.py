@@ -14,7 +14,11 @@ DEADLINE_MS: Final = "x-weir-deadline-ms"
 TENANT: Final = "x-weir-tenant"
 """The tenant the router resolved from the API key ("default" when keys are off)."""
 REQUEST_ID: Final = "x-weir-request-id"
-"""The router's id of the client request, stable across retries and resumes."""
+"""The router's id of the client request, stable across retries and resumes (a sidecar
+answers with its own rid for it, which starts with that id)."""
+CLIENT_REQUEST_ID: Final = "x-request-id"
+"""The client's id for its request, kept when Weir can carry it (see
+`controlplane.trace.trail`); every answer of router and sidecar names the id in it."""
 MIGRATABLE: Final = "x-weir-migratable"
 """`1` when the router can splice a `weir.preempted` continuation into the client's stream."""
 HANDOFF_CREDIT: Final = "x-weir-handoff-credit"

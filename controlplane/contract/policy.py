@@ -4,6 +4,7 @@ and what sidecars and routers obey. Mirrors the CRD's spec sections (see crds/).
 from __future__ import annotations
 
 import enum
+import math
 
 import msgspec
 
@@ -54,6 +55,12 @@ class SchedulingPolicy(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class RoutingPolicy(msgspec.Struct, frozen=True, kw_only=True):
+    """How routers place requests. The dispatch limits are the router's fair queue
+    (`queue_capacity_per_band` requests per priority, each waiting at most
+    `queue_max_wait_s` for an endpoint with room), the endpoints a request is offered to
+    before its first byte (`max_attempts`), and how long a stream handed back mid-answer
+    waits for an endpoint to resume it (`resume_wait_s`)."""
+
     prefix_block_tokens: int = 64
     prefix_blocks_for_owner: int = 4
     virtual_nodes: int = 128
@@ -61,6 +68,22 @@ class RoutingPolicy(msgspec.Struct, frozen=True, kw_only=True):
     max_affinity_wait_s: float = 2.0
     tenant_isolated_cache: bool = False
     snapshot_staleness_s: float = 10.0
+    queue_capacity_per_band: int = 256
+    queue_max_wait_s: float = 30.0
+    max_attempts: int = 3
+    resume_wait_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.queue_capacity_per_band < 1 or self.max_attempts < 1:
+            raise ValueError(
+                "routing.queue_capacity_per_band and routing.max_attempts must be >= 1, got "
+                f"{self.queue_capacity_per_band} and {self.max_attempts}"
+            )
+        if not (0 < self.queue_max_wait_s < math.inf and 0 <= self.resume_wait_s < math.inf):
+            raise ValueError(
+                "routing.queue_max_wait_s must be a positive number and routing.resume_wait_s "
+                f"a number >= 0, got {self.queue_max_wait_s} and {self.resume_wait_s}"
+            )
 
 
 class AutoscalingPolicy(msgspec.Struct, frozen=True, kw_only=True):

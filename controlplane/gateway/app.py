@@ -13,8 +13,12 @@ event resumes the request as a continuation elsewhere, spliced into the same cli
 stream (`controlplane.gateway.relay`). A client that goes away aborts the request upstream
 at once (the connection is closed and `/abort_request` is sent for its rid).
 
-Decisions are pure and synchronous over the in-memory snapshot; besides the upstream call,
-the hot path's only I/O is the quota charge (and a prefill pool's credit).
+Where a request goes, when it waits, and when it is refused is the dispatch core's
+(`controlplane.routing.Dispatcher`, which the fleet simulator drives too): the gateway
+feeds it arrivals, attempts' outcomes, ends and reports, and turns its events into
+answers. Waiting is the gateway's: a future per placement, and one timer for the core's
+next wakeup. Decisions are pure and synchronous over the in-memory snapshot; besides the
+upstream call, the hot path's only I/O is the quota charge (and a prefill pool's credit).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -45,7 +49,7 @@ from controlplane.contract import (
 )
 from controlplane.contract import headers as wire
 from controlplane.gateway.credits import CREDIT_HEADER, HandoffGate
-from controlplane.gateway.errors import GatewayError, body_refused, overload, unavailable
+from controlplane.gateway.errors import GatewayError, body_refused, refusal_error, unavailable
 from controlplane.gateway.metrics import RouterMetrics, length_bucket
 from controlplane.gateway.pool import PoolView
 from controlplane.gateway.quotas import QuotaGate
@@ -54,29 +58,35 @@ from controlplane.gateway.requests import ClientRequest, Limits, decode_body, pa
 from controlplane.gateway.tenants import TENANT_HEADER, TenantKeys
 from controlplane.ownership import block_hashes, prefix_key
 from controlplane.routing import (
-    SATURATION,
     Decision,
+    Dispatcher,
     EndpointView,
-    FairQueue,
-    InFlight,
+    Placed,
     PoolSnapshot,
     PrefixIndex,
-    QueueFullError,
+    Profile,
     RouteRequest,
     RoutingContext,
     default_config,
     profile_from_config,
-    service_correction,
-    service_estimate,
 )
-from controlplane.transport import DONE, HTTPClient, Response, TransportError
+from controlplane.routing.dispatch import Event
+from controlplane.trace.middleware import REQUEST_ID, request_ids
+from controlplane.trace.spans import CLIENT, TRACER, outgoing
+from controlplane.trace.trail import Trail
+from controlplane.transport import (
+    DONE,
+    MAX_CONNECTIONS_PER_ORIGIN,
+    HTTPClient,
+    Response,
+    TransportError,
+)
+from controlplane.transport.admin import admin_only
 from controlplane.transport.event_stream import DirectWriter
 from controlplane.transport.guard import BodyError, RequestGuard, ServerLimits
 
 log = logging.getLogger(__name__)
 
-# Filters that remove endpoints for being full right now: a request they leave without a
-# candidate waits in the fair queue; any other refusal means nothing could serve it.
 MAX_HASHED_BLOCKS = 256
 # A report that reaches the router was taken at most this long before: what the router
 # sent earlier had reached the endpoint and is in it.
@@ -92,9 +102,15 @@ _API_PATHS = {
 
 @dataclass(frozen=True, slots=True)
 class GatewayConfig:
-    """How one gateway serves one pool. `max_attempts` bounds tries before the first
-    byte, `max_resumes` continuations after it (an engine or sidecar lost, a migration);
-    a resume that no endpoint can take yet waits for one up to `resume_wait_s`."""
+    """How one gateway serves one pool. `max_resumes` bounds continuations after the
+    first byte (an engine or sidecar lost, a migration); the fair queue's size and time to
+    live, the tries before the first byte and how long a resume waits for an endpoint are
+    the pool policy's (`routing`), shared with the simulator.
+    `max_upstream_connections` caps the connections open to one endpoint: past it a
+    request waits for one to come free, up to `connect_timeout_s`, then tries another
+    endpoint. Its default is the router's own connection cap (`server.max_connections`'s
+    default): a client connection has at most one request upstream at a time, so the cap
+    binds only on requests no client waits for (aborts) piling up on one endpoint."""
 
     pool: str = "default"
     model: str = "reference"
@@ -106,13 +122,10 @@ class GatewayConfig:
     server: ServerLimits = field(default_factory=lambda: ServerLimits(max_connections=8192))
     routing: RoutingPolicy = field(default_factory=RoutingPolicy)
     profile: Mapping[str, Any] | None = None
-    max_attempts: int = 3
     max_resumes: int = 4
-    resume_wait_s: float = 60.0
-    queue_capacity_per_band: int = 256
-    queue_max_wait_s: float = 30.0
     connect_timeout_s: float = 2.0
     chunk_timeout_s: float = 120.0
+    max_upstream_connections: int = MAX_CONNECTIONS_PER_ORIGIN
     enforce_quotas: bool = False
     # A prefill pool (role PREFILL) takes a handoff credit on its decode pool's class.
     role: Role = Role.MIXED
@@ -124,6 +137,9 @@ class GatewayConfig:
     # Tenant quotas this router publishes to the control plane at start (the pool
     # policy's); with quotas enforced, a tenant without one is refused with 403.
     tenants: tuple[TenantQuota, ...] = ()
+    # Bearer token of the debug route (GET /weir/v1/requests/{id}), and the one it shows
+    # the sidecars to read theirs; empty leaves the route open.
+    admin_token: str = field(default="", repr=False)
 
     @classmethod
     def from_policy(cls, policy: PoolPolicy, **overrides: Any) -> GatewayConfig:
@@ -143,6 +159,65 @@ class GatewayConfig:
         }
         fields.update(overrides)
         return cls(**fields)
+
+
+class _CountedProfile:
+    """The pool's profile with every decision timed and counted
+    (`weir_router_decision_seconds`, `weir_router_decisions_total`)."""
+
+    def __init__(self, profile: Profile, metrics: RouterMetrics, pool: str, trail: Trail) -> None:
+        self.profile = profile
+        self.metrics = metrics
+        self.pool = pool
+        self.trail = trail
+        self._seconds = metrics.decision_seconds.labels(pool)
+        self._counters: dict[tuple[str, bool], Any] = {}
+
+    def decide(self, request: RouteRequest, ctx: RoutingContext) -> Decision:
+        return self._observed(self.profile.decide, request, ctx, "route")
+
+    def decide_resume(self, request: RouteRequest, ctx: RoutingContext) -> Decision:
+        return self._observed(self.profile.decide_resume, request, ctx, "route_resume")
+
+    def _observed(
+        self,
+        decide: Callable[[RouteRequest, RoutingContext], Decision],
+        request: RouteRequest,
+        ctx: RoutingContext,
+        event: str,
+    ) -> Decision:
+        started = time.perf_counter()
+        decision = decide(request, ctx)
+        self._seconds.observe(time.perf_counter() - started)
+        self._record(event, request, decision)
+        key = (decision.reason if decision.endpoint_id else decision.refusal, decision.owner_hit)
+        counter = self._counters.get(key)
+        if counter is None:  # label lookups cost more than the count: once per outcome
+            counter = self.metrics.decisions.labels(self.pool, key[0], str(key[1]).lower())
+            self._counters[key] = counter
+        counter.inc()
+        return decision
+
+    def _record(self, event: str, request: RouteRequest, decision: Decision) -> None:
+        """The decision as the request's trail keeps it: the pick and why, each filter's
+        count of rejected candidates, and with decision logs on every candidate's total."""
+        fields: dict[str, Any] = {
+            "endpoint": decision.endpoint_id or None,
+            "reason": decision.reason if decision.endpoint_id else decision.refusal,
+            "owners": list(request.owners),
+            "owner_hit": decision.owner_hit,
+            "rejected": dict(decision.rejected),
+        }
+        if request.exclude:
+            fields["excluded"] = sorted(request.exclude)
+        if decision.endpoint_id:
+            fields["score"] = round(decision.score, 4)
+        if self.trail.detailed:
+            fields["candidates"] = {
+                view.endpoint_id: round(total, 4)
+                for view, total in zip(decision.eligible, decision.totals, strict=True)
+            }
+        self.trail.record(request.request_id, event, **fields)
 
 
 class _ClientGoneError(Exception):
@@ -165,9 +240,9 @@ class _Exchange:
     upstream_rid: str = ""
     first_token_at: float = 0.0
     finish: str = "error"
-    failed: set[str] = field(default_factory=set)  # lost mid-request: never tried again
-    refused: set[str] = field(default_factory=set)  # refused or migrated it: avoided a while
-    retry_after_s: float = 0.0
+    retry_after_s: float = 0.0  # the last upstream refusal's
+    upstream_refusal: str = ""  # the last endpoint's reason for refusing it
+    placed: asyncio.Future[str] | None = None  # where the dispatch core sends it next
     credit: str = ""
     continuation: bytes = b""  # a migrating sidecar's continuation, for the next sidecar
 
@@ -195,12 +270,14 @@ class Gateway:
         self.profile = profile_from_config(config.profile or default_config(config.routing))
         self.prefix_index = PrefixIndex()
         self.metrics = RouterMetrics(config.pool)
-        self._decision_seconds = self.metrics.decision_seconds.labels(config.pool)
-        self._decisions: dict[tuple[str, bool], Any] = {}
-        self.queue: FairQueue[tuple[RouteRequest, asyncio.Future[Decision]]] = FairQueue(
-            config.queue_capacity_per_band, config.queue_max_wait_s
+        self.trail = Trail("router")
+        self.dispatch: Dispatcher[_Exchange] = Dispatcher(
+            _CountedProfile(self.profile, self.metrics, config.pool, self.trail),
+            config.routing,
+            self.prefix_index,
         )
-        self.inflight = InFlight()
+        self._wakeup: asyncio.TimerHandle | None = None
+        self._wakeup_at = 0.0
         self._versions: dict[str, int] = {}  # each endpoint's last report seen
         self._http: HTTPClient | None = None
         self._background: set[asyncio.Task[None]] = set()
@@ -215,11 +292,19 @@ class Gateway:
     # -- lifecycle -------------------------------------------------------------------
 
     def app(self) -> web.Application:
+        ids = request_ids(
+            frozenset(_API_PATHS.values()), (wire.CLIENT_REQUEST_ID,), "weir.router.request"
+        )
         app = web.Application(
-            client_max_size=self.guard.limits.max_body_bytes, middlewares=[self.guard.middleware]
+            client_max_size=self.guard.limits.max_body_bytes,
+            middlewares=[ids, self.guard.middleware],
         )
         for api, path in _API_PATHS.items():
             app.router.add_post(path, self._entry(api))
+        app.router.add_get(
+            "/weir/v1/requests/{request_id}",
+            admin_only(self.config.admin_token, "router", self._story),
+        )
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/ready", self._ready)
@@ -233,9 +318,12 @@ class Gateway:
         self._http = HTTPClient(
             connect_timeout_s=self.config.connect_timeout_s,
             read_timeout_s=self.config.chunk_timeout_s,
+            max_connections_per_origin=self.config.max_upstream_connections,
         )
 
     async def _stop(self, _app: web.Application) -> None:
+        if self._wakeup is not None:
+            self._wakeup.cancel()
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
         if self._http is not None:
@@ -243,8 +331,11 @@ class Gateway:
 
     # -- routing ---------------------------------------------------------------------
 
-    def route_request(self, client: ClientRequest, tenant: str) -> RouteRequest:
-        """The routing view of a request: block hashes and owners of its prefix."""
+    def route_request(
+        self, client: ClientRequest, tenant: str, request_id: str = ""
+    ) -> RouteRequest:
+        """The routing view of a request: block hashes and owners of its prefix
+        (`request_id`: the request's, else a fresh one)."""
         policy = self.config.routing
         identity = CacheIdentity(
             model=client.model,
@@ -262,7 +353,7 @@ class Gateway:
         else:
             key = prefix_key(identity, tokens, block, owner_blocks)
         return RouteRequest(
-            request_id=uuid.uuid4().hex,
+            request_id=request_id or uuid.uuid4().hex,
             model=client.model,
             prompt_tokens=client.prompt_tokens,
             max_new_tokens=client.max_new_tokens,
@@ -275,111 +366,93 @@ class Gateway:
             owners=self.view.owners(key),
         )
 
-    def decide(
-        self, route: RouteRequest, snapshot: PoolSnapshot, now: float, resume: bool = False
-    ) -> Decision:
-        """One pure decision, timed and counted, with the endpoint reserved if picked."""
-        started = time.perf_counter()
-        inflight = self.inflight
-        ctx = RoutingContext(snapshot, now, inflight.counts, inflight.total, self.prefix_index)
-        decide = self.profile.decide_resume if resume else self.profile.decide
-        decision = decide(route, ctx)
-        self._decision_seconds.observe(time.perf_counter() - started)
-        key = (decision.reason if decision.endpoint_id else decision.refusal, decision.owner_hit)
-        counter = self._decisions.get(key)
-        if counter is None:  # label lookups cost more than the count: once per outcome
-            counter = self.metrics.decisions.labels(self.config.pool, key[0], str(key[1]).lower())
-            self._decisions[key] = counter
-        counter.inc()
-        if decision.endpoint_id:
-            self.inflight.add(decision.endpoint_id, route.request_id, now)
-        return decision
-
-    def _release(self, endpoint_id: str, request_id: str) -> None:
-        self.inflight.remove(endpoint_id, request_id)
-        self._pump()
-
-    async def _admit(self, route: RouteRequest) -> Decision:
+    async def _admit(self, ex: _Exchange) -> str:
+        """The endpoint a new request goes to first: at once, or once it has waited in
+        the fair queue. Raises `GatewayError` when it is refused."""
         now = self.clock()
         snapshot = self.view.current(now)
-        if not self.queue.waiting_at_or_above(route.priority):
-            decision = self.decide(route, snapshot, now)
-            if decision.endpoint_id:
-                # Served at once, still served: the virtual token counter counts all
-                # service, so a heavy tenant does not enter a saturated period as new.
-                self.queue.charge(
-                    route.tenant, service_estimate(route.prompt_tokens, route.max_new_tokens)
-                )
-                return decision
-            if decision.refusal not in SATURATION:
-                raise unavailable(
-                    decision.refusal,
-                    f"no endpoint of pool {self.config.pool!r} can serve model "
-                    f"{route.model!r} now ({decision.refusal})",
-                )
-        return await self._wait_in_queue(route, now)
+        placed = self._placement(ex)
+        self._deliver(self.dispatch.arrive(ex.route, ex, now, snapshot))
+        return await self._placed(ex, placed, now)
 
-    async def _wait_in_queue(self, route: RouteRequest, now: float) -> Decision:
-        future: asyncio.Future[Decision] = asyncio.get_running_loop().create_future()
+    async def _redispatch(self, ex: _Exchange, outcome: str) -> str:
+        """Where the request goes after an attempt that did not end it: `refused` (the
+        endpoint did not take it, nothing of the attempt reached the client), `broken` or
+        `preempted` (its stream stopped mid-answer: a resume)."""
+        now = self.clock()
+        snapshot = self._routable(now)
+        placed = self._placement(ex)
+        rid = ex.route.request_id
+        if outcome == "refused":
+            events = self.dispatch.refused(rid, now, snapshot, ex.retry_after_s)
+        else:
+            broken = outcome == "broken"
+            events = self.dispatch.handed_back(
+                rid, ex.received.tokens, now, snapshot, broken=broken
+            )
+        self._deliver(events)
+        return await self._placed(ex, placed, now)
+
+    def _finish(self, ex: _Exchange) -> None:
+        """The request is over for the router: its reservation, any wait and its charge
+        are settled, and the room it leaves goes to what waits."""
+        now = self.clock()
+        self._deliver(
+            self.dispatch.finished(
+                ex.route.request_id, ex.received.tokens, now, self._routable(now)
+            )
+        )
+
+    def _placement(self, ex: _Exchange) -> asyncio.Future[str]:
+        ex.placed = asyncio.get_running_loop().create_future()
+        return ex.placed
+
+    async def _placed(self, ex: _Exchange, placed: asyncio.Future[str], since: float) -> str:
+        if placed.done():
+            return placed.result()
         try:
-            self.queue.offer(
-                route.request_id, route.tenant, route.priority,
-                service_estimate(route.prompt_tokens, route.max_new_tokens), now,
-                (route, future),
-            )  # fmt: skip
-        except QueueFullError as exc:
-            raise overload(
-                "queue_full", "every endpoint is saturated and the queue is full",
-                exc.retry_after_s,
-            ) from None  # fmt: skip
-        # A deadline shorter than the queue's time to live bounds the wait.
-        wait_s = self.queue.max_wait_s
-        if route.deadline_s:
-            wait_s = min(wait_s, route.deadline_s)
-        try:
-            return await asyncio.wait_for(future, wait_s)
-        except TimeoutError:
-            if wait_s < self.queue.max_wait_s:
-                raise GatewayError(
-                    504, "deadline", "deadline",
-                    "the request's deadline passed while every endpoint was saturated",
-                ) from None  # fmt: skip
-            raise overload(
-                "queue_timeout",
-                f"every endpoint stayed saturated for {self.queue.max_wait_s:g}s",
-                self.queue.retry_after_s(self.clock()),
-            ) from None
-        except BaseException:
-            # Handed an endpoint just as the client left: give the reservation back.
-            if future.done() and not future.cancelled():
-                self._release(future.result().endpoint_id, route.request_id)
-            raise
+            return await placed
         finally:
-            self.queue.remove(route.request_id)
-            self.metrics.queue_seconds.labels(self.config.pool, str(route.priority)).observe(
-                self.clock() - now
+            self.metrics.queue_seconds.labels(self.config.pool, str(ex.route.priority)).observe(
+                self.clock() - since
             )
 
-    def _pump(self) -> None:
-        """Hand queued requests, fairest first, to endpoints that have room again."""
-        if not len(self.queue):
-            return
-        now = self.clock()
-        try:
-            snapshot = self.view.current(now)
-        except GatewayError:
-            return
-        while (entry := self.queue.peek()) is not None:
-            route, future = entry.payload
-            if future.done():
-                self.queue.remove(entry.key)
+    def _deliver(self, events: list[Event[_Exchange]]) -> None:
+        """The core's decisions to the requests that wait on them (a request whose
+        client left meanwhile has its reservation given back by `_finish`)."""
+        for event in events:
+            placed = event.payload.placed
+            if placed is None or placed.done():
                 continue
-            waited = replace(route, waited_s=now - entry.enqueued_at)
-            decision = self.decide(waited, snapshot, now)
-            if not decision.endpoint_id:
-                return
-            self.queue.pop()
-            future.set_result(decision)
+            if isinstance(event, Placed):
+                placed.set_result(event.endpoint_id)
+            else:
+                placed.set_exception(refusal_error(event.refusal))
+        self._arm_wakeup()
+
+    def _arm_wakeup(self) -> None:
+        """One timer for the core's next wakeup (a wait that ends, an endpoint avoided
+        by a resume that may be asked again), moved earlier when needed."""
+        when = self.dispatch.next_wakeup()
+        if when is None or (self._wakeup is not None and self._wakeup_at <= when):
+            return
+        if self._wakeup is not None:
+            self._wakeup.cancel()
+        self._wakeup_at = when
+        loop = asyncio.get_running_loop()
+        self._wakeup = loop.call_later(max(0.0, when - self.clock()), self._wake)
+
+    def _wake(self) -> None:
+        self._wakeup = None
+        now = self.clock()
+        self._deliver(self.dispatch.pump(now, self._routable(now)))
+
+    def _routable(self, now: float) -> PoolSnapshot | None:
+        """The snapshot to place requests on, None while it is too stale."""
+        try:
+            return self.view.current(now)
+        except GatewayError:
+            return None
 
     def _snapshot_changed(self, snapshot: PoolSnapshot, removed: tuple[EndpointView, ...]) -> None:
         self._served = self._models_of(snapshot)
@@ -391,7 +464,7 @@ class Gateway:
         for view in snapshot.endpoints:
             if versions.get(view.endpoint_id) != view.state.version:
                 versions[view.endpoint_id] = view.state.version
-                self.inflight.reported(view.endpoint_id, shown)
+                self.dispatch.reported(view.endpoint_id, shown)
         expired = 0
         for view in removed:
             versions.pop(view.endpoint_id, None)
@@ -399,7 +472,7 @@ class Gateway:
             expired += view.lease_deadline <= now
         if expired:
             self.metrics.lease_expiries.labels(self.config.pool).inc(expired)
-        self._pump()
+        self._deliver(self.dispatch.pump(now, self._routable(now)))
 
     # -- request handling ------------------------------------------------------------
 
@@ -430,29 +503,36 @@ class Gateway:
             )
             if client.adapter:
                 self._check_adapter(client.model, client.adapter)
-            route = self.route_request(client, tenant)
+            route = self.route_request(client, tenant, request[REQUEST_ID])
+            self.trail.record(
+                route.request_id, "received", tenant=tenant, model=client.model,
+                api=api.value, prompt_tokens=client.prompt_tokens,
+                max_new_tokens=client.max_new_tokens, priority=client.priority,
+            )  # fmt: skip
             if self.quotas is not None:
                 await self.quotas.charge(
                     tenant, route.request_id, client.prompt_tokens, client.max_new_tokens
                 )
         except GatewayError as exc:
-            return self._refuse(exc, tenant)
+            return self._refuse(exc, tenant, request[REQUEST_ID])
         except BodyError as exc:
-            return self._refuse(body_refused(exc), tenant)
-        credit = ""
-        try:
-            if self.credits is not None:
-                credit = (await self.credits.take(route.request_id, client.prompt_tokens)).credit_id
-            decision = await self._admit(route)
-        except BaseException as exc:
-            self._release_quota(route.request_id, 0, 0)
-            if isinstance(exc, GatewayError):
-                return self._refuse(exc, tenant)
-            raise
+            return self._refuse(body_refused(exc), tenant, request[REQUEST_ID])
         received = Received(api, prompt_tokens=client.prompt_tokens)
         splicer = Splicer(received, self.config.limits.bytes_per_token)
-        ex = _Exchange(client, route, tenant, started, received, splicer, credit=credit)
-        return await self._serve(request, ex, decision)
+        ex = _Exchange(client, route, tenant, started, received, splicer)
+        try:
+            if self.credits is not None:
+                ex.credit = (
+                    await self.credits.take(route.request_id, client.prompt_tokens)
+                ).credit_id
+            endpoint_id = await self._admit(ex)
+        except BaseException as exc:
+            self._finish(ex)  # e.g. a client that left while its request was queued
+            self._release_quota(route.request_id, 0, 0)
+            if isinstance(exc, GatewayError):
+                return self._refuse(exc, tenant, route.request_id)
+            raise
+        return await self._serve(request, ex, endpoint_id)
 
     def _check_adapter(self, model: str, adapter: str) -> None:
         """404 for a LoRA adapter (`lora_path`) that no endpoint of the model serves. With
@@ -465,7 +545,10 @@ class Gateway:
             f"{adapter!r} of model {model!r}", param="lora_path",
         )  # fmt: skip
 
-    def _refuse(self, exc: GatewayError, tenant: str) -> web.Response:
+    def _refuse(self, exc: GatewayError, tenant: str, request_id: str) -> web.Response:
+        self.trail.record(
+            request_id, "refused", status=exc.status, reason=exc.reason, message=exc.message
+        )
         pool = self.config.pool
         if exc.status in (429, 503):
             self.metrics.overloads.labels(pool, exc.reason).inc()
@@ -474,45 +557,26 @@ class Gateway:
         return exc.response()
 
     async def _serve(
-        self, request: web.Request, ex: _Exchange, decision: Decision
+        self, request: web.Request, ex: _Exchange, endpoint_id: str
     ) -> web.StreamResponse:
-        targets = [decision.endpoint_id, *decision.fallbacks]
         body = ex.client.body
         resumes = 0
-        reserved = decision.endpoint_id
         try:
-            attempts = 0
             while True:
-                outcome, result = await self._attempt(request, ex, reserved, body)
+                outcome, result = await self._attempt(request, ex, endpoint_id, body)
                 if outcome == "done":
                     assert result is not None
                     return result
-                self._release(reserved, ex.route.request_id)
-                if outcome == "refused" and ex.response is None:
-                    ex.failed.add(reserved)
-                    reserved = ""
-                    attempts += 1
-                    targets = [t for t in targets if t not in ex.failed]
-                    if attempts >= self.config.max_attempts or not targets:
-                        return self._refuse_after_attempts(ex)
-                    reserved = targets[0]
-                    self.inflight.add(reserved, ex.route.request_id, self.clock())
-                    continue
-                if outcome == "refused":
-                    # A resume its target could not take yet: what it carries is intact.
-                    ex.refused.add(reserved)
-                    reserved = ""
-                else:
+                if outcome != "refused":
                     # Broken or preempted after bytes reached the client: resume elsewhere.
-                    # A broken endpoint is not tried again; one that migrated the stream
-                    # away is only avoided while another can take it.
-                    ex.refused.clear()
-                    (ex.failed if outcome == "broken" else ex.refused).add(reserved)
-                    reserved = ""
                     if ex.received.finish_reason or resumes >= self.config.max_resumes:
                         return await self._end_stream(ex, complete=bool(ex.received.finish_reason))
                     resumes += 1
                     self.metrics.resumes.labels(self.config.pool, outcome).inc()
+                    self.trail.record(
+                        ex.route.request_id, "resume", cause=outcome, away_from=ex.endpoint,
+                        generated_tokens=ex.received.tokens,
+                    )  # fmt: skip
                     if not (outcome == "preempted" and ex.continuation):
                         # Rebuilt from what the client holds. A sidecar's own continuation
                         # (exact token ids, a stream that already continues the client's)
@@ -523,10 +587,19 @@ class Gateway:
                         except GatewayError as exc:  # e.g. a prompt the router cannot rebuild
                             return await self._end_stream(ex, complete=False, refusal=exc)
                         ex.splicer.resumed()
-                next_decision = await self._place_resume(ex)
-                if next_decision is None:
-                    return await self._end_stream(ex, complete=False)
-                reserved = next_decision.endpoint_id
+                try:
+                    endpoint_id = await self._redispatch(ex, outcome)
+                except GatewayError as exc:
+                    if ex.response is not None:  # a resume no endpoint took in time
+                        return await self._end_stream(ex, complete=False, refusal=exc)
+                    ex.finish = "overload"  # every endpoint tried refused it
+                    self.metrics.overloads.labels(self.config.pool, exc.reason).inc()
+                    exc.upstream_reason = ex.upstream_refusal or None
+                    self.trail.record(
+                        ex.route.request_id, "refused", status=exc.status, reason=exc.reason,
+                        message=exc.message, upstream_reason=exc.upstream_reason,
+                    )  # fmt: skip
+                    return exc.response()
         except (asyncio.CancelledError, _ClientGoneError):
             ex.finish = "cancelled"
             self._abort_upstream(ex)
@@ -534,42 +607,9 @@ class Gateway:
                 return ex.response
             raise
         finally:
-            if reserved:
-                self._release(reserved, ex.route.request_id)
+            self._finish(ex)
             self._release_quota(ex.route.request_id, ex.client.prompt_tokens, ex.received.tokens)
             self._account(ex)
-
-    async def _place_resume(self, ex: _Exchange) -> Decision | None:
-        """Where an accepted stream resumes. It is never refused for saturation
-        (`Profile.decide_resume`); while every endpoint that could take it has just
-        refused it (a full local queue, a draining sidecar) or none is routable, it waits,
-        backing off, and asks them all again, for up to `resume_wait_s`."""
-        deadline = self.clock() + self.config.resume_wait_s
-        delay_s = 0.05
-        while True:
-            decision = self._resume_decision(ex)
-            if decision is not None:
-                return decision
-            left = deadline - self.clock()
-            if left <= 0:
-                return None
-            await asyncio.sleep(min(delay_s, left))
-            delay_s = min(1.0, delay_s * 2)
-            ex.refused.clear()
-
-    def _resume_decision(self, ex: _Exchange) -> Decision | None:
-        now = self.clock()
-        try:
-            snapshot = self.view.current(now)
-        except GatewayError:
-            return None
-        route = replace(
-            ex.route,
-            exclude=frozenset(ex.failed | ex.refused),
-            prompt_tokens=ex.route.prompt_tokens + ex.received.tokens,
-        )
-        decision = self.decide(route, snapshot, now, resume=True)
-        return decision if decision.endpoint_id else None
 
     def _continuation(self, ex: _Exchange) -> Continuation:
         """What the client holds, as the contract's continuation record."""
@@ -589,16 +629,6 @@ class Gateway:
             priority=client.priority,
         )
 
-    def _refuse_after_attempts(self, ex: _Exchange) -> web.Response:
-        exc = overload(
-            "endpoints_overloaded",
-            f"{len(ex.failed)} endpoint(s) refused or failed before the first byte",
-            ex.retry_after_s or 1.0,
-        )
-        ex.finish = "overload"
-        self.metrics.overloads.labels(self.config.pool, exc.reason).inc()
-        return exc.response()
-
     async def _attempt(
         self, request: web.Request, ex: _Exchange, endpoint_id: str, body: Mapping[str, Any]
     ) -> tuple[str, web.StreamResponse | None]:
@@ -608,7 +638,6 @@ class Gateway:
         view = self.view.snapshot.by_id.get(endpoint_id)
         if view is None:  # it left the pool since the decision
             return ("refused" if ex.response is None else "broken"), None
-        assert self._http is not None
         ex.endpoint, ex.address = endpoint_id, view.state.address
         ex.upstream_rid = uuid.uuid4().hex
         client = ex.client
@@ -631,6 +660,30 @@ class Gateway:
             left = client.deadline_s - (self.clock() - ex.started)
             headers[wire.DEADLINE_MS] = str(max(1, int(left * 1000)))
         url = view.state.address + path
+        with TRACER.start_as_current_span(
+            "weir.router.attempt", kind=CLIENT,
+            attributes={"weir.endpoint": endpoint_id, "http.route": path},
+        ):  # fmt: skip
+            outcome = await self._call(request, ex, endpoint_id, url, payload, outgoing(headers))
+        self.trail.record(
+            ex.route.request_id, "attempt", endpoint=endpoint_id, outcome=outcome[0],
+            upstream_rid=ex.upstream_rid, **({"refusal": ex.upstream_refusal}
+                                             if outcome[0] == "refused" else {}),
+        )  # fmt: skip
+        return outcome
+
+    async def _call(
+        self,
+        request: web.Request,
+        ex: _Exchange,
+        endpoint_id: str,
+        url: str,
+        payload: bytes,
+        headers: Mapping[str, str],
+    ) -> tuple[str, web.StreamResponse | None]:
+        """The upstream call of `_attempt`, and the relay of what it answers."""
+        assert self._http is not None
+        client = ex.client
         pool = self.config.pool
         relaying = False
         try:
@@ -640,6 +693,7 @@ class Gateway:
                 ex.upstream_rid = upstream.headers.get(wire.REQUEST_ID) or ex.upstream_rid
                 if upstream.status in (429, 503):
                     ex.retry_after_s = max(ex.retry_after_s, _retry_after(upstream))
+                    ex.upstream_refusal = f"{endpoint_id}: {_refusal_reason(await upstream.read())}"
                     self.metrics.retries.labels(pool, f"upstream_{upstream.status}").inc()
                     return "refused", None
                 if ex.route.block_hashes:
@@ -669,8 +723,12 @@ class Gateway:
                 return await self._relay(request, ex, upstream)
         except TransportError as exc:
             log.info("endpoint %s failed: %s", endpoint_id, exc)
+            ex.upstream_refusal = f"{endpoint_id}: {exc.reason}"
             if not relaying:
-                self.metrics.retries.labels(pool, "connect_error").inc()
+                # Nothing reached the client: another endpoint may take it, whatever went
+                # wrong here. The label says what did (a refused connect, a timeout, a
+                # malformed answer, ...: `TransportError.reason`).
+                self.metrics.retries.labels(pool, exc.reason).inc()
                 return "refused", None
             return "broken", None
 
@@ -684,6 +742,7 @@ class Gateway:
                     "Content-Type": "text/event-stream",
                     "Cache-Control": "no-cache",
                     wire.ENDPOINT: ex.endpoint,
+                    wire.CLIENT_REQUEST_ID: ex.route.request_id,
                 },
             )
         out = ex.out
@@ -732,7 +791,12 @@ class Gateway:
                 if refusal is not None
                 else ("resume_failed", "the engine failed and no endpoint could resume")
             )
-            error = {"error": {"type": "unavailable", "reason": reason, "message": message}}
+            error = {
+                "error": {
+                    "type": "unavailable", "reason": reason, "message": message,
+                    "request_id": ex.route.request_id,
+                }
+            }  # fmt: skip
             await _write(response, sse(msgspec.json.encode(error)))
         await _write(response, sse(DONE))
         await response.write_eof()
@@ -787,8 +851,12 @@ class Gateway:
         m, pool, tenant = self.metrics, self.config.pool, ex.tenant
         now = self.clock()
         out = ex.received.tokens
+        self.trail.record(
+            ex.route.request_id, "end", finish=ex.finish, endpoint=ex.endpoint or None,
+            output_tokens=out, e2e_s=round(now - ex.started, 6),
+            ttft_s=round(ex.first_token_at - ex.started, 6) if ex.first_token_at else None,
+        )  # fmt: skip
         buckets = (length_bucket(ex.client.prompt_tokens), length_bucket(out))
-        self.queue.charge(tenant, service_correction(ex.route.max_new_tokens, out))
         m.requests.labels(pool, tenant, ex.finish).inc()
         m.tokens.labels(pool, tenant, "input").inc(ex.client.prompt_tokens)
         m.tokens.labels(pool, tenant, "output").inc(out)
@@ -850,6 +918,39 @@ class Gateway:
         for (lifecycle, watermark), n in counts.items():
             m.endpoints.labels(pool, lifecycle, watermark).set(n)
 
+    async def _story(self, request: web.Request) -> web.Response:
+        """One request's whole story: what this router decided about it, and what each
+        endpoint it went to recorded (read from their sidecars with the admin token)."""
+        request_id = request.match_info["request_id"]
+        story = self.trail.story(request_id)
+        if story is None:
+            return GatewayError(
+                404, "not_found_error", "unknown_request",
+                f"no record of request {request_id!r} here (unknown, or forgotten: the "
+                f"router keeps its last {self.trail.max_requests} requests)",
+            ).response()  # fmt: skip
+        endpoints = sorted({e["endpoint"] for e in story["events"] if e["event"] == "attempt"})
+        stories = await asyncio.gather(*(self._endpoint_story(e, request_id) for e in endpoints))
+        return web.json_response({**story, "endpoints": dict(zip(endpoints, stories, strict=True))})
+
+    async def _endpoint_story(self, endpoint_id: str, request_id: str) -> Any:
+        """What `endpoint_id`'s sidecar recorded about the request, or why it cannot say."""
+        view = self.view.snapshot.by_id.get(endpoint_id)
+        if view is None or self._http is None:
+            return {"unavailable": "the endpoint has left the pool"}
+        headers = dict(_JSON)
+        if self.config.admin_token:
+            headers["Authorization"] = f"Bearer {self.config.admin_token}"
+        url = f"{view.state.address}/weir/v1/requests/{request_id}"
+        try:
+            async with await self._http.request("GET", url, b"", headers) as reply:
+                raw = await reply.read()
+                if reply.status != 200:
+                    return {"unavailable": f"the sidecar answered {reply.status}"}
+                return msgspec.json.decode(raw)
+        except (TransportError, msgspec.DecodeError) as exc:
+            return {"unavailable": f"the sidecar did not answer: {exc}"}
+
     async def _pool_status(self, _request: web.Request) -> web.Response:
         """`GET /weir/v1/pool`: the fleet as this router sees it (`weir up`'s status view).
 
@@ -874,7 +975,7 @@ class Gateway:
                 "kv_capacity_tokens": e.state.kv_capacity_tokens,
                 "running_requests": e.state.running_requests,
                 "queued_requests": e.state.queued_requests,
-                "router_inflight": self.inflight.count(e.endpoint_id),
+                "router_inflight": self.dispatch.inflight.count(e.endpoint_id),
                 "lease_left_s": None
                 if e.lease_deadline == float("inf")
                 else round(e.lease_deadline - now, 3),
@@ -889,7 +990,7 @@ class Gateway:
                 "snapshot_age_s": round(now - self.view.confirmed_at, 3),
                 "stale": self.view.is_stale(now),
                 "error": self.view.error,
-                "queued": len(self.queue),
+                "queued": len(self.dispatch.queue),
                 "endpoints": endpoints,
             }
         )
@@ -921,6 +1022,15 @@ async def _write(response: web.StreamResponse, data: bytes) -> None:
         await response.write(data)
     except (ConnectionResetError, aiohttp.ClientConnectionResetError) as exc:
         raise _ClientGoneError() from exc
+
+
+def _refusal_reason(raw: bytes) -> str:
+    """The reason an endpoint's refusal names (`{"error": {"reason": ...}}`)."""
+    try:
+        error = msgspec.json.decode(raw).get("error") or {}
+        return str(error.get("reason") or error.get("type") or "refused")
+    except (msgspec.DecodeError, AttributeError):
+        return "refused"
 
 
 def _retry_after(upstream: Response) -> float:

@@ -14,6 +14,8 @@ import msgspec
 from aiohttp import web
 
 from controlplane.contract.request_checks import RequestCheckError
+from controlplane.routing import Refusal
+from controlplane.trace.trail import NO_REQUEST, current_request
 from controlplane.transport.guard import BodyError
 
 
@@ -36,11 +38,17 @@ class GatewayError(Exception):
         self.message = message
         self.retry_after_s = retry_after_s
         self.param = param
+        # Why the last endpoint tried refused it, when endpoints refused it.
+        self.upstream_reason: str | None = None
 
     def response(self) -> web.Response:
         error = {"type": self.error_type, "reason": self.reason, "message": self.message}
         if self.param is not None:
             error["param"] = self.param
+        if self.upstream_reason is not None:
+            error["upstream_reason"] = self.upstream_reason
+        if (request_id := current_request.get()) != NO_REQUEST:
+            error["request_id"] = request_id
         body = {"error": error}
         headers = {}
         if self.retry_after_s is not None:
@@ -71,6 +79,23 @@ def overload(reason: str, message: str, retry_after_s: float) -> GatewayError:
 def unavailable(reason: str, message: str, retry_after_s: float = 1.0) -> GatewayError:
     """Nothing can serve the request right now, through no fault of the client's quota."""
     return GatewayError(503, "unavailable", reason, message, retry_after_s)
+
+
+# The error types of the dispatch core's refusals, by status.
+_REFUSAL_TYPES = {429: "overload", 503: "unavailable", 504: "deadline"}
+
+
+def refusal_error(refusal: Refusal) -> GatewayError:
+    """The dispatch core's refusal (`controlplane.routing.Refusal`) as the gateway answers:
+    429 `overload` (queue full or timed out, every endpoint tried refused), 503
+    `unavailable` (nothing could serve it, a resume nobody took), 504 `deadline`."""
+    return GatewayError(
+        refusal.status,
+        _REFUSAL_TYPES[refusal.status],
+        refusal.reason,
+        refusal.message,
+        refusal.retry_after_s,
+    )
 
 
 def body_refused(exc: BodyError) -> GatewayError:

@@ -14,6 +14,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from controlplane.telemetry.catalog import ROUTER, MetricKind
+from controlplane.transport import TRANSPORT_REASONS
 
 
 def length_bucket(tokens: int) -> str:
@@ -25,8 +26,9 @@ def length_bucket(tokens: int) -> str:
 
 
 # The label values the gateway produces, by family (reasons are the `reason` of its
-# refusals: `controlplane.gateway.errors`, the quota store's limits, the fair queue).
-RETRY_REASONS = ("upstream_429", "upstream_503", "connect_error")
+# refusals: `controlplane.gateway.errors`, the quota store's limits, the fair queue; a
+# retry's, the upstream's status or the transport failure's kind).
+RETRY_REASONS = ("upstream_429", "upstream_503", *TRANSPORT_REASONS)
 RESUME_REASONS = ("broken", "preempted")
 OVERLOAD_REASONS = (
     "queue_full",

@@ -9,7 +9,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from aiohttp import web
-from redis.asyncio import Redis
 
 from controlplane.contract import Role
 from controlplane.gateway.app import Gateway, GatewayConfig
@@ -22,6 +21,7 @@ from controlplane.store import (
     EndpointRegistry,
     PoolFollower,
     QuotaStore,
+    RedisClient,
     RedisSettings,
     cancel_loops,
     connect,
@@ -35,7 +35,7 @@ class RunningGateway:
     url: str
     _runner: web.AppRunner
     _tasks: list[asyncio.Task[None]]
-    _redis: Redis | None
+    _redis: RedisClient | None
 
     async def close(self) -> None:
         await cancel_loops(self._tasks)
@@ -58,7 +58,7 @@ async def serve_gateway(
     if bool(redis_url) == bool(endpoints):
         raise ValueError("give exactly one of redis_url (the control plane) or endpoints")
     clock = time.monotonic
-    redis: Redis | None = None
+    redis: RedisClient | None = None
     feed: StoreFeed | None = None
     quotas: QuotaGate | None = None
     tasks: list[asyncio.Task[None]] = []
@@ -72,7 +72,7 @@ async def serve_gateway(
         view.update(static_endpoints(config.pool, config.model, endpoints), clock())
     else:
         view = PoolView(config.pool, config.routing.snapshot_staleness_s)
-        redis = connect(RedisSettings(url=redis_url, client_name="weir-router"))
+        redis = connect(RedisSettings.from_url(redis_url, client_name="weir-router"))
         registry = EndpointRegistry(redis, config.pool)
         follower = PoolFollower(registry)
         owners = RingOwners(config.routing.virtual_nodes)

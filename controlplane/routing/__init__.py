@@ -10,10 +10,19 @@ fleet simulator runs it in virtual time:
   scorers are made of; `registry`: plugins by name and profiles from configuration;
 - `prefix_index`: the approximate per-endpoint block index;
 - `fair_queue`: the bounded, tenant-fair admission queue;
-- `inflight`: what a router sent that its snapshot does not show yet.
+- `inflight`: what a router sent that its snapshot does not show yet;
+- `dispatch`: the `Dispatcher` that the gateway and the simulator both drive: route or
+  queue, reserve, charge, pump, resume.
 """
 
 from controlplane.routing.cost import CostModel
+from controlplane.routing.dispatch import (
+    Decider,
+    Dispatcher,
+    Placed,
+    Refusal,
+    Refused,
+)
 from controlplane.routing.fair_queue import (
     FairQueue,
     QueueEntry,
@@ -54,13 +63,16 @@ __all__ = [
     "SATURATION",
     "CostModel",
     "Cycle",
+    "Decider",
     "Decision",
     "DecisionReason",
+    "Dispatcher",
     "EndpointView",
     "FairQueue",
     "Filter",
     "InFlight",
     "Picker",
+    "Placed",
     "PluginKind",
     "PoolSnapshot",
     "PrefixIndex",
@@ -69,6 +81,8 @@ __all__ = [
     "ProfileError",
     "QueueEntry",
     "QueueFullError",
+    "Refusal",
+    "Refused",
     "RouteRequest",
     "RoutingContext",
     "Scorer",

@@ -94,8 +94,17 @@ class FairQueue(Generic[T]):
         return any(band.size for p, band in self._bands.items() if p >= priority)
 
     def offer(
-        self, key: str, tenant: str, priority: int, cost: float, now: float, payload: T
+        self,
+        key: str,
+        tenant: str,
+        priority: int,
+        cost: float,
+        now: float,
+        payload: T,
+        max_wait_s: float | None = None,
     ) -> QueueEntry[T]:
+        """Queue a request; `max_wait_s` shortens its time to live (a deadline that comes
+        before the queue's own limit)."""
         if key in self._index:
             raise ValueError(f"request {key} is already queued")
         band = self._bands.setdefault(priority, _Band())
@@ -107,7 +116,8 @@ class FairQueue(Generic[T]):
             floor = min(active) if active else self._min_counter()
             self._counters[tenant] = max(self._counters.get(tenant, 0.0), floor)
             waiting = band.tenants[tenant] = deque()
-        entry = QueueEntry(key, tenant, priority, cost, now, now + self.max_wait_s, payload)
+        wait_s = self.max_wait_s if max_wait_s is None else min(max_wait_s, self.max_wait_s)
+        entry = QueueEntry(key, tenant, priority, cost, now, now + wait_s, payload)
         waiting.append(entry)
         band.size += 1
         self._index[key] = entry

@@ -17,7 +17,8 @@ slot and single-slot scripts.
     credits, creditexp, creditbudget                                        handoff credits
     cmd:<endpoint>, cmdid:<command id>                                      command channel
 
-Public pieces: `connect(RedisSettings)` and `redact_url` (a URL fit to log);
+Public pieces: `connect(RedisSettings)` (a `RedisClient`: standalone, behind Sentinel or
+a Redis Cluster) and `redact_url` (a URL fit to log);
 `EndpointRegistry` (register, heartbeat, drain, deregister, reap, snapshot, changes, hot
 prefixes); `PoolFollower` (a reader's view kept current from the feed); `EndpointLease` (a
 sidecar's side of its lease) and `reap_forever`; `QuotaStore` and `QuotaHolder` (a
@@ -31,7 +32,13 @@ when Redis stays unreachable after the client's retries.
 """
 
 from controlplane.store.commands import CommandChannel, Delivery
-from controlplane.store.connection import RedisSettings, cancel_loops, connect, redact_url
+from controlplane.store.connection import (
+    RedisClient,
+    RedisSettings,
+    cancel_loops,
+    connect,
+    redact_url,
+)
 from controlplane.store.credits import CreditRefusal, CreditStore
 from controlplane.store.follower import PoolFollower, Refresh
 from controlplane.store.holder import QuotaHolder
@@ -75,6 +82,7 @@ __all__ = [
     "QuotaHolder",
     "QuotaStore",
     "Reaped",
+    "RedisClient",
     "RedisSettings",
     "Refresh",
     "TenantUsage",

@@ -14,10 +14,10 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from controlplane.contract import Command, SchemaError, decode, encode
+from controlplane.store.connection import RedisClient
 from controlplane.store.keys import PoolKeys, check_name
 from controlplane.store.scripts import as_text, script
 
@@ -40,7 +40,7 @@ class CommandChannel:
 
     def __init__(
         self,
-        redis: Redis,
+        redis: RedisClient,
         pool: str,
         *,
         maxlen: int = 10_000,

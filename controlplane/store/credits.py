@@ -11,9 +11,8 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
-from redis.asyncio import Redis
-
 from controlplane.contract import HandoffCredit
+from controlplane.store.connection import RedisClient
 from controlplane.store.keys import PoolKeys, check_name, ttl_ms
 from controlplane.store.scripts import as_text, script
 
@@ -45,7 +44,7 @@ def _non_negative_int(name: str, value: int) -> int:
 class CreditStore:
     """One pool's handoff credits and the decode classes' budgets."""
 
-    def __init__(self, redis: Redis, pool: str, *, sweep_limit: int = 100) -> None:
+    def __init__(self, redis: RedisClient, pool: str, *, sweep_limit: int = 100) -> None:
         self.redis = redis
         self.pool = pool
         self.keys = PoolKeys(pool)

@@ -23,11 +23,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from redis.asyncio import Redis
-
 from controlplane.contract import SCHEMA_VERSION, SchemaError, TenantQuota, decode, encode
+from controlplane.store.connection import RedisClient
 from controlplane.store.keys import PoolKeys, check_name, ttl_ms
-from controlplane.store.scripts import as_text, script
+from controlplane.store.scripts import as_text, script, server_time_ms
 
 _CHARGE = script("quota_charge.lua", "_quota.lua")
 _RELEASE = script("quota_release.lua", "_quota.lua")
@@ -98,7 +97,7 @@ def _check_quota(quota: TenantQuota) -> None:
 class QuotaStore:
     """One pool's tenant quotas and the charges against them."""
 
-    def __init__(self, redis: Redis, pool: str) -> None:
+    def __init__(self, redis: RedisClient, pool: str) -> None:
         self.redis = redis
         self.keys = PoolKeys(pool)
 
@@ -204,8 +203,7 @@ class QuotaStore:
 
     async def reap_holders(self) -> dict[str, int]:
         """Return the charges of every holder whose lease lapsed: {holder: charges}."""
-        seconds, micros = await self.redis.time()
-        now_ms = int(seconds) * 1000 + int(micros) // 1000
+        now_ms = await server_time_ms(self.redis, self.keys.holders)
         expired = await self.redis.zrangebyscore(self.keys.holders, "-inf", now_ms)
         reaped = {}
         for raw in expired:

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-from redis.asyncio import Redis
 
 from controlplane.contract import (
     SCHEMA_VERSION,
@@ -29,8 +28,9 @@ from controlplane.contract import (
     encode,
 )
 from controlplane.ownership import HotPrefix, HotPrefixOverride, HotPrefixTable
+from controlplane.store.connection import RedisClient
 from controlplane.store.keys import PoolKeys, check_name, ttl_ms
-from controlplane.store.scripts import as_text, run_batch, script
+from controlplane.store.scripts import as_text, run_batch, script, server_time_ms
 from controlplane.store.snapshot import (
     ChangeBatch,
     FeedPosition,
@@ -50,6 +50,8 @@ _DEREGISTER = script("deregister.lua")
 _REAP = script("reap.lua")
 _HOT_SET = script("hot_set.lua")
 _HOT_REMOVE = script("hot_remove.lua")
+_SNAPSHOT = script("snapshot.lua")
+_CHANGES = script("changes.lua")
 
 # Fields a sidecar reports that can never be negative or non-finite.
 _NON_NEGATIVE = (
@@ -117,7 +119,7 @@ class EndpointRegistry:
     """One pool's endpoints in Redis. Cheap to create; share the `Redis` client."""
 
     def __init__(
-        self, redis: Redis, pool: str, *, feed_maxlen: int = 50_000, reap_limit: int = 1000
+        self, redis: RedisClient, pool: str, *, feed_maxlen: int = 50_000, reap_limit: int = 1000
     ) -> None:
         if feed_maxlen < 100 or reap_limit < 1:
             raise ValueError("feed_maxlen must be at least 100 and reap_limit at least 1")
@@ -284,18 +286,17 @@ class EndpointRegistry:
     # --- readers ------------------------------------------------------------------------
 
     async def server_time_ms(self) -> int:
-        seconds, micros = await self.redis.time()
-        return int(seconds) * 1000 + int(micros) // 1000
+        """Redis server time on the node that holds the pool."""
+        return await server_time_ms(self.redis, self.keys.counters)
 
     async def snapshot(self) -> PoolSnapshot:
-        """The whole pool, read atomically (one MULTI), with its feed position."""
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hgetall(self.keys.state)
-            pipe.xrevrange(self.keys.changes, count=1)
-            pipe.hmget(self.keys.counters, ["inc", "mv", "hv"])
-            pipe.hgetall(self.keys.hot)
-            pipe.time()
-            fields, last, counters, hot, (sec, usec) = await pipe.execute()
+        """The whole pool, read atomically (one script), with its feed position."""
+        raw_fields, last, counters, raw_hot, (sec, usec) = await _SNAPSHOT(
+            self.redis,
+            (self.keys.state, self.keys.counters, self.keys.changes, self.keys.hot),
+            (),
+        )
+        fields, hot = _pairs(raw_fields), _pairs(raw_hot)
         endpoints, leases = {}, {}
         for raw_id, raw in fields.items():
             if raw_id.endswith(b"#"):
@@ -332,12 +333,9 @@ class EndpointRegistry:
         `after` cannot be continued (trimmed feed, other incarnation)."""
         if limit < 1:
             raise ValueError("limit must be at least 1")
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hget(self.keys.counters, "inc")
-            pipe.xrevrange(self.keys.changes, count=1)
-            pipe.xrange(self.keys.changes, f"0-{after.seq + 1}", "+", count=limit)
-            pipe.time()
-            raw_inc, last, entries, (sec, usec) = await pipe.execute()
+        raw_inc, last, entries, (sec, usec) = await _CHANGES(
+            self.redis, (self.keys.counters, self.keys.changes), (f"0-{after.seq + 1}", limit)
+        )
         now = int(sec) * 1000 + int(usec) // 1000
         seq = _last_seq(last)
         incarnation = raw_inc.decode() if raw_inc else ""
@@ -350,7 +348,7 @@ class EndpointRegistry:
         first = int(entries[0][0].split(b"-", 1)[1]) if entries else 0
         if not in_step or first != after.seq + 1:
             return ChangeBatch(current, (), True, False, now)
-        changes = tuple(parse_change(entry_id, fields) for entry_id, fields in entries)
+        changes = tuple(parse_change(entry_id, _pairs(fields)) for entry_id, fields in entries)
         position = FeedPosition(incarnation, changes[-1].seq)
         return ChangeBatch(position, changes, False, position.seq < seq, now)
 
@@ -369,6 +367,11 @@ class EndpointRegistry:
 def _last_seq(last: list[Any]) -> int:
     """The feed's position from XREVRANGE ... COUNT 1 (0 for an empty feed)."""
     return int(last[0][0].split(b"-", 1)[1]) if last else 0
+
+
+def _pairs(flat: list[bytes]) -> dict[bytes, bytes]:
+    """A hash or a stream entry's fields from a script's flat [field, value, ...] reply."""
+    return dict(zip(flat[::2], flat[1::2], strict=True))
 
 
 def _prefix_key(key: int) -> str:

@@ -3,8 +3,9 @@
 Every script is prefixed with `lua/_feed.lua` (the change-feed publisher and the server
 clock) and any further preludes it names (`_quota.lua`, `_credit.lua`), so shared pieces
 are written once. The SHA is computed locally; a call goes out as EVALSHA and only a
-NOSCRIPT reply (a restarted server, a promoted replica) makes the client load the source
-and retry, so the script text crosses the wire once per server.
+NOSCRIPT reply (a restarted server, a promoted replica, a cluster slot moved to another
+primary) makes the client load the source and retry, so the script text crosses the wire
+once per server (on a cluster, SCRIPT LOAD goes to every primary).
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
-from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
+from redis.asyncio.cluster import ClusterPipeline
 from redis.exceptions import NoScriptError
+
+from controlplane.store.connection import RedisClient
 
 Arg = str | bytes | int
 _PRELUDE = "_feed.lua"
@@ -35,17 +38,19 @@ class LuaScript:
         self.source = "\n".join(_read(part) for part in (_PRELUDE, *preludes, name))
         self.sha = hashlib.sha1(self.source.encode()).hexdigest()
 
-    async def __call__(self, redis: Redis, keys: Sequence[str], args: Sequence[Arg]) -> Any:
+    async def __call__(self, redis: RedisClient, keys: Sequence[str], args: Sequence[Arg]) -> Any:
         try:
             return await redis.evalsha(self.sha, len(keys), *keys, *args)
         except NoScriptError:
             await self.load(redis)
             return await redis.evalsha(self.sha, len(keys), *keys, *args)
 
-    async def load(self, redis: Redis) -> None:
+    async def load(self, redis: RedisClient) -> None:
         await redis.script_load(self.source)
 
-    def queue(self, pipe: Pipeline, keys: Sequence[str], args: Sequence[Arg]) -> None:
+    def queue(
+        self, pipe: Pipeline | ClusterPipeline, keys: Sequence[str], args: Sequence[Arg]
+    ) -> None:
         """Queue an EVALSHA on a pipeline; see `run_batch` for NOSCRIPT handling."""
         pipe.evalsha(self.sha, len(keys), *keys, *args)
 
@@ -58,7 +63,7 @@ def script(name: str, *preludes: str) -> LuaScript:
 
 
 async def run_batch(
-    redis: Redis, lua: LuaScript, calls: Sequence[tuple[Sequence[str], Sequence[Arg]]]
+    redis: RedisClient, lua: LuaScript, calls: Sequence[tuple[Sequence[str], Sequence[Arg]]]
 ) -> list[Any]:
     """Run many calls of one script in one pipelined round trip.
 
@@ -82,6 +87,12 @@ async def run_batch(
         await lua.load(redis)
         pending = missing
     return results
+
+
+async def server_time_ms(redis: RedisClient, key: str) -> int:
+    """Redis server time, in ms, on the node that holds `key` (leases and expiries are
+    measured by that node's clock; on a cluster, TIME alone may go to another node)."""
+    return int(await script("server_time.lua")(redis, (key,), ()))
 
 
 def as_text(reply: object) -> str:

@@ -102,6 +102,12 @@ SIDECAR: tuple[MetricSpec, ...] = (
         _EP,
     ),
     MetricSpec(
+        "weir_sidecar_offloaded_tokens_total",
+        _C,
+        "Tokens resumed from the engine's host tier instead of re-prefilled (offloads).",
+        _EP,
+    ),
+    MetricSpec(
         "weir_sidecar_transferred_bytes_total",
         _C,
         "KV or continuation bytes moved to another endpoint.",
@@ -190,7 +196,9 @@ ROUTER: tuple[MetricSpec, ...] = (
     MetricSpec(
         "weir_router_retries_total",
         _C,
-        "Requests retried on another endpoint before the first byte.",
+        "Requests retried on another endpoint before the first byte, by reason: the "
+        "endpoint's 429 or 503, or how the call failed (connect_error, connect_timeout, "
+        "pool_timeout, read_timeout, protocol_error, connection_closed).",
         ("pool", "reason"),
     ),
     MetricSpec(

@@ -4,10 +4,39 @@ server-sent-event framing of their bodies, shared by the router and the sidecar.
 `HTTPClient().request(method, url, body, headers)` returns a `Response` once its head has
 arrived (`status`, `headers` with lower-case names, `content_type`); its body is read once,
 with `read()`, `chunks()` or `events()` (lists of `SSEEvent`, a network read's worth at a
-time), inside `async with response:`. Failures on the wire are `TransportError`.
+time), inside `async with response:`. Failures on the wire are `TransportError`, one
+subclass per kind (`controlplane.transport.http` draws the tree), each naming itself in
+`reason`.
 """
 
-from controlplane.transport.http import HTTPClient, Response, TransportError
+from controlplane.transport.http import (
+    MAX_CONNECTIONS_PER_ORIGIN,
+    TRANSPORT_REASONS,
+    ClosedError,
+    ConnectError,
+    ConnectTimeoutError,
+    HTTPClient,
+    PoolTimeoutError,
+    ProtocolError,
+    ReadTimeoutError,
+    Response,
+    TransportError,
+)
 from controlplane.transport.sse import DONE, SSEEvent, SSEFramer
 
-__all__ = ["DONE", "HTTPClient", "Response", "SSEEvent", "SSEFramer", "TransportError"]
+__all__ = [
+    "DONE",
+    "MAX_CONNECTIONS_PER_ORIGIN",
+    "TRANSPORT_REASONS",
+    "ClosedError",
+    "ConnectError",
+    "ConnectTimeoutError",
+    "HTTPClient",
+    "PoolTimeoutError",
+    "ProtocolError",
+    "ReadTimeoutError",
+    "Response",
+    "SSEEvent",
+    "SSEFramer",
+    "TransportError",
+]

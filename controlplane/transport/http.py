@@ -4,19 +4,41 @@ The request path relays every streamed token; a general-purpose client (stream r
 per-read timers, tracing hooks) costs more per chunk than the rest of the relay. This one
 does only what engine traffic needs:
 
-- a keep-alive pool of connections per origin (host, port), most recently used first;
+- a keep-alive pool of connections per origin (host, port), most recently used first,
+  at most `max_connections_per_origin` open at once: past it a request waits for one to
+  come free, within its connect timeout;
 - one write per request (head and body together);
-- response framing by Content-Length, chunked transfer coding, or the connection's end,
-  decoded inside the protocol's `data_received`, so a consumer wakes once per network read
-  with all the body bytes it carried;
+- responses parsed by llhttp (`httptools`, Node's parser) inside the protocol's
+  `data_received`, so a consumer wakes once per network read with all the body bytes it
+  carried; llhttp is strict where a hand-written parser tends not to be (see below);
 - a push mode for relays (`Response.push_events`): each read's events are handed to a
   callback inside `data_received`, so relaying a token costs no task wake-up at all;
 - a read timeout per connection, checked by one re-armed timer rather than one per read.
 
-Errors are `TransportError` (an `OSError`): connection refused or timed out, a connection
-that broke or ended mid-response, a malformed response. A request on a pooled connection
-that the peer had already closed (nothing came back, so the request never reached it) is
-sent once more on a fresh connection.
+What is refused as a malformed response (`ProtocolError`), by llhttp or, where it leaves
+the choice to its user, here: a Content-Length or chunk size that is not plain digits
+(decimal, resp. hex: no sign, `0x`, underscore or inner whitespace) or overflows 64
+bits; two Content-Length fields, or Content-Length with Transfer-Encoding; a transfer
+coding other than `chunked` (none was asked for); obs-fold, a bare LF or CR, a space
+before a field's colon, control characters in a field; an invalid status line, or a
+version other than HTTP/1.x; a 101 nobody asked for; a head over 64 KiB, or 64 KiB with
+no element of the message complete (an endless header, trailer or chunk-size line).
+Chunk extensions and trailers are allowed and ignored; 1xx responses are skipped.
+
+Errors (every one an `OSError`, so a caller's `except OSError` keeps working):
+
+    TransportError              the request failed on the wire
+    ├── ConnectError            no connection: refused, unreachable, unresolvable
+    │   ├── ConnectTimeoutError     none within the connect timeout
+    │   └── PoolTimeoutError        none came free at the cap within the connect timeout
+    ├── ReadTimeoutError        connected and sent, then no byte for the read timeout
+    ├── ProtocolError           a malformed response
+    └── ClosedError             the peer closed the connection before or during the response
+
+Each names itself in `reason` (`connect_error`, `connect_timeout`, ...): a metric label.
+A `ConnectError` means the request never left this process. A request on a pooled
+connection that the peer had already closed (nothing came back, so the request never
+reached it) is sent once more on a fresh connection.
 """
 
 from __future__ import annotations
@@ -24,28 +46,99 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
 from types import TracebackType
-from typing import cast
+from typing import ClassVar, cast
 from urllib.parse import urlsplit
+
+import httptools
 
 from controlplane.transport.sse import SSEEvent, SSEFramer, one_data_event
 
-_MAX_HEAD = 64 * 1024
+_MAX_HEAD = 64 * 1024  # a response head; also the most bytes with no element completed
 _PAUSE_AT = 1 << 20  # unread body bytes at which reading from the socket pauses
 _END_GRACE_S = 1.0  # how long a finished reader's connection waits for its body's end
+# What a client opens to one origin by default: the router's own connection budget
+# (`weir router --max-connections`), since each client connection has at most one
+# request upstream in flight; so the cap binds only on what no client waits for
+# (aborts, connections lingering for a body's end) piling up.
+MAX_CONNECTIONS_PER_ORIGIN = 8192
 
 
 class TransportError(OSError):
-    """The request failed on the wire: no connection, a broken or malformed response."""
+    """The request failed on the wire (see the module docstring for the kinds)."""
+
+    reason: ClassVar[str] = "transport_error"
 
 
-# Parser states.
-_HEAD, _LENGTH, _UNTIL_CLOSE, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_END, _TRAILER, _DONE = range(8)
+class ConnectError(TransportError):
+    """No connection was made (refused, unreachable, unresolvable, not http://): the
+    request never left."""
+
+    reason = "connect_error"
+
+
+class ConnectTimeoutError(ConnectError):
+    reason = "connect_timeout"
+
+
+class PoolTimeoutError(ConnectError):
+    """Every connection the client may open to the origin stayed busy for the connect
+    timeout."""
+
+    reason = "pool_timeout"
+
+
+class ReadTimeoutError(TransportError):
+    """The request was sent (it may be running), then nothing came for the read timeout."""
+
+    reason = "read_timeout"
+
+
+class ProtocolError(TransportError):
+    """The peer answered with something that is not a valid HTTP/1.x response."""
+
+    reason = "protocol_error"
+
+
+class ClosedError(TransportError):
+    """The peer closed the connection before the response, or in the middle of it."""
+
+    reason = "connection_closed"
+
+
+# Every failure's `reason`, for metrics that start each label at zero.
+TRANSPORT_REASONS = tuple(
+    kind.reason
+    for kind in (
+        TransportError,
+        ConnectError,
+        ConnectTimeoutError,
+        PoolTimeoutError,
+        ReadTimeoutError,
+        ProtocolError,
+        ClosedError,
+    )
+)
+
+
+class _MalformedError(Exception):
+    """Raised inside a parser callback: what llhttp allows but this client does not."""
+
+
+class _SurplusError(Exception):
+    """Raised inside a parser callback: bytes after the response (nobody asked for them)."""
+
+
+# Response states.
+_HEAD, _BODY, _UNTIL_CLOSE, _DONE = range(4)
 
 
 class _Connection(asyncio.Protocol):
-    """One HTTP/1.1 connection; parses one response at a time."""
+    """One HTTP/1.1 connection; parses one response at a time. llhttp calls the `on_*`
+    methods from inside `feed_data`."""
 
     def __init__(
         self,
@@ -63,10 +156,13 @@ class _Connection(asyncio.Protocol):
         self._reset()
 
     def _reset(self) -> None:
+        self._parser = httptools.HttpResponseParser(self)
         self._state = _HEAD
-        self._head = b""
-        self._tail = b""  # an incomplete chunk-size line or chunk end
-        self._remaining = 0
+        self._head_bytes = 0
+        self._marks = 0  # fields and heads completed
+        self._quiet = 0  # bytes fed since an element (or body byte) last came out
+        self._between = False  # the parser is between two chunks (or before the first)
+        self._at_boundary = False  # ... and the last read ended there
         self._body: list[bytes] = []
         self._body_bytes = 0
         self._paused = False
@@ -101,7 +197,7 @@ class _Connection(asyncio.Protocol):
             self._state = _DONE
         elif self._state != _DONE and self.error is None:
             where = "mid-response" if self.received_any else "before a response"
-            self.error = TransportError(f"the connection closed {where}: {exc or 'EOF'}")
+            self.error = ClosedError(f"the connection closed {where}: {exc or 'EOF'}")
         self._wake()
 
     def data_received(self, data: bytes) -> None:
@@ -110,14 +206,10 @@ class _Connection(asyncio.Protocol):
             return
         self.received_any = True
         self._last_read = self._loop.time()
-        try:
-            if self._state == _HEAD:
-                data = self._parse_head(data)
-            if data and not (self._wire_sink is not None and self._cut_through(data)):
-                self._feed_body(data)
-        except (ValueError, IndexError) as exc:
-            self.error = TransportError(f"malformed HTTP response: {exc}")
-            self._close()
+        if self._state == _DONE:
+            self.keep_alive = False  # bytes after the response: the connection retires
+        else:
+            self._parse(data)
         if self._sink is not None:
             self._deliver()
         elif self._on_end is not None:
@@ -131,120 +223,120 @@ class _Connection(asyncio.Protocol):
 
     # -- parsing --------------------------------------------------------------------------
 
-    def _parse_head(self, data: bytes) -> bytes:
-        buf = self._head + data if self._head else data
-        end = buf.find(b"\r\n\r\n")
-        if end < 0:
-            if len(buf) > _MAX_HEAD:
-                raise ValueError("response head too large")
-            self._head = buf
-            return b""
-        self._head = b""
-        lines = buf[:end].decode("latin-1").split("\r\n")
-        version, status, *_ = lines[0].split(" ", 2)
-        if not version.startswith("HTTP/1."):
-            raise ValueError(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
-        self.status = int(status)
-        headers: dict[str, str] = {}
-        for line in lines[1:]:
-            name, _, value = line.partition(":")
-            name, value = name.strip().lower(), value.strip()
-            headers[name] = f"{headers[name]}, {value}" if name in headers else value
-        self.headers = headers
-        connection = headers.get("connection", "").lower()
-        self.keep_alive = "close" not in connection and (
-            version == "HTTP/1.1" or "keep-alive" in connection
-        )
-        if "chunked" in headers.get("transfer-encoding", "").lower():
-            self._state = _CHUNK_SIZE
-        elif "content-length" in headers:
-            self._remaining = int(headers["content-length"])
-            self._state = _LENGTH if self._remaining else _DONE
-        elif self.status in (204, 304) or self.status < 200:
-            self._state = _DONE
-        else:
-            self._state, self.keep_alive = _UNTIL_CLOSE, False
-        return buf[end + 4 :]
-
-    def _feed_body(self, data: bytes) -> None:
-        state = self._state
-        if state == _LENGTH:
-            if len(data) >= self._remaining:
-                # Bytes past the end (nobody asked for them) retire the connection.
-                self.keep_alive = self.keep_alive and len(data) == self._remaining
-                data, self._state = data[: self._remaining], _DONE
-            self._remaining -= len(data)
-            self._take(data)
-        elif state == _UNTIL_CLOSE:
-            self._take(data)
-        elif state != _DONE:
-            self._feed_chunked(data)
-        else:
-            self.keep_alive = False
-
-    def _feed_chunked(self, data: bytes) -> None:
-        if self._tail:
-            data, self._tail = self._tail + data, b""
-        pos, size = 0, len(data)
-        while pos < size:
-            state = self._state
-            if state == _CHUNK_DATA:
-                take = min(self._remaining, size - pos)
-                self._take(data[pos : pos + take] if take < size else data)
-                pos += take
-                self._remaining -= take
-                if not self._remaining:
-                    self._state = _CHUNK_END
-            elif state == _CHUNK_END:
-                if size - pos < 2:
-                    self._tail = data[pos:]
-                    return
-                if data[pos : pos + 2] != b"\r\n":
-                    raise ValueError("chunk not followed by CRLF")
-                pos += 2
-                self._state = _CHUNK_SIZE
-            elif state == _DONE:
-                self.keep_alive = False  # bytes after the response: the connection retires
-                return
-            else:  # a chunk-size line, or a trailer line after the last chunk
-                end = data.find(b"\r\n", pos)
-                if end < 0:
-                    if size - pos > _MAX_HEAD:
-                        raise ValueError("chunk-size line too long")
-                    self._tail = data[pos:]
-                    return
-                line = data[pos:end]
-                pos = end + 2
-                if state == _TRAILER:
-                    if not line:
-                        self._state = _DONE
-                    continue
-                chunk = int(line.split(b";", 1)[0], 16)
-                if chunk < 0:
-                    raise ValueError("negative chunk size")
-                self._remaining = chunk
-                self._state = _CHUNK_DATA if chunk else _TRAILER
-
-    def _cut_through(self, data: bytes) -> bool:
-        """Hand a read of whole chunks to the wire sink undecoded; False: decode it."""
-        if self._state != _CHUNK_SIZE or self._tail or self._body:
-            return False
-        last = _last_payload(data)
-        if last is None:
-            return False
+    def _parse(self, data: bytes) -> None:
+        # Cut-through needs a read that starts and ends between chunks, the body so far
+        # handed over: it is then whole chunks, which llhttp has checked.
+        wire_sink = self._wire_sink if self._at_boundary and not self._body else None
+        marks, body_bytes = self._marks, self._body_bytes
         try:
-            verdict = self._wire_sink(data, *last) if self._wire_sink is not None else None
+            self._parser.feed_data(data)
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+            cause = exc.__context__
+            if isinstance(cause, _SurplusError) or self._state == _DONE:
+                self.keep_alive = False  # the response stands; what followed it retires it
+            else:
+                why = cause if isinstance(cause, _MalformedError) else exc
+                self._fail(ProtocolError(f"malformed HTTP response: {why}"))
+                return
+        if self._body_bytes == body_bytes and self._marks == marks:
+            self._quiet += len(data)
+            if self._quiet > _MAX_HEAD:
+                self._fail(
+                    ProtocolError(
+                        f"malformed HTTP response: {_MAX_HEAD} bytes and no element complete"
+                    )
+                )
+                return
+        elif self._quiet:
+            self._quiet = 0
+        self._at_boundary = self._between and data.endswith(b"\r\n")
+        if wire_sink is not None and self._at_boundary and self._body and self._state != _DONE:
+            self._cut_through(wire_sink, data)
+
+    def _fail(self, error: TransportError) -> None:
+        self.error = error
+        self._close()
+
+    def on_message_begin(self) -> None:
+        if self._state == _DONE:
+            raise _SurplusError
+
+    def on_status(self, reason: bytes) -> None:
+        # Called with each piece of the reason phrase as it comes.
+        self._head_bytes += len(reason)
+        if self._head_bytes > _MAX_HEAD:
+            raise _MalformedError("response head too large")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._marks += 1
+        if self._state != _HEAD:
+            return  # a trailer: ignored
+        self._head_bytes += len(name) + len(value) + 4
+        if self._head_bytes > _MAX_HEAD:
+            raise _MalformedError("response head too large")
+        key, text = name.decode("latin-1").lower(), value.decode("latin-1").strip(" \t")
+        headers = self.headers
+        headers[key] = f"{headers[key]}, {text}" if key in headers else text
+
+    def on_headers_complete(self) -> None:
+        self._marks += 1
+        parser, headers = self._parser, self.headers
+        if not parser.get_http_version().startswith("1."):
+            raise _MalformedError(f"HTTP/{parser.get_http_version()} is not HTTP/1.x")
+        self.status = status = parser.get_status_code()
+        if status == 101:
+            raise _MalformedError("101 Switching Protocols: no upgrade was asked for")
+        self.keep_alive = parser.should_keep_alive()
+        coding = headers.get("transfer-encoding")
+        if coding is not None:
+            if coding.lower() != "chunked":
+                raise _MalformedError(f"transfer coding {coding!r}: only chunked was accepted")
+            self._between = True
+        elif "content-length" not in headers and status >= 200 and status not in (204, 304):
+            self._state, self.keep_alive = _UNTIL_CLOSE, False
+            return
+        self._state = _BODY
+
+    def on_body(self, body: bytes) -> None:
+        self._body.append(body)
+        self._body_bytes += len(body)
+
+    # Chunk heads and ends are no marks: an endless chunk-size line stays quiet.
+    def on_chunk_header(self) -> None:
+        self._between = False
+
+    def on_chunk_complete(self) -> None:
+        self._between = True
+
+    def on_message_complete(self) -> None:
+        self._marks += 1
+        if self.status >= 200:
+            self._state = _DONE
+            return
+        # An informational (1xx) response: the real one follows.
+        self._state, self._head_bytes, self.status = _HEAD, 0, 0
+        self.headers = {}
+
+    def _cut_through(
+        self, wire_sink: Callable[[bytes, int, int], bool | None], data: bytes
+    ) -> None:
+        """Hand a read of whole chunks (none the last) to the wire sink as it came. The
+        last chunk's payload ends before the read's final CRLF, and llhttp handed it over
+        in one piece (a span within one buffer is one callback)."""
+        body = self._body
+        end = len(data) - 2
+        start = end - len(body[-1])
+        try:
+            verdict = wire_sink(data, start, end)
         except Exception as exc:  # raised in the reader's task, by push
             self._stop_push(exc)
-            return True
+            verdict = False
+        if verdict is None:
+            return  # declined: the decoded body goes to the sink
+        body.clear()
+        self._body_bytes = 0
         if verdict:
             self._stop_push()
-        return verdict is not None
-
-    def _take(self, data: bytes) -> None:
-        if data:
-            self._body.append(data)
-            self._body_bytes += len(data)
 
     # -- waiting ------------------------------------------------------------------------
 
@@ -277,7 +369,7 @@ class _Connection(asyncio.Protocol):
             self._last_read = self._loop.time()
             due = self._last_read + self._read_timeout_s
         if self._loop.time() >= due:
-            self.error = TransportError(f"no data for {self._read_timeout_s:g}s")
+            self.error = ReadTimeoutError(f"no data for {self._read_timeout_s:g}s")
             self._close()
             self._wake()
         else:
@@ -401,25 +493,6 @@ class _Connection(asyncio.Protocol):
         self._close()
 
 
-def _last_payload(data: bytes) -> tuple[int, int] | None:
-    """Where the last chunk's payload lies in `data`, when `data` is one or more whole
-    chunks and none is the last (size 0); None otherwise."""
-    pos, size, start, end = 0, len(data), 0, 0
-    while pos < size:
-        eol = data.find(b"\r\n", pos)
-        if eol < 0:
-            return None
-        try:
-            length = int(data[pos:eol], 16)
-        except ValueError:
-            return None  # extensions or garbage: the decoder says which
-        start, end = eol + 2, eol + 2 + length
-        if length <= 0 or not data.startswith(b"\r\n", end):
-            return None
-        pos = end + 2
-    return start, end
-
-
 class Response:
     """A response whose head has arrived. Read its body once — `read()`, `chunks()` or
     `events()` — and close it (`async with`): a fully read response returns its connection
@@ -524,8 +597,27 @@ class Response:
         self.close()
 
 
+@dataclass(slots=True, eq=False)
+class _Origin:
+    """The connections to one origin: the idle ones (most recently used last), how many
+    are open or opening (what the cap counts), and the requests waiting for one."""
+
+    idle: list[_Connection] = field(default_factory=list)
+    open: int = 0
+    waiters: deque[asyncio.Future[None]] = field(default_factory=deque)
+
+    def wake(self) -> None:
+        """A connection came free, or room for one: the first waiter looks again."""
+        while self.waiters:
+            waiter = self.waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+
 class HTTPClient:
-    """Requests to any number of origins, over pooled keep-alive connections."""
+    """Requests to any number of origins, over pooled keep-alive connections, at most
+    `max_connections_per_origin` to each (see `MAX_CONNECTIONS_PER_ORIGIN`)."""
 
     def __init__(
         self,
@@ -534,12 +626,16 @@ class HTTPClient:
         read_timeout_s: float = 600.0,
         idle_timeout_s: float = 30.0,
         max_idle_per_origin: int = 256,
+        max_connections_per_origin: int = MAX_CONNECTIONS_PER_ORIGIN,
     ) -> None:
+        if max_connections_per_origin < 1:
+            raise ValueError("max_connections_per_origin must be at least 1")
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
         self.idle_timeout_s = idle_timeout_s
         self.max_idle_per_origin = max_idle_per_origin
-        self._idle: dict[tuple[str, int], list[_Connection]] = {}
+        self.max_connections_per_origin = max_connections_per_origin
+        self._origins: dict[tuple[str, int], _Origin] = {}
         self._urls: dict[str, tuple[tuple[str, int], str, bytes]] = {}
         # Every connection not yet lost: idle, in use, or waiting for a body's last bytes.
         self._open: set[_Connection] = set()
@@ -551,7 +647,7 @@ class HTTPClient:
         if target is None:
             parts = urlsplit(url)
             if parts.scheme != "http" or not parts.hostname:
-                raise TransportError(f"not an http:// URL: {url!r}")
+                raise ConnectError(f"not an http:// URL: {url!r}")
             path = parts.path or "/"
             if parts.query:
                 path += "?" + parts.query
@@ -572,8 +668,6 @@ class HTTPClient:
         headers: Mapping[str, str] | None = None,
     ) -> Response:
         """Send a request and wait for its response head."""
-        if self._closed:
-            raise TransportError("the client is closed")
         origin, path, host = self._target(url)
         head = [f"{method} {path} HTTP/1.1\r\n".encode(), host]
         if headers:
@@ -586,20 +680,17 @@ class HTTPClient:
         head.append(b"\r\n")
         head.append(body)
         message = b"".join(head)
-        conn = self._pooled(origin)
-        retry = conn is not None
+        conn, pooled = await self._acquire(origin, reuse=True)
         while True:
-            if conn is None:
-                conn = await self._connect(origin)
             conn.send(message)
             try:
                 await conn.head()
-            except TransportError:
+            except ClosedError:
                 conn.abort()
-                if retry and not conn.received_any:
+                if pooled and not conn.received_any:
                     # The peer closed the pooled connection while it idled: the request
                     # never arrived. Once more, on a fresh connection.
-                    conn, retry = None, False
+                    conn, pooled = await self._acquire(origin, reuse=False)
                     continue
                 raise
             except BaseException:
@@ -607,8 +698,64 @@ class HTTPClient:
                 raise
             return Response(self, origin, conn)
 
-    def _pooled(self, origin: tuple[str, int]) -> _Connection | None:
-        idle = self._idle.get(origin)
+    async def _acquire(self, origin: tuple[str, int], reuse: bool) -> tuple[_Connection, bool]:
+        """A connection to `origin`, and whether it is a pooled one: an idle one (if
+        `reuse`), else a new one while fewer than the cap are open. At the cap it waits
+        for either; the connect timeout bounds the wait and the connect together."""
+        pool = self._origins.get(origin)
+        if pool is None:
+            pool = self._origins[origin] = _Origin()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.connect_timeout_s
+        turns = 0
+        while True:
+            if self._closed:
+                raise TransportError("the client is closed")
+            if reuse and (conn := self._pooled(pool)) is not None:
+                return conn, True
+            if pool.open < self.max_connections_per_origin:
+                break
+            if not reuse and pool.idle:
+                pool.idle.pop(0).abort()  # a fresh one takes the place of the oldest idle
+            await self._wait_turn(origin, pool, deadline, again=turns > 0)
+            turns += 1
+        pool.open += 1
+        try:
+            conn = await self._connect(origin, pool, deadline - loop.time())
+        except BaseException:
+            pool.open -= 1
+            pool.wake()
+            raise
+        return conn, False
+
+    async def _wait_turn(
+        self, origin: tuple[str, int], pool: _Origin, deadline: float, again: bool
+    ) -> None:
+        """Wait until a connection to `origin` comes free (or room for one); a waiter
+        that looked and lost the race keeps its place at the front."""
+        waiter = asyncio.get_running_loop().create_future()
+        if again:
+            pool.waiters.appendleft(waiter)
+        else:
+            pool.waiters.append(waiter)
+        try:
+            async with asyncio.timeout_at(deadline):
+                await waiter
+        except BaseException as exc:
+            if waiter.done() and not waiter.cancelled():
+                pool.wake()  # woken as it gave up: the turn passes on
+            elif waiter in pool.waiters:
+                pool.waiters.remove(waiter)
+            if isinstance(exc, TimeoutError):
+                host, port = origin
+                raise PoolTimeoutError(
+                    f"no connection to {host}:{port} came free within "
+                    f"{self.connect_timeout_s:g}s ({self.max_connections_per_origin} open)"
+                ) from None
+            raise
+
+    def _pooled(self, pool: _Origin) -> _Connection | None:
+        idle = pool.idle
         if not idle:
             return None
         stale = time.monotonic() - self.idle_timeout_s
@@ -619,33 +766,43 @@ class HTTPClient:
             conn.abort()
         return None
 
-    async def _connect(self, origin: tuple[str, int]) -> _Connection:
+    async def _connect(
+        self, origin: tuple[str, int], pool: _Origin, timeout_s: float
+    ) -> _Connection:
         loop = asyncio.get_running_loop()
         host, port = origin
+
+        def lost(conn: _Connection) -> None:
+            if conn in self._open:  # not one whose connect failed: that is not counted
+                self._open.discard(conn)
+                pool.open -= 1
+                pool.wake()
+
         try:
             _, conn = await asyncio.wait_for(
                 loop.create_connection(
-                    lambda: _Connection(loop, self.read_timeout_s, self._open.discard), host, port
+                    lambda: _Connection(loop, self.read_timeout_s, lost), host, port
                 ),
-                self.connect_timeout_s,
+                max(0.0, timeout_s),
             )
         except TimeoutError:
-            raise TransportError(f"connect to {host}:{port} timed out") from None
+            raise ConnectTimeoutError(
+                f"connect to {host}:{port} timed out ({self.connect_timeout_s:g}s)"
+            ) from None
         except OSError as exc:
-            if isinstance(exc, TransportError):
-                raise
-            raise TransportError(f"connect to {host}:{port}: {exc}") from exc
+            raise ConnectError(f"connect to {host}:{port}: {exc}") from exc
         self._open.add(conn)
         return conn
 
     def _release(self, origin: tuple[str, int], conn: _Connection) -> None:
-        idle = self._idle.setdefault(origin, [])
-        if self._closed or len(idle) >= self.max_idle_per_origin:
+        pool = self._origins.get(origin)
+        if pool is None or self._closed or len(pool.idle) >= self.max_idle_per_origin:
             conn.abort()
             return
         conn.reuse()
         conn.idle_since = time.monotonic()
-        idle.append(conn)
+        pool.idle.append(conn)
+        pool.wake()
 
     async def __aenter__(self) -> HTTPClient:
         return self
@@ -660,9 +817,13 @@ class HTTPClient:
 
     async def close(self) -> None:
         """Close every connection, idle or not (a response still being read then ends
-        with TransportError), and let their sockets close before returning."""
+        with TransportError), fail the requests waiting for one, and let their sockets
+        close before returning."""
         self._closed = True
-        self._idle.clear()
+        for pool in self._origins.values():
+            pool.idle.clear()
+            while pool.waiters:
+                pool.wake()
         for conn in list(self._open):
             conn.abort()
         await asyncio.sleep(0)  # the transports close their sockets on the next loop turn

@@ -30,6 +30,9 @@ from engine_sidecar.policy.queue import (
     retry_after_s,
 )
 from engine_sidecar.policy.relief import (
+    H200_LLAMA_8B,
+    ModeCosts,
+    ReliefCosts,
     ReliefPlan,
     Rung,
     VictimCandidate,
@@ -48,6 +51,7 @@ from engine_sidecar.policy.watermark import (
 )
 
 __all__ = [
+    "H200_LLAMA_8B",
     "TRANSITIONS",
     "AdmissionDecision",
     "AdmissionQueue",
@@ -56,9 +60,11 @@ __all__ = [
     "IllegalTransitionError",
     "KVUsage",
     "LengthKey",
+    "ModeCosts",
     "OutputLengthPredictor",
     "PoolOutlook",
     "QueuedRequest",
+    "ReliefCosts",
     "ReliefPlan",
     "RequestRecord",
     "RequestState",

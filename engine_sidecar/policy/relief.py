@@ -7,18 +7,29 @@ Rungs, in ARCHITECTURE.md's order:
 3. let near-done decodes finish first — they are raised in engine priority and are the
    last to be chosen as victims;
 4. migrate what can move (lower the low-priority concurrency on this endpoint);
-5. recompute what can be resumed (abort in the engine, resume later in place);
-6. terminate — only where the pool's contract allows it (`overload_may_abort`).
+5. offload what can be resumed from the engine's host tier (abort in the engine, its
+   pages written back to host memory as they are evicted, resume in place from them);
+6. recompute what can be resumed (abort in the engine, resume later in place);
+7. terminate — only where the pool's contract allows it (`overload_may_abort`).
 
 Rungs 4–6 act only when the pool is exhausted: enough victims are picked to bring the
 committed KV (held + reserved growth) back below the critical threshold. Victims are
 scored, not simply the largest; every `VictimScore` keeps its terms so that the decision
 can be logged and explained. A request preempted `max_preemptions_per_request` times is
 never picked again (no thrashing).
+
+How a victim is relieved is a cost comparison when the endpoint's costs are known
+(`ReliefCosts`): C_recompute, C_offload + C_onboard and C_migrate, each the seconds until
+the victim produces again, and the cheapest possible mode wins. Resuming in place
+(recompute or offload) first waits for this endpoint to have room for the continuation;
+a migration waits for none but recomputes on the target. Recompute time grows with the
+square of the context (attention), a host round trip linearly: offload wins as contexts
+grow and loses as host bandwidth falls. Without known costs the order is the ladder's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -41,6 +52,7 @@ class Rung(enum.StrEnum):
     PAUSE_ADMISSION = "pause_admission"
     FAVOUR_NEAR_DONE = "favour_near_done"
     MIGRATE = "migrate"
+    OFFLOAD = "offload"
     RECOMPUTE = "recompute"
     TERMINATE = "terminate"
 
@@ -71,6 +83,83 @@ class VictimCandidate:
 
 
 @dataclass(frozen=True, slots=True)
+class ReliefCosts:
+    """What this endpoint's relief modes cost, from the engine's roofline (seconds of
+    prefill per recomputed token and per attention pair, seconds per decode step) and
+    its host tier (`host_bytes_per_s` 0: none; `host_room_tokens`: the KV offloads may
+    still claim there)."""
+
+    prefill_s_per_token: float
+    prefill_s_per_pair: float
+    decode_step_s: float
+    kv_bytes_per_token: int
+    host_bytes_per_s: float = 0.0
+    host_room_tokens: int = 0
+    migrate_handoff_s: float = 0.0
+
+    def recompute_s(self, tokens: int) -> float:
+        """Re-prefilling `tokens` tokens of history: linear work plus attention's pairs."""
+        pairs = tokens * (tokens + 1) // 2
+        return tokens * self.prefill_s_per_token + pairs * self.prefill_s_per_pair
+
+    def offload_s(self, tokens: int) -> float | None:
+        """Writing `tokens` tokens of KV to host memory and loading them back (None:
+        there is no host tier)."""
+        if self.host_bytes_per_s <= 0:
+            return None
+        return 2.0 * tokens * self.kv_bytes_per_token / self.host_bytes_per_s
+
+
+# The live sidecar's figures until an engine publishes its own: an 8B model (Llama-3.1-8B)
+# on an H200, as the reference engine's roofline has it: 2·params FLOPs per token and
+# 4·layers·hidden per attention pair at 60 % of 989 TFLOP/s, a decode step reading the
+# weights at 80 % of 4.8 TB/s plus 3 ms, 128 KiB of KV per token, and PCIe Gen5 x16 at
+# 50 GB/s to host memory. Only the costs' ratios decide a mode, so a faster or slower
+# GPU of the same balance chooses alike.
+H200_LLAMA_8B = ReliefCosts(
+    prefill_s_per_token=2 * 8.03e9 / (989e12 * 0.6),
+    prefill_s_per_pair=4 * 32 * 4096 / (989e12 * 0.6),
+    decode_step_s=0.003 + 2 * 8.03e9 / (4.8e12 * 0.8),
+    kv_bytes_per_token=2 * 32 * 8 * 128 * 2,
+    host_bytes_per_s=50e9,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ModeCosts:
+    """A victim's three costs, each the seconds until it produces again; None where
+    that mode is impossible for it (not allowed, no room, no host tier)."""
+
+    recompute_s: float | None
+    offload_s: float | None
+    migrate_s: float | None
+
+    def cheapest(self) -> Rung | None:
+        """The cheapest possible mode; ties go to the ladder's order."""
+        options = [
+            (cost, rank, mode)
+            for rank, (mode, cost) in enumerate(
+                (
+                    (Rung.MIGRATE, self.migrate_s),
+                    (Rung.OFFLOAD, self.offload_s),
+                    (Rung.RECOMPUTE, self.recompute_s),
+                )
+            )
+            if cost is not None
+        ]
+        return min(options)[2] if options else None
+
+    def explain(self) -> str:
+        def show(cost: float | None) -> str:
+            return "n/a" if cost is None else f"{cost:.3f}s"
+
+        return (
+            f"C_recompute={show(self.recompute_s)} C_offload+onboard={show(self.offload_s)} "
+            f"C_migrate={show(self.migrate_s)}"
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class VictimScore:
     """Why a candidate ranks where it does. Higher `total` = better victim."""
 
@@ -83,6 +172,7 @@ class VictimScore:
     preemptions: int
     near_done: bool
     total: float
+    costs: ModeCosts | None = None  # set for a chosen victim when the costs are known
 
     def explain(self) -> str:
         slack = "none" if self.deadline_slack_s is None else f"{self.deadline_slack_s:.1f}s"
@@ -91,6 +181,7 @@ class VictimScore:
             f"remaining≈{self.remaining_tokens} recompute={self.recompute_tokens} "
             f"priority={self.priority} deadline_slack={slack} preemptions={self.preemptions}"
             f"{' near-done' if self.near_done else ''}"
+            f"{'' if self.costs is None else ' ' + self.costs.explain()}"
         )
 
 
@@ -108,6 +199,8 @@ class ReliefPlan:
     victims: tuple[VictimChoice, ...]
     needed_tokens: int
     favoured: tuple[str, ...]
+    # Every candidate scored, best victim first: the alternatives a victim was chosen over.
+    ranked: tuple[tuple[str, VictimScore], ...] = ()
 
     @property
     def admission_paused(self) -> bool:
@@ -160,21 +253,85 @@ def score_victim(
 
 
 def _mode(
-    cand: VictimCandidate, policy: PoolPolicy, capacity_tokens: int, room: int | None
+    cand: VictimCandidate,
+    policy: PoolPolicy,
+    capacity_tokens: int,
+    room: int | None,
+    costs: ModeCosts | None = None,
 ) -> Rung | None:
-    """How a victim is relieved: migrated where it can move and some endpoint has room
-    for its continuation (`room`: the most any other endpoint would admit, None when
-    unknown), else recomputed in place, else terminated where the pool allows it."""
-    modes = policy.scheduling.preemption_modes
-    resumable = resumable_anywhere(cand, capacity_tokens, policy.kv)
-    has_room = room is None or continuation_tokens(cand, policy.kv) <= room
-    if resumable and has_room and cand.migratable and PreemptionMode.MIGRATE in modes:
-        return Rung.MIGRATE
-    if resumable and cand.recomputable and PreemptionMode.RECOMPUTE in modes:
-        return Rung.RECOMPUTE
-    if policy.scheduling.overload_may_abort:
+    """How a victim is relieved: the cheapest possible mode when its `costs` are known;
+    else migrated where it can move and some endpoint has room for its continuation
+    (`room`: the most any other endpoint would admit, None when unknown), else recomputed
+    in place; failing all, terminated where the pool allows it."""
+    if costs is not None:
+        mode = costs.cheapest()
+    else:
+        possible = _possible(cand, policy, capacity_tokens, room)
+        mode = next((m for m in (Rung.MIGRATE, Rung.RECOMPUTE) if m in possible), None)
+    if mode is None and policy.scheduling.overload_may_abort:
         return Rung.TERMINATE
-    return None
+    return mode
+
+
+def _possible(
+    cand: VictimCandidate, policy: PoolPolicy, capacity_tokens: int, room: int | None
+) -> set[Rung]:
+    """The resuming modes the pool allows for this victim (offload: as far as the policy
+    and the request can tell; the host tier is the costs' to judge)."""
+    modes = policy.scheduling.preemption_modes
+    if not resumable_anywhere(cand, capacity_tokens, policy.kv):
+        return set()
+    possible = set()
+    has_room = room is None or continuation_tokens(cand, policy.kv) <= room
+    if has_room and cand.migratable and PreemptionMode.MIGRATE in modes:
+        possible.add(Rung.MIGRATE)
+    if cand.recomputable and PreemptionMode.RECOMPUTE in modes:
+        possible.add(Rung.RECOMPUTE)
+    if cand.recomputable and PreemptionMode.OFFLOAD in modes:
+        possible.add(Rung.OFFLOAD)
+    return possible
+
+
+def mode_costs(
+    cand: VictimCandidate,
+    possible: set[Rung],
+    costs: ReliefCosts,
+    wait_here_s: float,
+    host_room: int,
+) -> ModeCosts:
+    """The victim's three costs. In place (recompute, offload) it first waits
+    `wait_here_s` for room here; an offload needs its KV to fit `host_room`; a migration
+    hands off and recomputes on the target, which has room."""
+    tokens = cand.kv_tokens
+    recompute = costs.recompute_s(tokens)
+    offload = costs.offload_s(tokens)
+    return ModeCosts(
+        recompute_s=wait_here_s + recompute if Rung.RECOMPUTE in possible else None,
+        offload_s=(
+            wait_here_s + offload
+            if Rung.OFFLOAD in possible and offload is not None and tokens <= host_room
+            else None
+        ),
+        migrate_s=costs.migrate_handoff_s + recompute if Rung.MIGRATE in possible else None,
+    )
+
+
+def wait_here_s(
+    cand: VictimCandidate, running: Sequence[VictimCandidate], kv: KVPolicy, decode_step_s: float
+) -> float:
+    """Seconds until this endpoint has room to take the victim's continuation back: until
+    the other running requests that finish soonest have released as much KV as it
+    needs (all of them, if they never do)."""
+    need = continuation_tokens(cand, kv)
+    freed = steps = 0
+    for other in sorted(running, key=lambda c: c.predicted_remaining):
+        if other.rid == cand.rid:
+            continue
+        freed += other.kv_tokens + other.reserved_growth_tokens
+        steps = other.predicted_remaining
+        if freed >= need:
+            break
+    return steps * decode_step_s
 
 
 def continuation_tokens(cand: VictimCandidate, kv: KVPolicy) -> int:
@@ -217,13 +374,15 @@ def plan_relief(
     policy: PoolPolicy,
     now: float,
     migration_room: int | None = None,
+    costs: ReliefCosts | None = None,
 ) -> ReliefPlan:
     """The rungs to apply and, when exhausted, the victims to preempt, best victim first.
-    A candidate whose continuation no endpoint could admit is never migrated or
-    recomputed (only terminated, where the pool allows that). A victim migrates only
+    A candidate whose continuation no endpoint could admit is never migrated, offloaded
+    or recomputed (only terminated, where the pool allows that). A victim migrates only
     while another endpoint has room for its continuation (`migration_room`, see
-    `peer_room`; each migration planned takes its share of it), else it is recomputed in
-    place: a move to a full endpoint would only wait there."""
+    `peer_room`; each migration planned takes its share of it): a move to a full
+    endpoint would only wait there. With `costs`, each victim takes its cheapest
+    possible mode (`mode_costs`), each offload taking its share of the host room."""
     kv = policy.kv
     near_done_tokens = max(1, kv.growth_horizon_steps // 8)
     rungs: list[Rung] = []
@@ -253,19 +412,29 @@ def plan_relief(
     )
     victims: list[VictimChoice] = []
     freed = 0
+    host_room = 0 if costs is None else costs.host_room_tokens
     for score, cand in scored:
         if freed >= needed:
             break
-        mode = _mode(cand, policy, usage.capacity_tokens, migration_room)
+        priced = None
+        if costs is not None:
+            possible = _possible(cand, policy, usage.capacity_tokens, migration_room)
+            wait = wait_here_s(cand, candidates, kv, costs.decode_step_s)
+            priced = mode_costs(cand, possible, costs, wait, host_room)
+            score = dataclasses.replace(score, costs=priced)
+        mode = _mode(cand, policy, usage.capacity_tokens, migration_room, priced)
         if mode is None:
             continue
         if mode is Rung.MIGRATE and migration_room is not None:
             migration_room -= continuation_tokens(cand, kv)
+        if mode is Rung.OFFLOAD:
+            host_room -= cand.kv_tokens
         victims.append(VictimChoice(cand.rid, mode, score))
         freed += score.kv_freed_tokens
     ordered = [
         r
-        for r in (Rung.MIGRATE, Rung.RECOMPUTE, Rung.TERMINATE)
+        for r in (Rung.MIGRATE, Rung.OFFLOAD, Rung.RECOMPUTE, Rung.TERMINATE)
         if any(v.mode is r for v in victims)
     ]
-    return ReliefPlan(watermark, (*rungs, *ordered), tuple(victims), needed, favoured)
+    ranked = tuple((cand.rid, score) for score, cand in scored)
+    return ReliefPlan(watermark, (*rungs, *ordered), tuple(victims), needed, favoured, ranked)

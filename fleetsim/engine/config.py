@@ -46,6 +46,15 @@ class EngineConfig:
     retraction_policy: Literal["length", "priority"] = "length"
     schedule_policy: Literal["fcfs", "lpm"] = "fcfs"
     disable_radix_cache: bool = False
+    # SGLang's hierarchical cache: a host pool `hicache_ratio` times the device pool, or
+    # `hicache_size` GB when that is given. Only write-back is modelled (SGLang's default
+    # is write_through).
+    enable_hierarchical_cache: bool = False
+    hicache_ratio: float = 2.0
+    hicache_size: int = 0
+    hicache_write_policy: Literal["write_back", "write_through", "write_through_selective"] = (
+        "write_back"
+    )
     enable_mixed_chunk: bool = False
     # Weir's execution fairness: a chunked prefill yields to shorter ones at chunk
     # boundaries, but never more than `prefill_max_yields` times in a row (aging).
@@ -97,10 +106,37 @@ class EngineConfig:
             problems.append("speed_factor must be positive")
         if self.prefill_max_yields < 0:
             problems.append("prefill_max_yields must not be negative")
+        if self.enable_hierarchical_cache:
+            problems += self._hicache_problems()
         if problems:
             raise ValueError("; ".join(problems))
 
+    def _hicache_problems(self) -> list[str]:
+        problems = []
+        if self.disable_radix_cache:
+            problems.append("the hierarchical cache needs the radix cache")
+        if self.token_backend != "hash":
+            problems.append("the hierarchical cache is modelled with the hash backend only")
+        if self.hicache_write_policy != "write_back":
+            problems.append("hicache_write_policy: only write_back is modelled")
+        if not self.hicache_ratio > 0:
+            problems.append("hicache_ratio must be positive")
+        if self.hicache_size < 0:
+            problems.append("hicache_size must not be negative")
+        return problems
+
     # -- resolved values ---------------------------------------------------------------
+    @property
+    def host_total_tokens(self) -> int:
+        """Host pool capacity in tokens, whole pages: 0 without the hierarchical cache."""
+        if not self.enable_hierarchical_cache:
+            return 0
+        if self.hicache_size > 0:
+            tokens = int(self.hicache_size * 1e9 // self.timing.model.kv_bytes_per_token)
+        else:
+            tokens = int(self.total_tokens * self.hicache_ratio)
+        return tokens // self.page_size * self.page_size
+
     @property
     def total_tokens(self) -> int:
         """KV capacity in tokens, a whole number of pages (SGLang's max_total_num_tokens)."""

@@ -12,12 +12,17 @@ roots an unreferenced subtree. Unreferenced pages are evictable: eviction trims 
 leaves from their tail in least-recently-used order (a use is a match or a release), so a
 page in use is never reclaimed. Allocation fails closed: it hands out every page asked for
 or none. Each cache salt (SGLang's `cache_salt`) has its own tree.
+
+With a host tier (`fleetsim.engine.host_cache`), an evicted run is written back to it
+before its pages return to the free list; a copy that fails leaves the run cached here.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+
+from fleetsim.engine.host_cache import HostCache
 
 
 class CacheNode:
@@ -45,7 +50,13 @@ def path_pages(node: CacheNode | None) -> list[int]:
 class KVCache:
     """Pages of `page_size` tokens, `total_pages` of them, with an optional prefix cache."""
 
-    def __init__(self, total_pages: int, page_size: int, prefix_cache: bool = True) -> None:
+    def __init__(
+        self,
+        total_pages: int,
+        page_size: int,
+        prefix_cache: bool = True,
+        host: HostCache | None = None,
+    ) -> None:
         if total_pages <= 0 or page_size <= 0:
             raise ValueError("the KV pool needs at least one page of at least one token")
         self.total_pages = total_pages
@@ -53,6 +64,9 @@ class KVCache:
         self.prefix_cache = prefix_cache
         self._free = list(range(total_pages - 1, -1, -1))
         self._roots: dict[str, CacheNode] = {}
+        self._salts: dict[int, str] = {}  # id(root) -> its salt
+        self.host = host
+        self.evicted_tokens_total = 0
         self._leaves: OrderedDict[CacheNode, None] = OrderedDict()  # evictable, LRU first
         self.cached_pages = 0
         self.evictable_pages = 0
@@ -90,14 +104,18 @@ class KVCache:
     def free(self, pages: Iterable[int]) -> None:
         self._free.extend(pages)
 
-    def evict(self, count: int) -> int:
+    def evict(self, count: int, back_up: bool = True) -> int:
         """Return up to `count` unreferenced cached pages to the free list: the tails of
-        the least recently used unreferenced leaves."""
+        the least recently used unreferenced leaves, each first written back to the host
+        tier if there is one (and `back_up`)."""
         evicted = 0
         size = self.page_size
         while evicted < count and self._leaves:
             node = next(iter(self._leaves))
             take = min(count - evicted, len(node.pages))
+            if back_up and self.host is not None:
+                salt, ids = self._path_ids(node)
+                self.host.back_up(salt, ids, len(ids) - take * size, len(ids))
             if take < len(node.pages):
                 self._free.extend(node.pages[-take:])
                 del node.pages[-take:]
@@ -114,11 +132,23 @@ class KVCache:
             self.cached_pages -= take
             self.evictable_pages -= take
             evicted += take
+        self.evicted_tokens_total += evicted * size
         return evicted
 
+    def _path_ids(self, node: CacheNode) -> tuple[str, list[int]]:
+        """The salt of `node`'s tree and the tokens from its root down to `node`'s end."""
+        runs: list[list[int]] = []
+        while node.parent is not None:
+            runs.append(node.key)
+            node = node.parent
+        return self._salts[id(node)], [token for run in reversed(runs) for token in run]
+
     def flush(self) -> int:
-        """Evict every unreferenced cached page (SGLang's /flush_cache)."""
-        return self.evict(self.evictable_pages)
+        """Drop every unreferenced cached page, the host tier's included (SGLang's
+        /flush_cache)."""
+        if self.host is not None:
+            self.host.clear()
+        return self.evict(self.evictable_pages, back_up=False)
 
     # -- prefix cache --------------------------------------------------------------------
     def root(self, salt: str = "") -> CacheNode:
@@ -126,6 +156,7 @@ class KVCache:
         if node is None:
             node = self._roots[salt] = CacheNode([], [], None)
             node.refs = 1  # never evicted
+            self._salts[id(node)] = salt
         return node
 
     def match(self, ids: Sequence[int], max_tokens: int, salt: str = "") -> tuple[CacheNode, int]:

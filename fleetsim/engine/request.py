@@ -88,12 +88,21 @@ class EngineRequest:
     # Leading history tokens whose KV arrives by transfer from a prefill engine (P/D):
     # the scheduler allocates their pages without computing them. A retraction drops it.
     kv_imported: int = 0
+    # History tokens up to which this admission loads KV from the host tier (HiCache)
+    # instead of computing it, and the host-tier tokens it has been credited in all.
+    onboard_end: int = 0
+    host_cached_tokens: int = 0
     first_token_at: float = -1.0
     finished_at: float = -1.0
 
     @property
     def total_len(self) -> int:
         return len(self.input_ids) + len(self.output_ids)
+
+    @property
+    def placed_end(self) -> int:
+        """History tokens whose KV is placed (transferred or loaded), not computed."""
+        return max(self.kv_imported, self.onboard_end)
 
     @property
     def prompt_tokens(self) -> int:

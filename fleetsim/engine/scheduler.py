@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 from fleetsim.engine.backends import HashBackend, TokenBackend
 from fleetsim.engine.config import CLIP_MAX_NEW_TOKENS, EngineConfig
+from fleetsim.engine.host_cache import HostCache
 from fleetsim.engine.kv_cache import KVCache
 from fleetsim.engine.request import EngineRequest, Finish, Phase, aborted
 from fleetsim.engine.tokens import (
@@ -157,10 +158,16 @@ class EngineModel:
         self.page_size = config.page_size
         self.total_tokens = config.total_tokens
         self.context_len = config.context_len
+        self.host = (
+            HostCache(config.host_total_tokens // self.page_size, self.page_size)
+            if config.enable_hierarchical_cache
+            else None
+        )
         self.kv = KVCache(
             self.total_tokens // self.page_size,
             self.page_size,
             prefix_cache=not config.disable_radix_cache,
+            host=self.host,
         )
         self.backend: TokenBackend = backend or HashBackend(TokenFunction(config.eos_per_mille))
         self.requests: dict[str, EngineRequest] = {}
@@ -200,6 +207,7 @@ class EngineModel:
         self._firsts: list[EngineRequest] = []
         # Requests a submit ended (evicted from a full queue), reported by the next step.
         self._ended: list[EngineRequest] = []
+        self._host_copied = 0  # host tier tokens copied, as of the last iteration
 
     # -- requests in -----------------------------------------------------------------
     def make_request(
@@ -437,6 +445,8 @@ class EngineModel:
                     f"request {req.rid} computed {req.computed} tokens with {held} tokens of pages"
                 )
         self.kv.check(holders)
+        if self.host is not None:
+            self.host.check()
 
     # -- one iteration -----------------------------------------------------------------
     def step(self, now: float) -> StepResult:
@@ -464,9 +474,15 @@ class EngineModel:
             self._requeue(self.prefilling.pop(), now, result)
         result.prefill_tokens = pf_tokens
         result.decode_tokens = dec_seqs
-        result.duration = self.config.timing.iteration_s(
-            pf_tokens, pf_pairs, pf_context, dec_seqs, dec_context
-        )
+        timing = self.config.timing
+        result.duration = timing.iteration_s(pf_tokens, pf_pairs, pf_context, dec_seqs, dec_context)
+        host = self.host
+        if host is not None:
+            # Write-back blocks the eviction that needs it and a load the prefill that
+            # reads it: the iteration waits for its copies.
+            copied = host.backup_tokens_total + host.load_back_tokens_total
+            result.duration += timing.host_transfer_s(copied - self._host_copied)
+            self._host_copied = copied
         # What happened in this iteration happened at its end.
         end = now + result.duration
         for req in result.finished:
@@ -604,7 +620,7 @@ class EngineModel:
         nothing. With `prefill_yield` it shares the iteration's budget in `_prefill`
         instead, so only its KV is reserved here. (Transferred KV costs pages, not
         compute: the budgets count only what is computed.)"""
-        start = max(req.computed, req.kv_imported)
+        start = max(req.computed, req.placed_end)
         remaining = req.total_len - start
         max_new = min(req.max_new_tokens, CLIP_MAX_NEW_TOKENS)
         if yielding:
@@ -632,14 +648,18 @@ class EngineModel:
         """Admit a waiting request if the budget holds it (SGLang's add_one_req); the
         verdict says whether the pass goes on."""
         kv, ps = self.kv, self.page_size
-        node, matched = kv.match(req.history(), req.total_len - 1, req.cache_salt)
+        history = req.history()
+        node, matched = kv.match(history, req.total_len - 1, req.cache_salt)
+        onboard = 0
+        if self.host is not None and not req.kv_imported:  # P/D imports load no host pages
+            onboard = self.host.match(req.cache_salt, history, matched, req.total_len - 1)
         extend = req.total_len - matched
         max_new = min(max(req.max_new_tokens - len(req.output_ids), 0), CLIP_MAX_NEW_TOKENS)
         # Its cached prefix is locked while it is weighed: that part is not evictable.
         held = kv.evictable_on_path(node) * ps
         if extend + max_new + budget.page_charge >= budget.remaining_total - held:
             return _NO_TOKEN
-        start = max(matched, req.kv_imported)  # transferred KV is placed, not computed
+        start = max(matched + onboard, req.kv_imported)  # placed KV is not computed
         paged = budget.paged(req.total_len - start)
         if admitted and paged >= budget.rem_input and (budget.rem_chunk is None or not self.v0523):
             return _OTHER
@@ -652,9 +672,11 @@ class EngineModel:
         kv.lock(node)
         req.node, req.tree_len = node, matched
         req.computed = matched
+        req.onboard_end = matched + onboard if onboard else 0
         req.prefill_end = end
-        req.cached_tokens += matched
-        self.cached_tokens_total += matched if not req.output_ids else 0
+        req.cached_tokens += matched + onboard
+        req.host_cached_tokens += onboard
+        self.cached_tokens_total += matched + onboard if not req.output_ids else 0
         req.phase = Phase.PREFILL
         req.prefill_yields = 0
         if req.admitted_at < 0:
@@ -727,10 +749,10 @@ class EngineModel:
         for req in order:
             if yielding and budget <= 0:
                 break
-            if req.kv_imported > req.computed:
+            if req.placed_end > req.computed:
                 self._import(req)
-                if req.computed < req.kv_imported:
-                    continue  # not all of the transferred KV has a page yet
+                if req.computed < req.placed_end:
+                    continue  # not all of the placed KV has a page yet
             start = req.computed
             if yielding:
                 end = min(req.total_len, start + int(min(budget, req.total_len - start)))
@@ -775,11 +797,14 @@ class EngineModel:
         return tokens, pairs, context
 
     def _import(self, req: EngineRequest) -> None:
-        """Place transferred KV: pages for the imported tokens, no compute, as many as
-        the free pages hold."""
+        """Place transferred or host-held KV: pages for those tokens, no compute, as
+        many as the free pages hold. Host pages are counted only once the pages to load
+        them into exist (allocating may write back, and so evict, host pages); pages
+        allocated for host pages no longer there are given back, and the request
+        computes those tokens instead."""
         kv, ps = self.kv, self.page_size
         held = req.tree_len // ps + len(req.pages)
-        end = min(req.kv_imported, (held + kv.available_pages) * ps)
+        end = min(req.placed_end, (held + kv.available_pages) * ps)
         if end <= req.computed:
             return
         need = -(-end // ps) - held
@@ -787,7 +812,19 @@ class EngineModel:
             pages = kv.allocate(need)
             assert pages is not None
             req.pages.extend(pages)
-        self.imported_tokens_total += end - req.computed
+        imported = max(req.computed, min(end, req.kv_imported))
+        self.imported_tokens_total += imported - req.computed
+        if end > imported:
+            assert self.host is not None
+            wanted = end
+            end = imported + self.host.match(req.cache_salt, req.history(), imported, end)
+            self.host.loaded(end - imported)
+            if end < wanted:
+                req.onboard_end = end
+                surplus = len(req.pages) - (-(-end // ps) - req.tree_len // ps)
+                if surplus > 0:
+                    kv.free(req.pages[-surplus:])
+                    del req.pages[-surplus:]
         req.computed = end
         self._cache_full_pages(req)
 
@@ -971,6 +1008,7 @@ class EngineModel:
             self.kv.evict(need)
         req.computed = 0
         req.kv_imported = 0  # the transferred KV is gone: a recompute computes it all
+        req.onboard_end = 0
         req.retractions += 1
         req.phase = Phase.WAITING
         self.batch_is_full = False

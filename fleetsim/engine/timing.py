@@ -33,6 +33,8 @@ class HardwareProfile:
     memory_efficiency: float = 0.8
     fixed_overhead_s: float = 0.003
     mem_fraction_static: float = 0.88
+    # Device-host copies (HiCache): PCIe Gen5 x16 as achieved, of its 64 GB/s.
+    host_bytes_per_s: float = 50e9
 
 
 # Llama-3.1-8B: 32 layers, 8 KV heads of 128 dims, bf16 K and V.
@@ -67,6 +69,10 @@ class TimingModel:
             - 4e9
         )
         return max(1, int(budget // self.model.kv_bytes_per_token))
+
+    def host_transfer_s(self, tokens: int) -> float:
+        """Seconds to copy `tokens` tokens of KV between device and host memory."""
+        return tokens * self.model.kv_bytes_per_token / self.hardware.host_bytes_per_s
 
     def iteration_s(
         self,

@@ -57,6 +57,11 @@ _GAUGES_0523 = {
     "page_size": "The page size of the KV cache.",
     "new_token_ratio": "The new token ratio.",
 }
+# The hierarchical cache's gauges (0.5.23, only with --enable-hierarchical-cache).
+_HICACHE_GAUGES = {
+    "hicache_host_used_tokens": "Number of tokens currently used in the host KV cache.",
+    "hicache_host_total_tokens": "Total capacity of the host KV cache in tokens.",
+}
 # Per-process gauges (prometheus_client's multiprocess mode "all"): SGLang's carry a pid.
 _PROCESS_GAUGES = {
     "num_retracted_reqs": "The number of retracted requests.",
@@ -147,6 +152,10 @@ class EngineMetrics:
         self.cached_tokens = (
             cached.labels(**self._tok, cache_source="device") if new else cached.labels(**self._tok)
         )
+        self.host_cached_tokens = (
+            cached.labels(**self._tok, cache_source="host") if new else self.cached_tokens
+        )
+        self._hicache = _HiCacheMetrics(model, self.registry, sched) if new and model.host else None
         self.aborted = self._counter(
             "num_aborted_requests", "Number of requests aborted.", self._tok
         )
@@ -194,6 +203,8 @@ class EngineMetrics:
         for key, gauge in self._gauges.items():
             gauge.set(values[key])
         self.retracted_now.set(loads.num_retracted_reqs)
+        if self._hicache is not None:
+            self._hicache.refresh()
 
     def first_token(self, req: EngineRequest, streaming: bool, at: float) -> None:
         self._ttft.labels(**self._labels(streaming)).observe(max(0.0, at - req.arrival))
@@ -211,10 +222,64 @@ class EngineMetrics:
         self._requests.labels(**labels).inc()
         self._prompt.labels(**labels).inc(req.prompt_tokens)
         self._generation.labels(**labels).inc(req.completion_tokens)
-        self.cached_tokens.inc(req.cached_tokens)
+        self.cached_tokens.inc(req.cached_tokens - req.host_cached_tokens)
+        self.host_cached_tokens.inc(req.host_cached_tokens)
         if self.retractions is not None:
             self.retractions.observe(req.retractions)
         if req.finish is not None and req.finish.kind == "abort":
             self.aborted.inc()
         else:
             self._e2e.labels(**labels).observe(max(0.0, req.finished_at - req.arrival))
+
+
+class _HiCacheMetrics:
+    """The host tier's families: the scheduler's host pool gauges and the radix cache's
+    eviction, write-back and load-back counters (SGLang's RadixCacheMetricsCollector,
+    labelled by cache class and rank), copied from the model's cumulative counts."""
+
+    def __init__(self, model: EngineModel, registry: CollectorRegistry, sched: dict[str, str]):
+        assert model.host is not None
+        self.model, self.host = model, model.host
+        self.used, self.total = (
+            Gauge(f"sglang:{key}", doc, list(sched), registry=registry).labels(**sched)
+            for key, doc in _HICACHE_GAUGES.items()
+        )
+        radix = {"cache_type": "UnifiedRadixCache", "tp_rank": "0", "pp_rank": "0", "dp_rank": "0"}
+        pooled = [*radix, "pool"]
+
+        def counter(name: str, doc: str, names: list[str], **labels: str) -> Counter:
+            family = Counter(f"sglang:{name}", doc, names, registry=registry)
+            return family.labels(**radix, **labels)
+
+        self.evicted = counter(
+            "evicted_tokens", "The number of device KV token slots freed by eviction.", list(radix)
+        )
+        self.backup = counter(
+            "hicache_backup_tokens", "The number of tokens backed up from GPU to local host "
+            "DRAM (L2), by host pool.", pooled, pool="kv",
+        )  # fmt: skip
+        self.load_back = counter(
+            "load_back_tokens", "The number of tokens loaded back from local host DRAM (L2) "
+            "to GPU, by host pool.", pooled, pool="kv",
+        )  # fmt: skip
+        self.dropped = counter(
+            "hicache_dropped_tokens", "The number of logical device KV tokens destroyed "
+            "without a host backup.", [*pooled, "reason"], pool="kv", reason="host_pressure",
+        )  # fmt: skip
+        self._seen = (0, 0, 0, 0)
+
+    def refresh(self) -> None:
+        host = self.host
+        self.used.set(host.used_pages * host.page_size)
+        self.total.set(host.total_pages * host.page_size)
+        now = (
+            self.model.kv.evicted_tokens_total,
+            host.backup_tokens_total,
+            host.load_back_tokens_total,
+            host.dropped_tokens_total,
+        )
+        for counter, value, seen in zip(
+            (self.evicted, self.backup, self.load_back, self.dropped), now, self._seen, strict=True
+        ):
+            counter.inc(value - seen)
+        self._seen = now

@@ -68,13 +68,18 @@ before a request that has not started is better refused with Retry-After."""
 def default_pool_policy() -> PoolPolicy:
     """Weir's pool policy in the simulator: the defaults, with prefix blocks as large as the
     workloads' blocks so the router's index and ownership keys line up with them, and the
-    local-queue wait set to interactive clients' patience."""
+    sidecar's local queue and the router's fair queue both letting a request wait as long
+    as an interactive client's patience (a patient client retries after the refusal)."""
     return PoolPolicy(
         pool=POOL,
         model=MODEL,
         kv=KVPolicy(),
         scheduling=SchedulingPolicy(local_queue_max_wait_s=INTERACTIVE_PATIENCE_S),
-        routing=RoutingPolicy(prefix_block_tokens=512, prefix_blocks_for_owner=1),
+        routing=RoutingPolicy(
+            prefix_block_tokens=512,
+            prefix_blocks_for_owner=1,
+            queue_max_wait_s=INTERACTIVE_PATIENCE_S,
+        ),
     )
 
 

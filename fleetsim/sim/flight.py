@@ -40,6 +40,9 @@ class Flight:
     visit_cached: int = -1
     preemptions: dict[str, int] = field(default_factory=dict)
     recomputed_tokens: int = 0
+    # A relief victim's history, until its continuation's first token says how much of it
+    # a prefix cache gave back (the rest was recomputed).
+    resume_tokens: int = 0
     queued_since: float = -1.0
     queue_time_s: float = 0.0
     # P/D: prompt tokens whose KV a prefill engine computed and handed off, waiting to be
@@ -50,8 +53,6 @@ class Flight:
     handoff_s: float = 0.0  # first token on prefill to the next one on decode
     # Refusals (429/503) a patient client retried after.
     retries: int = 0
-    # The router queue (by role) whose tenant counter was charged for it, "" until then.
-    charged_in: str = ""
 
     @property
     def rid(self) -> str:

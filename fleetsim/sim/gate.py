@@ -15,11 +15,11 @@ request ends its charge is released with what it used, so unused output tokens f
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 from controlplane.contract import PoolPolicy
 from controlplane.contract.credit_rules import CreditLedger, credit_refusal
 from controlplane.contract.quota_rules import QuotaLedger, quota_refusal
+from controlplane.routing import Refusal
 from fleetsim.sim.flight import Flight
 
 HOLDER = "router-sim"
@@ -28,20 +28,6 @@ HOLDER = "router-sim"
 HOLDER_TTL_MS = 15_000
 CREDIT_TTL_MS = 30_000
 DECODE_CLASS = "decode"
-
-
-@dataclass(frozen=True, slots=True)
-class Refusal:
-    """An HTTP refusal as the gateway answers it: 429/503 are retryable (after
-    `retry_after_s`, None when the answer gives none); 400/403 are final."""
-
-    status: int
-    reason: str
-    retry_after_s: float | None
-
-    @property
-    def retryable(self) -> bool:
-        return self.status in (429, 503)
 
 
 def _ms(now: float) -> int:

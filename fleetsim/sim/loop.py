@@ -345,6 +345,9 @@ class Simulation:
             if flight.visit_cached < 0:
                 flight.visit_cached = req.cached_tokens
                 flight.cached_tokens += req.cached_tokens
+                if flight.resume_tokens:
+                    flight.recomputed_tokens += max(0, flight.resume_tokens - req.cached_tokens)
+                    flight.resume_tokens = 0
             if flight.first_token_at < 0:
                 flight.first_token_at = now
             elif flight.handoff_from >= 0:

@@ -4,9 +4,13 @@ Router (`controlplane.routing`, `controlplane.ownership`): the prompt's primary 
 secondary owners on the consistent-hash ring (rebuilt when a lease lapses); the default
 scheduling profile (filters → weighted
 cost-model scorers → max-score picker) over a `PoolSnapshot` built from the sidecars'
-heartbeats, as stale as the heartbeat period plus the change-feed delay; the router's own
-in-flight counts since each endpoint's last visible heartbeat; the approximate
-`PrefixIndex`; and the tenant-fair `FairQueue` for requests no endpoint may take now.
+heartbeats, as stale as the heartbeat period plus the change-feed delay; the approximate
+`PrefixIndex`; and the live router's dispatch core (`Dispatcher`: route or queue in the
+tenant-fair `FairQueue`, in-flight reservations, charges, the pump, fallbacks before the
+first byte and resumes), configured by the same pool policy and held equal to the
+gateway's use of it by tests/fleetsim/test_dispatch_parity.py. What is left here is
+event plumbing: timers for the core's wakeups, engine liveness (a dead engine's
+connection is refused), and the sidecar behind each endpoint.
 
 Sidecar (`engine_sidecar.policy`), one per engine: growth-reserve admission
 (`decide_admission`) over the KV its requests hold plus the growth the running ones are
@@ -16,7 +20,10 @@ resumes one class ahead and never refused for a full queue; held equal to the le
 tests/fleetsim/test_orchestration_parity.py); engine priority from urgency (`engine_priority`);
 watermarks with hysteresis (`classify`) published with every heartbeat and at once on a
 change; and the relief ladder (`plan_relief`): at exhaustion, victims are migrated (a
-continuation re-routed by the router, excluding this endpoint) or recomputed in place.
+continuation re-routed by the router, excluding this endpoint), offloaded (resumed in
+place from the engine's host tier) or recomputed in place. On engines with a host tier
+the choice is relief's cost comparison (`ReliefCosts` from the engines' roofline, the
+host room less what this sidecar's offloads not yet resumed hold).
 
 Router gate (`fleetsim.sim.gate`): tenant quotas, when the pool policy declares tenants,
 and on a disaggregated fleet a decode handoff credit before a prefill is admitted, both
@@ -38,12 +45,14 @@ chunk boundaries, mixed prefill/decode iterations with a prefill time budget), a
 operator renders them from the pool spec. When an engine dies,
 the router, which holds every stream, re-routes what it had in flight as continuations.
 
-Not modelled: KV token-second quotas (the sidecar's charge), offload/swap.
+Not modelled: KV token-second quotas (the sidecar's charge).
 """
 
 from __future__ import annotations
 
 import functools
+import math
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -58,21 +67,18 @@ from controlplane.contract import (
 from controlplane.contract.credit_rules import decode_budget
 from controlplane.ownership import Membership, OwnershipRing, prefix_key
 from controlplane.routing import (
-    SATURATION,
-    FairQueue,
-    InFlight,
+    Dispatcher,
+    EndpointView,
+    Placed,
     PoolSnapshot,
     PrefixIndex,
     Profile,
-    QueueFullError,
+    Refusal,
     RouteRequest,
-    RoutingContext,
     default_config,
     profile_from_config,
-    service_correction,
-    service_estimate,
 )
-from controlplane.routing.snapshot import EndpointView
+from controlplane.routing.dispatch import RESUME_FAILED, Event
 from engine_sidecar.ledger import Ledger
 from engine_sidecar.policy import (
     AdmissionDecision,
@@ -83,6 +89,7 @@ from engine_sidecar.policy import (
     OutputLengthPredictor,
     PoolOutlook,
     QueuedRequest,
+    ReliefCosts,
     Rung,
     SequenceOutlook,
     VictimCandidate,
@@ -96,7 +103,7 @@ from engine_sidecar.policy import (
 from fleetsim.engine import EngineConfig
 from fleetsim.sim.config import MODEL, FleetConfig
 from fleetsim.sim.flight import Flight, Stage
-from fleetsim.sim.gate import HOLDER_TTL_MS, Refusal, RouterGate
+from fleetsim.sim.gate import HOLDER_TTL_MS, RouterGate
 from fleetsim.sim.loop import Simulation
 from fleetsim.workloads import BLOCK_TOKENS, prompt_token_ids
 
@@ -107,7 +114,7 @@ LEASE_HEARTBEATS = 3
 PREFILL_TIME_BUDGET_S = 0.05
 # Admitting a prompt this long publishes the sidecar's state at once.
 LONG_PROMPT_TOKENS = 4096
-# A continuation (already streaming) waits for a new endpoint at most this long.
+# A continuation waits in a sidecar's queue at most this long from its arrival.
 CONTINUATION_MAX_WAIT_S = 600.0
 # A patient client retries a 503 without Retry-After after this long.
 CLIENT_BACKOFF_S = 1.0
@@ -145,6 +152,8 @@ class Sidecar:
     reserved_tokens: int = 0
     accounted_at: float = -1e9
     version: int = 0
+    # Offloaded victims not yet back in the engine, with the KV each left in its host tier.
+    offloaded: dict[str, tuple[Flight, int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.ledger = Ledger(self.policy, self.capacity_tokens, self.clock)
@@ -187,6 +196,31 @@ class Sidecar:
     def usage(self) -> KVUsage:
         return KVUsage(self.capacity_tokens, self.used_tokens, self.reserved_tokens)
 
+    def host_held(self) -> int:
+        """KV its offloads left in the host tier and have not loaded back yet."""
+        for rid, (flight, _) in list(self.offloaded.items()):
+            if flight.done or flight.stage is Stage.ENGINE:
+                del self.offloaded[rid]
+        return sum(tokens for _, tokens in self.offloaded.values())
+
+
+def relief_costs(config: EngineConfig) -> ReliefCosts | None:
+    """Relief's costs on engines of this config, from their roofline (None without a host
+    tier: relief then takes the ladder's order, as before offload existed)."""
+    if not config.enable_hierarchical_cache:
+        return None
+    timing = config.timing
+    model, hw = timing.model, timing.hardware
+    flops = hw.flops * hw.compute_efficiency
+    return ReliefCosts(
+        prefill_s_per_token=2.0 * model.params / flops,
+        prefill_s_per_pair=4.0 * model.layers * model.hidden / flops,
+        decode_step_s=timing.iteration_s(0, 0, 0, 1, 0),
+        kv_bytes_per_token=model.kv_bytes_per_token,
+        host_bytes_per_s=hw.host_bytes_per_s,
+        host_room_tokens=config.host_total_tokens,
+    )
+
 
 class WeirPolicy:
     name = "weir"
@@ -198,21 +232,21 @@ class WeirPolicy:
         self.profile: Profile | None = None
         self.index = PrefixIndex()
         # One router per pool: a P/D fleet is a prefill pool and a decode pool, each with
-        # its own snapshot, ownership ring and queue (a colocated fleet has one, MIXED).
-        self.queues: dict[Role, FairQueue[Flight]] = {}
+        # its own snapshot, ownership ring and dispatch core (a colocated fleet has one,
+        # MIXED).
+        self.routers: dict[Role, Dispatcher[Flight]] = {}
         self.rings: dict[Role, OwnershipRing] = {}
         self._snapshots: dict[Role, PoolSnapshot] = {}
         self._states: dict[int, EndpointState] = {}
         self._leases: dict[int, float] = {}
-        # Each pool's router's dispatches not yet shown by a report, as the gateway's;
-        # and where each request was last dispatched.
-        self.inflight: dict[Role, InFlight] = {}
-        self._sent_to: dict[str, tuple[Role, str]] = {}
-        self._where: dict[str, int] = {}
-        self._excluded: dict[str, set[str]] = {}
-        self._queued: dict[str, Flight] = {}
-        self._owner_cache: dict[str, tuple[Role, int, tuple[str, ...]]] = {}
+        self._where: dict[str, int] = {}  # the sidecar a request is at
+        # The routers' decisions, delivered in the order they were made even when acting
+        # on one (an engine that refuses, a flight that ends) makes more.
+        self._outbox: deque[tuple[Role, Event[Flight]]] = deque()
+        self._delivering = False
+        self._wakeups: dict[Role, float] = {}  # each router's earliest timer set
         self._gate: RouterGate | None = None
+        self._costs: ReliefCosts | None = None
 
     @property
     def sim(self) -> Simulation:
@@ -259,6 +293,7 @@ class WeirPolicy:
             "transfer_bytes_per_s": sim.config.kv_link_bytes_per_s,
         }
         self.profile = profile_from_config(config)
+        self._costs = relief_costs(sim.engine_config)
         self.sidecars = [
             Sidecar(
                 e.index, f"engine-{e.index}", e.capacity_tokens, policy, lambda: sim.now, e.role
@@ -271,8 +306,7 @@ class WeirPolicy:
         sim.every(HOLDER_RENEW_S, self.gate.renew)
         vnodes = policy.routing.virtual_nodes  # as the gateway's `RingOwners`
         for role in dict.fromkeys(s.role for s in self.sidecars):
-            self.inflight[role] = InFlight()
-            self.queues[role] = FairQueue(max_wait_s=CONTINUATION_MAX_WAIT_S)
+            self.routers[role] = Dispatcher(self.profile, policy.routing, self.index)
             members = (s.endpoint_id for s in self.sidecars if s.role is role)
             self.rings[role] = OwnershipRing(Membership.of(1, members), vnodes)
         period = sim.config.staleness.heartbeat_period_s
@@ -331,7 +365,8 @@ class WeirPolicy:
     def _publish(self, index: int, state: EndpointState, lease: float, taken_at: float) -> None:
         self._states[index] = state
         self._leases[index] = lease
-        self.inflight[state.role].reported(state.endpoint_id, taken_at)
+        role = state.role
+        self.routers[role].reported(state.endpoint_id, taken_at)
         self._snapshots.clear()
         now = self.sim.now
         if state.role is Role.DECODE:
@@ -344,7 +379,7 @@ class WeirPolicy:
                     self.sim.engine_config.timing.model.kv_bytes_per_token,
                 )
             )
-        self._drain(now)
+        self._deliver(role, self.routers[role].pump(now, self._snapshot(now, role)))
 
     def _snapshot(self, now: float, role: Role) -> PoolSnapshot:
         """`role`'s pool as the router sees it."""
@@ -360,48 +395,89 @@ class WeirPolicy:
             )
         return snapshot
 
-    def _context(self, now: float, role: Role) -> RoutingContext:
-        """What the router of `role`'s pool sees."""
-        inflight = self.inflight[role]
-        return RoutingContext(
-            self._snapshot(now, role), now, inflight.counts, inflight.total, self.index
-        )
-
-    # -- the router -------------------------------------------------------------------------
+    # -- the routers ----------------------------------------------------------------------
     def arrive(self, flight: Flight, now: float) -> None:
         refusal = self.gate.admit(flight, now)
         if refusal is not None:
             self._refused(flight, refusal, now)
             return
-        self._dispatch(flight, now)
+        role = self._role(flight)
+        router = self.routers[role]
+        route = self._route_request(flight, role, now)
+        self._deliver(role, router.arrive(route, flight, now, self._snapshot(now, role)))
+        self._mark_waiting(role, flight, now)
 
-    def _dispatch(self, flight: Flight, now: float) -> None:
-        if self.queues[self._role(flight)].waiting_at_or_above(flight.spec.priority):
-            self._enqueue(flight, now)  # never jump the queue of one's own class
-            self._drain(now)
+    def _hand_back(self, flight: Flight, now: float, *, broken: bool) -> None:
+        """A continuation (a migration, or a failover when `broken`): its router resumes
+        it elsewhere."""
+        role = self._role(flight)
+        events = self.routers[role].handed_back(
+            flight.rid, flight.generated, now, self._snapshot(now, role), broken=broken
+        )
+        self._deliver(role, events)
+        self._mark_waiting(role, flight, now)
+
+    def _mark_waiting(self, role: Role, flight: Flight, now: float) -> None:
+        if self.routers[role].waiting(flight.rid):
+            flight.accepted = True
+            flight.enqueue(now)
+
+    def _deliver(self, role: Role, events: list[Event[Flight]]) -> None:
+        """Act on a router's decisions: a placement goes to the endpoint's sidecar (unless
+        its engine is dead: the connection is refused, and the router told so); a
+        refusal reaches the client, or loses a continuation nobody could take."""
+        self._outbox.extend((role, event) for event in events)
+        if self._delivering:
             return
-        refusal = self._route(flight, now, frozenset())
-        if not refusal:
-            self._charge(flight)
-        elif refusal in SATURATION:
-            self._enqueue(flight, now)
-        else:  # nothing could serve it, full or not: the gateway answers 503
-            self._refused(flight, Refusal(503, refusal, 1.0), now)
+        self._delivering = True
+        try:
+            while self._outbox:
+                role, event = self._outbox.popleft()
+                flight = event.payload
+                if flight.done:
+                    continue
+                if isinstance(event, Placed):
+                    self._placed(role, flight, event.endpoint_id)
+                else:
+                    self._refused(flight, event.refusal, self.sim.now)
+        finally:
+            self._delivering = False
+        self._arm_wakeups()
 
-    def _charge(self, flight: Flight) -> None:
-        """Charge the tenant's counter in its router's fair queue once per request, as
-        the gateway does on dispatch (`service_estimate`; settled when it ends)."""
-        if not flight.charged_in:
-            role = self._role(flight)
-            self.queues[role].charge(
-                flight.spec.tenant,
-                service_estimate(flight.spec.input_tokens, flight.spec.max_tokens),
-            )
-            flight.charged_in = role.value
+    def _placed(self, role: Role, flight: Flight, endpoint_id: str) -> None:
+        now = self.sim.now
+        index = int(endpoint_id.rsplit("-", 1)[1])
+        if not self.sim.engines[index].alive:
+            # Its lease has not lapsed yet but the connection is refused.
+            snapshot = self._snapshot(now, role)
+            self._deliver(role, self.routers[role].refused(flight.rid, now, snapshot))
+            return
+        self.index.record(endpoint_id, _block_hashes(flight))
+        flight.accepted = True
+        self._offer(self.sidecars[index], flight, now)
+
+    def _arm_wakeups(self) -> None:
+        """A timer at each router's next wakeup (a wait that ends, an avoided endpoint
+        that may be asked again), as the gateway keeps one."""
+        for role, router in self.routers.items():
+            when = router.next_wakeup()
+            if when is not None and when < self._wakeups.get(role, math.inf):
+                self._wakeups[role] = when
+                self.sim.at(when, functools.partial(self._wake, role, when))
+
+    def _wake(self, role: Role, when: float) -> None:
+        if self._wakeups.get(role) == when:
+            del self._wakeups[role]
+        now = self.sim.now
+        self._deliver(role, self.routers[role].pump(now, self._snapshot(now, role)))
 
     def _refused(self, flight: Flight, refusal: Refusal, now: float) -> None:
         """The gateway's answer reaches the client: a patient one (its own maximum wait)
-        sends the request again after Retry-After while that wait lasts."""
+        sends the request again after Retry-After while that wait lasts. A continuation
+        no endpoint took in time is lost."""
+        if refusal.reason == RESUME_FAILED:
+            self.sim.end(flight, FinishReason.ABORTED, now, "continuation found no endpoint")
+            return
         spec = flight.spec
         delay = refusal.retry_after_s if refusal.retry_after_s is not None else CLIENT_BACKOFF_S
         if refusal.retryable and now + delay < spec.arrival_s + spec.max_wait_s:
@@ -409,6 +485,8 @@ class WeirPolicy:
             self.sim.at(now + delay, lambda: self._retry(flight))
             return
         ending = FinishReason.OVERLOAD if refusal.retryable else FinishReason.ERROR
+        if refusal.status == 504:
+            ending = FinishReason.DEADLINE
         self.sim.end(flight, ending, now, f"router: {refusal.status} {refusal.reason}")
 
     def _retry(self, flight: Flight) -> None:
@@ -422,61 +500,30 @@ class WeirPolicy:
             return Role.MIXED
         return Role.DECODE if flight.kv_ready or flight.generated else Role.PREFILL
 
-    def _route(self, flight: Flight, now: float, exclude: frozenset[str]) -> str:
-        """Place the flight on an endpoint's sidecar; "" when placed, else the refusal."""
+    def _route_request(self, flight: Flight, role: Role, now: float) -> RouteRequest:
+        """The request as the gateway's prepare step would see it arriving now (a patient
+        client's retry arrives anew): its prompt, output limit, deadline left, blocks and
+        owners on the pool's current ring."""
         spec = flight.spec
-        assert self.profile is not None
-        full = spec.input_tokens // BLOCK_TOKENS
-        role = self._role(flight)
         deadline = 0.0
         if spec.deadline_s > 0:
             deadline = max(1e-3, spec.arrival_s + spec.deadline_s - now)
-        request = RouteRequest(
+        return RouteRequest(
             request_id=spec.request_id,
             model=MODEL,
-            prompt_tokens=spec.input_tokens + flight.generated,
-            max_new_tokens=spec.max_tokens - flight.generated,
+            prompt_tokens=spec.input_tokens,
+            max_new_tokens=spec.max_tokens,
             tenant=spec.tenant,
             role=role,
             priority=spec.priority,
             deadline_s=deadline,
-            waited_s=now - spec.arrival_s,
-            block_hashes=spec.block_ids[:full],
+            block_hashes=_block_hashes(flight),
             owners=self._owners(flight, role),
-            exclude=exclude,
         )
-        # A continuation (it has streamed) is routed as the router routes a resume.
-        decide = self.profile.decide_resume if flight.generated else self.profile.decide
-        while True:
-            decision = decide(request, self._context(now, role))
-            if not decision.endpoint_id:
-                return decision.refusal
-            index = int(decision.endpoint_id.rsplit("-", 1)[1])
-            if self.sim.engines[index].alive:
-                break
-            # Its lease has not lapsed yet but the connection is refused: try the others.
-            request = replace(request, exclude=request.exclude | {decision.endpoint_id})
-        self.index.record(decision.endpoint_id, request.block_hashes)
-        self._unsent(flight.rid)  # a continuation leaves where it was, as a release
-        self.inflight[role].add(decision.endpoint_id, flight.rid, now)
-        self._sent_to[flight.rid] = (role, decision.endpoint_id)
-        flight.accepted = True
-        self._offer(self.sidecars[index], flight, now)
-        return ""
-
-    def _unsent(self, rid: str) -> None:
-        """The request left the endpoint it was last sent to (the gateway's release)."""
-        sent = self._sent_to.pop(rid, None)
-        if sent is not None:
-            self.inflight[sent[0]].remove(sent[1], rid)
 
     def _owners(self, flight: Flight, role: Role) -> tuple[str, ...]:
         """Primary and secondary owner of the prompt's prefix key on the current ring of
         the pool, keyed from the prompt's first tokens exactly as the gateway keys it."""
-        rid, ring = flight.rid, self.rings[role]
-        cached = self._owner_cache.get(rid)
-        if cached is not None and cached[:2] == (role, ring.version):
-            return cached[2]
         routing = self._policy().routing
         head = prompt_token_ids(flight.spec)[: routing.prefix_blocks_for_owner * BLOCK_TOKENS]
         key = prefix_key(
@@ -485,9 +532,7 @@ class WeirPolicy:
             routing.prefix_block_tokens,
             routing.prefix_blocks_for_owner,
         )
-        owners = tuple(o for o in ring.owners(key) if o)
-        self._owner_cache[rid] = (role, ring.version, owners)
-        return owners
+        return tuple(o for o in self.rings[role].owners(key) if o)
 
     def _membership_changed(self, now: float) -> None:
         """A lapsed lease (a dead engine) leaves its pool's ring: a new membership version."""
@@ -499,63 +544,15 @@ class WeirPolicy:
             ]
             self.rings[role] = OwnershipRing(Membership.of(ring.version + 1, live), ring.vnodes)
 
-    def _enqueue(self, flight: Flight, now: float) -> None:
-        spec = flight.spec
-        try:
-            self.queues[self._role(flight)].offer(
-                spec.request_id,
-                spec.tenant,
-                spec.priority,
-                service_estimate(spec.input_tokens, spec.max_tokens),
-                now,
-                flight,
-            )
-        except QueueFullError as exc:
-            self.sim.end(flight, FinishReason.OVERLOAD, now, f"router queue full: {exc}")
-            return
-        flight.accepted = True
-        flight.enqueue(now)
-        self._queued[spec.request_id] = flight
-
     def give_up_at(self, flight: Flight) -> float:
-        """When a request that has not started yet is refused with `overload` instead of
-        waiting on: its client's patience (`max_wait_s`), else the pool's local-queue
-        wait, counted from arrival. A continuation already streaming is never refused."""
+        """When a request waiting in a sidecar's queue is refused with `overload` (a
+        continuation: aborted) instead of waiting on: its client's patience
+        (`max_wait_s`), else the pool's local-queue wait, counted from arrival."""
         spec = flight.spec
         if flight.generated:
             return spec.arrival_s + CONTINUATION_MAX_WAIT_S
         wait = spec.max_wait_s or self._policy().scheduling.local_queue_max_wait_s
         return spec.arrival_s + wait
-
-    def _drain(self, now: float) -> None:
-        sim = self.sim
-        for flight in [f for f in self._queued.values() if self.give_up_at(f) <= now]:
-            sim.end(flight, FinishReason.OVERLOAD, now, "router queue wait exceeded")
-        for queue in self.queues.values():
-            for expired in queue.expire(now):
-                detail = "continuation found no endpoint"
-                sim.end(expired.payload, FinishReason.ABORTED, now, detail)
-            while (entry := queue.peek()) is not None:
-                flight = entry.payload
-                exclude = frozenset(self._excluded.get(flight.rid, ()))
-                if self._route(flight, now, exclude):
-                    break
-                # Dispatched (it may even have ended already): out of the queue, and its
-                # tenant is charged for the service, as `FairQueue.pop` would.
-                queue.remove(entry.key)
-                self._queued.pop(entry.key, None)
-                self._charge(flight)
-
-    def _reroute(self, flight: Flight, away_from: int, now: float) -> None:
-        """A continuation (migration or failover): anywhere but where it was."""
-        excluded = self._excluded.setdefault(flight.rid, set())
-        excluded.add(self.sidecars[away_from].endpoint_id)
-        role = self._role(flight)
-        if len(excluded) >= sum(1 for s in self.sidecars if s.role is role):
-            excluded.clear()
-            excluded.add(self.sidecars[away_from].endpoint_id)
-        if self._route(flight, now, frozenset(excluded)):
-            self._enqueue(flight, now)
 
     # -- the sidecars ----------------------------------------------------------------------
     def _offer(self, sidecar: Sidecar, flight: Flight, now: float) -> None:
@@ -688,18 +685,26 @@ class WeirPolicy:
             if i != sidecar.index and state.role is sidecar.role and self._leases[i] > now
         ]
         room = peer_room(peers, policy.kv)
-        plan = plan_relief(sidecar.usage(), sidecar.watermark, candidates, policy, now, room)
+        costs = self._costs
+        if costs is not None:
+            on_host = sidecar.host_held()
+            costs = replace(costs, host_room_tokens=max(0, costs.host_room_tokens - on_host))
+        plan = plan_relief(sidecar.usage(), sidecar.watermark, candidates, policy, now, room, costs)
         sidecar.admission_paused = plan.admission_paused
         for victim in plan.victims:
             flight = sidecar.held[victim.rid].flight
             self._release(sidecar, flight)
             self.sim.withdraw(flight, now)
-            flight.recomputed_tokens += flight.spec.input_tokens + flight.generated
+            # What its continuation computes again is known when it resumes: its history
+            # less what a prefix cache (device or host) gives back there.
+            flight.resume_tokens = flight.spec.input_tokens + flight.generated
             if victim.mode is Rung.MIGRATE:
                 flight.preempted("migrate")
-                self._reroute(flight, sidecar.index, now)
-            elif victim.mode is Rung.RECOMPUTE:
-                flight.preempted("recompute")
+                self._hand_back(flight, now, broken=False)
+            elif victim.mode in (Rung.RECOMPUTE, Rung.OFFLOAD):
+                flight.preempted(victim.mode.value)
+                if victim.mode is Rung.OFFLOAD:
+                    sidecar.offloaded[flight.rid] = (flight, flight.resume_tokens)
                 self._offer(sidecar, flight, now)
             else:
                 self.sim.end(flight, FinishReason.ABORTED, now, "terminated by relief")
@@ -713,16 +718,9 @@ class WeirPolicy:
     # -- endings and failures -------------------------------------------------------------
     def ended(self, flight: Flight, now: float) -> None:
         self.gate.release(flight, now)
-        self._unsent(flight.rid)
-        if flight.charged_in:  # estimate -> what it really generated, as the gateway does
-            self.queues[Role(flight.charged_in)].charge(
-                flight.spec.tenant, service_correction(flight.spec.max_tokens, flight.generated)
-            )
-        for queue in self.queues.values():
-            queue.remove(flight.rid)
-        self._queued.pop(flight.rid, None)
-        self._excluded.pop(flight.rid, None)
-        self._owner_cache.pop(flight.rid, None)
+        for role, router in self.routers.items():
+            snapshot = self._snapshot(now, role)
+            self._deliver(role, router.finished(flight.rid, flight.generated, now, snapshot))
         index = self._where.pop(flight.rid, -1)
         if index < 0:
             return
@@ -745,8 +743,20 @@ class WeirPolicy:
         # engine left idle would look at the queue the freed KV can now admit from.
         self._admit(sidecar, now)
         self.gate.handed_off(flight, now)
-        if self._route(flight, now, frozenset()):
-            self._enqueue(flight, now)
+        # The prefill pool's router is done with it (its charge settled); the decode
+        # pool's adopts the continuation.
+        prefill = self.routers[Role.PREFILL]
+        self._deliver(
+            Role.PREFILL,
+            prefill.finished(flight.rid, flight.generated, now, self._snapshot(now, Role.PREFILL)),
+        )
+        decode = Role.DECODE
+        route = self._route_request(flight, decode, now)
+        events = self.routers[decode].adopt(
+            route, flight, flight.generated, now, self._snapshot(now, decode)
+        )
+        self._deliver(decode, events)
+        self._mark_waiting(decode, flight, now)
 
     def engine_failed(self, engine: int, flights: list[Flight], now: float) -> None:
         sidecar = self.sidecars[engine]
@@ -760,4 +770,10 @@ class WeirPolicy:
         for flight in stranded:
             self._where.pop(flight.rid, None)
             flight.preempted("failover")
-            self._reroute(flight, engine, now)
+            self._hand_back(flight, now, broken=True)
+
+
+def _block_hashes(flight: Flight) -> tuple[int, ...]:
+    """The prompt's full blocks (the workloads' block ids are its chained hashes)."""
+    spec = flight.spec
+    return spec.block_ids[: spec.input_tokens // BLOCK_TOKENS]

@@ -14,6 +14,8 @@ WEIR_STATUS_INTERVAL_S      seconds between status and scaling passes, which als
 WEIR_ENGINE_RUN_AS_USER     user id the SGLang engine containers run as when a pool names
                             none (spec.engine.runAsUser); 0 runs them as root (default:
                             10001, the same non-root user as the sidecars)
+WEIR_OTLP_ENDPOINT          OTLP/HTTP endpoint the sidecars export spans to (their
+                            OTEL_EXPORTER_OTLP_ENDPOINT); empty: none (default)
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class OperatorConfig:
     admin_secret_key: str = "token"
     status_interval_s: float = 5.0
     engine_run_as_user: int = 10001
+    otlp_endpoint: str = ""
 
     def __post_init__(self) -> None:
         if not 0 < self.status_interval_s <= 3600:
@@ -59,6 +62,7 @@ class OperatorConfig:
             admin_secret_key=env.get("WEIR_ADMIN_SECRET_KEY", base.admin_secret_key),
             status_interval_s=float(env.get("WEIR_STATUS_INTERVAL_S", base.status_interval_s)),
             engine_run_as_user=_integer(env, "WEIR_ENGINE_RUN_AS_USER", base.engine_run_as_user),
+            otlp_endpoint=env.get("WEIR_OTLP_ENDPOINT", base.otlp_endpoint),
         )
 
 

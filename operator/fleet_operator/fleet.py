@@ -14,11 +14,17 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from controlplane.contract import Lifecycle, WatermarkState
-from controlplane.store import EndpointRegistry, PoolKeys, PoolSnapshot, RedisSettings, connect
+from controlplane.store import (
+    EndpointRegistry,
+    PoolKeys,
+    PoolSnapshot,
+    RedisClient,
+    RedisSettings,
+    connect,
+)
 
 
 class ControlPlaneUnreachableError(Exception):
@@ -114,13 +120,13 @@ class ControlPlane(Protocol):
 
 
 class RedisControlPlane:
-    def __init__(self, redis: Redis) -> None:
+    def __init__(self, redis: RedisClient) -> None:
         self.redis = redis
 
     @classmethod
     def from_url(cls, url: str) -> RedisControlPlane:
         # Few retries: a status pass should report Redis as unreachable, not hang on it.
-        return cls(connect(RedisSettings(url=url, retries=2, client_name="weir-operator")))
+        return cls(connect(RedisSettings.from_url(url, retries=2, client_name="weir-operator")))
 
     async def observe(self, pool: str) -> FleetObservation:
         try:

@@ -229,6 +229,7 @@ def sidecar_args(pool: Pool, *, admin_token: bool = True) -> list[str]:
         "--policy-file",
         f"{POLICY_DIR}/{POLICY_FILE}",
         *token,
+        *(["--log-decisions"] if pool.spec.sidecar.log_decisions else []),
     ]
 
 
@@ -266,6 +267,16 @@ def _field_env(name: str, path: str) -> V1EnvVar:
     return V1EnvVar(
         name=name, value_from=V1EnvVarSource(field_ref=V1ObjectFieldSelector(field_path=path))
     )
+
+
+def _tracing_env(config: OperatorConfig) -> list[V1EnvVar]:
+    """Where the sidecar exports its spans (none when no endpoint is configured)."""
+    if not config.otlp_endpoint:
+        return []
+    return [
+        V1EnvVar(name="OTEL_EXPORTER_OTLP_ENDPOINT", value=config.otlp_endpoint),
+        V1EnvVar(name="OTEL_SERVICE_NAME", value="weir-sidecar"),
+    ]
 
 
 def render_deployment(pool: Pool, replicas: int, config: OperatorConfig) -> dict[str, Any]:
@@ -332,6 +343,7 @@ def render_deployment(pool: Pool, replicas: int, config: OperatorConfig) -> dict
             ),
             _field_env("POD_NAME", "metadata.name"),
             _field_env("POD_IP", "status.podIP"),
+            *_tracing_env(config),
         ],
         resources=_resources(spec.sidecar.resources),
         volume_mounts=sidecar_mounts,

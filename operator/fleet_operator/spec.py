@@ -92,6 +92,7 @@ class SidecarSpec(msgspec.Struct, frozen=True, kw_only=True):
     image: str = ""
     port: int = 8000
     drain_deadline_seconds: int = 120
+    log_decisions: bool = False
     resources: dict[str, Any] = msgspec.field(default_factory=dict)
 
 

@@ -582,3 +582,41 @@ def test_notes_render_with_next_steps(values: Path) -> None:
     assert "docs/runbook.md" in notes
     for pool in yaml.safe_load(values.read_text()).get("router", {}).get("pools", []):
         assert f"svc/weir-router-{pool['name']}" in notes
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis+sentinel://:pw@sentinel-0.redis:26379,sentinel-1.redis:26379/weir",
+        "rediss+cluster://:pw@redis-0.redis:6379,redis-1.redis:6379",
+    ],
+)
+def test_an_external_sentinel_managed_or_cluster_redis_is_taken_by_url(url: str) -> None:
+    out = run_helm("template", "weir", str(CHART), "--set", "redis.enabled=false",
+                   "--set", "redis.external.url=" + url.replace(",", "\\,"))  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    found = kinds([doc for doc in yaml.safe_load_all(out.stdout) if doc])
+    assert "StatefulSet" not in found
+    secret = next(s for s in found["Secret"] if s["metadata"]["name"] == "weir-redis")
+    assert base64.b64decode(secret["data"]["url"]).decode() == url
+
+
+def test_decision_logs_and_tracing_reach_routers_and_the_operator() -> None:
+    out = run_helm("template", "weir", str(CHART), "--set", "router.pools[0].name=chat",
+                   "--set", "router.pools[0].model=m", "--set", "router.logDecisions=true",
+                   "--set", "tracing.otlpEndpoint=http://collector.monitoring:4318")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    found = kinds([doc for doc in yaml.safe_load_all(out.stdout) if doc])
+    deployments = {d["metadata"]["name"]: d for d in found["Deployment"]}
+    router = deployments["weir-router-chat"]["spec"]["template"]["spec"]["containers"][0]
+    assert "--log-decisions" in router["args"]
+    token = router["args"][router["args"].index("--admin-token-file") + 1]
+    assert token == "/etc/weir/admin/token"
+    volumes = deployments["weir-router-chat"]["spec"]["template"]["spec"]["volumes"]
+    (admin,) = [v for v in volumes if v["name"] == "admin-token"]
+    assert admin["secret"]["secretName"] == "weir-sidecar-admin"
+    env = {e["name"]: e.get("value") for e in router["env"]}
+    assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://collector.monitoring:4318"
+    operator = deployments["weir-operator"]["spec"]["template"]["spec"]["containers"][0]
+    operator_env = {e["name"]: e.get("value") for e in operator["env"]}
+    assert operator_env["WEIR_OTLP_ENDPOINT"] == "http://collector.monitoring:4318"

@@ -16,19 +16,22 @@ SERVICE = "weir"
 
 class SentinelTopology(LocalService):
     """master + one replica + one sentinel (quorum 1) that fails over half a second after
-    the master stops answering."""
+    the master stops answering; with `password`, master and replica require it (AUTH) and
+    the sentinel uses it to watch them."""
 
-    def __init__(self) -> None:
-        self.master = RedisServer()
+    def __init__(self, password: str = "") -> None:
+        auth = ("--requirepass", password, "--masterauth", password) if password else ()
+        self.password = password
+        self.master = RedisServer(extra_args=auth)
         self.replica_port = free_port()
-        self.replica = RedisServer(self.replica_port)
+        self.replica = RedisServer(self.replica_port, extra_args=auth)
         self.sentinel_port = free_port()
         self._dir = tempfile.TemporaryDirectory(prefix="weir-sentinel-")
         self._proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> SentinelTopology:
         self.master.start()
-        self.replica.extra_args = ("--replicaof", "127.0.0.1", str(self.master.port))
+        self.replica.extra_args += ("--replicaof", "127.0.0.1", str(self.master.port))
         self.replica.start()
         conf = Path(self._dir.name) / "sentinel.conf"
         conf.write_text(
@@ -39,6 +42,7 @@ class SentinelTopology(LocalService):
             f"sentinel down-after-milliseconds {SERVICE} 500\n"
             f"sentinel failover-timeout {SERVICE} 5000\n"
             f"sentinel known-replica {SERVICE} 127.0.0.1 {self.replica_port}\n"
+            + (f"sentinel auth-pass {SERVICE} {self.password}\n" if self.password else "")
         )
         binary = shutil.which("redis-sentinel")
         if binary is None:
@@ -48,6 +52,12 @@ class SentinelTopology(LocalService):
         )
         wait_for_port(self.sentinel_port)
         return self
+
+    @property
+    def url(self) -> str:
+        """The URL Weir's components take for this topology."""
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis+sentinel://{auth}127.0.0.1:{self.sentinel_port}/{SERVICE}"
 
     def close(self) -> None:
         stop_process(self._proc)

@@ -1,6 +1,8 @@
 """Connection settings against real servers: TLS with AUTH, refused bad settings, callers
-beyond the pool's size waiting for a connection (standalone and behind Sentinel);
-stopping loops over Redis commands; URLs fit to log."""
+beyond the pool's size waiting for a connection (standalone, behind Sentinel, on a Redis
+Cluster); a cluster that cannot be read failing as an outage; the URL forms every
+component takes (a Sentinel-managed primary behind AUTH, a cluster among them); stopping
+loops over Redis commands; URLs fit to log."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from controlplane.store import (
     connect,
     redact_url,
 )
+from tests.controlplane.cluster_topology import ClusterTopology
 from tests.controlplane.records import POOL, endpoint
 from tests.controlplane.sentinel_topology import SERVICE, SentinelTopology
 from weir.local.ports import free_port
@@ -98,15 +101,18 @@ def test_bad_settings_are_refused(field: str, value: float) -> None:
         RedisSettings(**{field: value})  # type: ignore[arg-type]
 
 
-async def _callers_share_two_connections(settings: RedisSettings, server_port: int) -> None:
+async def _callers_share_two_connections(
+    settings: RedisSettings, server_port: int, password: str | None = None
+) -> None:
     """Twenty callers each hold a connection for a blocking read; the client has two: the
     others wait their turn (redis-py's default pool refused the third one at once with
-    "Too many connections") and the server never sees more than two."""
+    "Too many connections") and the server never sees more than two. The keys share a
+    hash slot: on a cluster they are all on the server at `server_port`."""
     client = connect(settings)
-    server = redis.Redis(port=server_port)
+    server = redis.Redis(port=server_port, password=password)
     try:
         replies = await asyncio.gather(
-            *(client.blpop([f"empty-{i}"], timeout=0.05) for i in range(20))
+            *(client.blpop([f"{{two}}:empty-{i}"], timeout=0.05) for i in range(20))
         )
         assert replies == [None] * 20
         names = [c["name"] for c in await asyncio.to_thread(server.client_list)]
@@ -130,6 +136,35 @@ async def test_callers_beyond_the_pool_wait_for_a_connection_behind_sentinel() -
             client_name="weir-two-sentinel",
         )
         await _callers_share_two_connections(settings, topology.master.port)
+
+
+async def test_callers_beyond_the_pool_wait_for_a_connection_on_a_cluster(
+    redis_cluster: ClusterTopology,
+) -> None:
+    settings = RedisSettings.from_url(
+        redis_cluster.url, max_connections=2, client_name="weir-two-cluster"
+    )
+    owner = redis_cluster.owner("{two}:empty-0")
+    await _callers_share_two_connections(settings, owner.port, redis_cluster.password)
+
+
+async def test_a_cluster_that_cannot_be_read_is_a_redis_error(
+    redis_cluster: ClusterTopology,
+) -> None:
+    """redis-py reports an unreachable cluster, or one that refuses the password, outside
+    RedisError; the store's loops take only RedisError for an outage they wait out."""
+    wrong = connect(
+        RedisSettings.from_url(redis_cluster.url.replace(":weir-", ":nope-"), retries=0)
+    )
+    nobody = connect(RedisSettings.from_url(f"redis+cluster://127.0.0.1:{free_port()}", retries=0))
+    try:
+        with pytest.raises(redis.AuthenticationError):
+            await wrong.ping()
+        with pytest.raises(redis.ConnectionError, match="cannot be connected"):
+            await nobody.ping()
+    finally:
+        await wrong.aclose()
+        await nobody.aclose()
 
 
 async def test_a_loop_that_takes_a_cancellation_for_a_redis_timeout_is_still_stopped() -> None:
@@ -162,6 +197,14 @@ async def test_a_loop_that_takes_a_cancellation_for_a_redis_timeout_is_still_sto
         ("redis://weir:p%40ss:w@rd@h:6379", "redis://weir:***@h:6379"),  # '@' and ':' in it
         ("redis://weir:s3cret@h/0?ssl_cert_reqs=none", "redis://weir:***@h/0?ssl_cert_reqs=none"),
         ("unix:///run/redis.sock?db=0&password=s3cret", "unix:///run/redis.sock?db=0&password=***"),
+        (
+            "redis+sentinel://:s3cret@s1:26379,s2:26379/weir?sentinel_password=s3cret2",
+            "redis+sentinel://:***@s1:26379,s2:26379/weir?sentinel_password=***",
+        ),
+        (
+            "rediss+cluster://weir:s3cret@n1:6379,n2:6379",
+            "rediss+cluster://weir:***@n1:6379,n2:6379",
+        ),
         ("redis://h:6379/0?Password=s3cret#x", "redis://h:6379/0?Password=***#x"),
         ("weir:s3cret@h:6379", "weir:***@h:6379"),  # no scheme
         # Nothing to hide: unchanged.
@@ -180,3 +223,76 @@ def test_a_redacted_url_hides_only_its_password(url: str, shown: str) -> None:
         kept = redis.connection.parse_url(url)
         seen = redis.connection.parse_url(shown)
         assert {**kept, "password": None} == {**seen, "password": None}
+
+
+def test_a_sentinel_url_names_the_sentinels_the_service_and_the_primary_s_auth() -> None:
+    settings = RedisSettings.from_url(
+        "rediss+sentinel://weir:p%40ss@s1.redis:26379,[fd00::7]:26380/weir-prod/2"
+        "?sentinel_password=sp",
+        retries=3,
+        client_name="weir-router",
+    )
+    assert settings.sentinels == (("s1.redis", 26379), ("fd00::7", 26380))
+    assert (settings.sentinel_service, settings.db) == ("weir-prod", 2)
+    assert (settings.username, settings.password) == ("weir", "p@ss")
+    assert (settings.sentinel_password, settings.tls) == ("sp", True)
+    assert (settings.retries, settings.client_name) == (3, "weir-router")
+    plain = RedisSettings.from_url("redis+sentinel://127.0.0.1:26379/weir")
+    assert (plain.username, plain.password, plain.db, plain.tls) == (None, None, 0, False)
+    direct = RedisSettings.from_url("rediss://:pw@redis:6380/1", retries=1)
+    assert (direct.url, direct.sentinels, direct.retries) == ("rediss://:pw@redis:6380/1", (), 1)
+
+
+def test_a_cluster_url_names_the_nodes_to_discover_the_cluster_from() -> None:
+    settings = RedisSettings.from_url(
+        "rediss+cluster://weir:p%40ss@n1.redis:6379,[fd00::7]:6380/0", retries=3
+    )
+    assert settings.cluster_nodes == (("n1.redis", 6379), ("fd00::7", 6380))
+    assert (settings.username, settings.password, settings.tls) == ("weir", "p@ss", True)
+    assert (settings.url, settings.sentinels, settings.db, settings.retries) == ("", (), 0, 3)
+    plain = RedisSettings.from_url("redis+cluster://127.0.0.1:7000")
+    assert (plain.cluster_nodes, plain.password, plain.tls) == ((("127.0.0.1", 7000),), None, False)
+    with pytest.raises(ValueError, match="only database 0"):
+        RedisSettings(cluster_nodes=(("n1", 6379),), db=1)
+
+
+@pytest.mark.parametrize(
+    ("url", "complaint"),
+    [
+        ("http://:s3cret@redis:6379/0", "unsupported Redis URL"),
+        ("127.0.0.1:6379", "unsupported Redis URL"),
+        ("redis+sentinel://:s3cret@/weir", "names no sentinel"),
+        ("redis+sentinel://:s3cret@s1/weir", "is not host:port"),
+        ("redis+sentinel://:s3cret@s1:99999/weir", "is not host:port"),
+        ("redis+sentinel://:s3cret@s1:26379", "/service or /service/db"),
+        ("redis+sentinel://:s3cret@s1:26379/weir/zero", "must be a number"),
+        ("redis+sentinel://:s3cret@s1:26379/weir?password=x", "unknown parameter"),
+        ("redis+cluster://:s3cret@/", "names no cluster node"),
+        ("redis+cluster://:s3cret@n1,n2:6379", "is not host:port"),
+        ("redis+cluster://:s3cret@n1:6379/1", "only database 0"),
+        ("redis+cluster://:s3cret@n1:6379?password=s3cret", "takes no parameters"),
+    ],
+)
+def test_a_url_no_component_can_use_is_refused_without_showing_its_password(
+    url: str, complaint: str
+) -> None:
+    with pytest.raises(ValueError, match=complaint) as refused:
+        RedisSettings.from_url(url)
+    assert "s3cret" not in str(refused.value)
+
+
+async def test_the_primary_behind_sentinel_with_auth_is_reached_from_a_url() -> None:
+    with SentinelTopology(password=PASSWORD) as topology:
+        client = connect(RedisSettings.from_url(topology.url, retries=1))
+        try:
+            stored = await EndpointRegistry(client, POOL).register(endpoint("a"), ttl_s=10)
+            assert stored.epoch == 1
+        finally:
+            await client.aclose()
+        wrong = topology.url.replace(PASSWORD, "nope")
+        refused = connect(RedisSettings.from_url(wrong, retries=0))
+        try:
+            with pytest.raises(redis.AuthenticationError):
+                await refused.ping()
+        finally:
+            await refused.aclose()

@@ -28,6 +28,14 @@ from tests.controlplane.records import POOL
 
 pytestmark = pytest.mark.redis
 
+
+@pytest.fixture
+def store_url(redis_url: str) -> str:
+    """A standalone server only: the credit scripts are the same on a cluster (where the
+    store's other tests run them), and TIME here must come from the scripts' server."""
+    return redis_url
+
+
 SWEEP_LIMIT = 2  # small, so a sweep can leave lapsed credits behind
 
 

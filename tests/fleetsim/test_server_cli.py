@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import signal
 import subprocess
 import sys
 import urllib.request
 
+from weir.commands import engine as engine_command
 from weir.local.ports import free_port, wait_for_port
 
 
@@ -52,3 +54,17 @@ def test_weir_engine_rejects_bad_flags() -> None:
     )  # fmt: skip
     assert proc.returncode == 2
     assert "page_size must be at least 1" in proc.stderr
+
+
+def test_weir_engine_takes_sglangs_hierarchical_cache_flags() -> None:
+    parser = argparse.ArgumentParser()
+    engine_command.configure(parser)
+    flags = ["--enable-hicache", "--hicache-ratio", "1.5", "--hicache-size", "4"]
+    config = engine_command.config_from_args(parser.parse_args(flags))
+    assert config.enable_hierarchical_cache
+    assert (config.hicache_ratio, config.hicache_size, config.hicache_write_policy) == (
+        1.5,
+        4,
+        "write_back",
+    )
+    assert not engine_command.config_from_args(parser.parse_args([])).enable_hierarchical_cache

@@ -302,6 +302,19 @@ def test_the_redis_url_reaches_sidecars_in_their_environment_not_their_command_l
     assert "redis_url" not in repr(config)  # nor in a logged config
 
 
+def test_decision_logs_and_tracing_reach_the_sidecars() -> None:
+    quiet = _sidecar(render_deployment(parse_pool("m", "ns", SPEC), 1, OperatorConfig()))
+    assert "--log-decisions" not in quiet["args"]
+    assert not [e for e in quiet["env"] if e["name"].startswith("OTEL_")]
+    spec = {**SPEC, "sidecar": {"logDecisions": True}}
+    config = OperatorConfig.from_env({"WEIR_OTLP_ENDPOINT": "http://collector:4318"})
+    told = _sidecar(render_deployment(parse_pool("m", "ns", spec), 1, config))
+    assert "--log-decisions" in told["args"]
+    env = {e["name"]: e.get("value") for e in told["env"]}
+    assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://collector:4318"
+    assert env["OTEL_SERVICE_NAME"] == "weir-sidecar"
+
+
 def test_servicemonitor_only_when_its_crd_exists() -> None:
     pool = parse_pool("m", "ns", SPEC)
     kinds = [c["kind"] for c in render_children(pool, 1, OperatorConfig(), monitoring=False)]

@@ -367,7 +367,9 @@ async def test_routing_goes_on_within_the_staleness_bound_then_fails_closed(
 async def test_when_every_endpoint_is_critical_requests_queue_then_flow_or_time_out(
     redis_url: str,
 ) -> None:
-    async with make_fleet(redis_url, engines=2, queue_max_wait_s=1.0) as fleet:
+    async with make_fleet(
+        redis_url, engines=2, routing=RoutingPolicy(queue_max_wait_s=1.0)
+    ) as fleet:
         for endpoint_id in fleet.engines:
             await fleet.report(endpoint_id, watermark=WatermarkState.CRITICAL)
         gateway = fleet.gateway.gateway
@@ -386,14 +388,14 @@ async def test_when_every_endpoint_is_critical_requests_queue_then_flow_or_time_
                 assert (await reply.json())["error"]["reason"] == "deadline"
             # A client that leaves while queued leaves the queue at once.
             leaving = asyncio.create_task(_complete(session, fleet.url, "never mind"))
-            await until(lambda: len(gateway.queue) == 1, "the request to queue")
+            await until(lambda: len(gateway.dispatch.queue) == 1, "the request to queue")
             leaving.cancel()
-            await until(lambda: len(gateway.queue) == 0, "the queue to drop it")
+            await until(lambda: len(gateway.dispatch.queue) == 0, "the queue to drop it")
             # One endpoint recovers while a request waits: it is served there.
             waiting = asyncio.create_task(_complete(session, fleet.url, "served after all"))
-            await until(lambda: len(gateway.queue) == 1, "the request to queue")
+            await until(lambda: len(gateway.dispatch.queue) == 1, "the request to queue")
             await fleet.report("e1", watermark=WatermarkState.NORMAL)
             served, text = await waiting
         assert served == "e1"
         assert len(text) == 8
-        assert len(gateway.queue) == 0
+        assert len(gateway.dispatch.queue) == 0

@@ -42,10 +42,12 @@ async def test_a_running_stream_is_counted_by_its_endpoint_once_it_reports(
         ):
             assert reply.status == 200
             await reply.content.readline()
-            assert gateway.inflight.count("e0") == 1
+            assert gateway.dispatch.inflight.count("e0") == 1
             await asyncio.sleep(0.2)  # the report is taken after the dispatch
             await fleet.report("e0", running_requests=1)
-            await until(lambda: gateway.inflight.count("e0") == 0, "the report to count it")
+            await until(
+                lambda: gateway.dispatch.inflight.count("e0") == 0, "the report to count it"
+            )
             pool = await (await session.get(fleet.url + "/weir/v1/pool")).json()
             (endpoint,) = pool["endpoints"]
             assert (endpoint["running_requests"], endpoint["router_inflight"]) == (1, 0)

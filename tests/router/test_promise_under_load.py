@@ -1,7 +1,9 @@
 """Weir's promise where it matters: a live fleet (router, sidecars, reference engines,
-real Redis) run into KV exhaustion, or losing an engine for good, keeps every admitted
-stream — each ends with its natural finish and exactly the text an uninterrupted run
-gives, none ends `resume_failed`, and KV and the router's reservations return to zero.
+real Redis) run into KV exhaustion, losing an engine or a sidecar for good, losing its
+Redis primary to a Sentinel failover, or on a Redis Cluster seeing its pool's hash slot
+move to another primary, keeps every admitted stream — each ends with its natural finish
+and exactly the text an uninterrupted run gives, none ends `resume_failed`, and KV and the
+router's reservations return to zero.
 
 Bounded: small-KV engines at many times real speed, a few dozen streams, loopback only.
 """
@@ -9,169 +11,46 @@ Bounded: small-KV engines at many times real speed, a few dozen streams, loopbac
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
-import os
 import signal
-import subprocess
-import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
 import pytest
+import redis
 
-from controlplane.contract import PoolPolicy, encode_json
-from controlplane.gateway import GatewayConfig, RunningGateway, serve_gateway
-from engine_sidecar.server import RunningSidecar, SidecarConfig, serve_sidecar
+from controlplane.contract import TenantQuota
+from controlplane.store import PoolKeys, QuotaStore, RedisSettings, connect
 from fleetsim.engine import EngineConfig
 from fleetsim.server import RunningEngine, serve_engine
-from tests.router.conftest import MODEL, until
+from tests.controlplane.cluster_topology import ClusterTopology
+from tests.controlplane.sentinel_topology import SentinelTopology
+from tests.router.conftest import MODEL, eventually, until
+from tests.router.live_fleet import (
+    POOL,
+    LiveFleet,
+    Stream,
+    live_fleet,
+    read_stream,
+    request_body,
+)
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
-POOL = "promise"
-KV_TOKENS = 6_000
-
-
-@dataclass
-class LiveFleet:
-    engines: dict[str, RunningEngine]
-    sidecars: dict[str, RunningSidecar]  # in this process
-    processes: dict[str, subprocess.Popen[bytes]]  # sidecars of their own, to be killed
-    router: RunningGateway
-    stack: contextlib.AsyncExitStack = field(repr=False)
-
-
-@contextlib.asynccontextmanager
-async def live_fleet(
-    redis_url: str,
-    size: int = 2,
-    kv_tokens: int = KV_TOKENS,
-    *,
-    processes: frozenset[str] = frozenset(),
-    workdir: Path | None = None,
-) -> AsyncIterator[LiveFleet]:
-    """`size` endpoints s0, s1, …; those named in `processes` run their sidecar as a
-    `weir sidecar` process of its own (in `workdir`), which a test may SIGKILL."""
-    async with contextlib.AsyncExitStack() as stack:
-        engines, sidecars, procs = {}, {}, {}
-        policy = PoolPolicy(pool=POOL, model=MODEL, context_length=4096)
-        for i in range(size):
-            endpoint_id = f"s{i}"
-            engines[endpoint_id] = await stack.enter_async_context(
-                serve_engine(
-                    EngineConfig(
-                        model=MODEL, max_total_tokens=kv_tokens, context_length=4096,
-                        speed_factor=40.0, seed=7,
-                    )
-                )
-            )  # fmt: skip
-            if endpoint_id in processes:
-                assert workdir is not None
-                procs[endpoint_id] = _sidecar_process(
-                    engines[endpoint_id].url, redis_url, endpoint_id, policy, workdir
-                )
-                stack.callback(_reap, procs[endpoint_id])
-                continue
-            sidecars[endpoint_id] = await stack.enter_async_context(
-                serve_sidecar(
-                    SidecarConfig(
-                        engine_url=engines[endpoint_id].url, redis_url=redis_url, pool=POOL,
-                        endpoint_id=endpoint_id, policy=policy, heartbeat_s=0.2,
-                        lease_ttl_s=3.0, engine_poll_s=0.1,
-                    )
-                )
-            )  # fmt: skip
-        router = await serve_gateway(
-            GatewayConfig.from_policy(policy, queue_max_wait_s=60.0), redis_url=redis_url
-        )
-        stack.push_async_callback(router.close)
-        view = router.gateway.view
-        await until(lambda: len(view.snapshot.endpoints) == size, "every sidecar registered")
-        yield LiveFleet(engines, sidecars, procs, router, stack)
-
-
-def _sidecar_process(
-    engine_url: str, redis_url: str, endpoint_id: str, policy: PoolPolicy, workdir: Path
-) -> subprocess.Popen[bytes]:
-    policy_file = workdir / f"{endpoint_id}-policy.json"
-    policy_file.write_bytes(encode_json(policy))
-    command = [
-        sys.executable, "-m", "weir.cli", "sidecar", "--engine-url", engine_url,
-        "--redis-url", redis_url, "--pool", POOL, "--endpoint-id", endpoint_id,
-        "--port", "0", "--policy-file", str(policy_file), "--heartbeat-s", "0.2",
-        "--lease-ttl-s", "3", "--log-level", "WARNING",
-    ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
-    with (workdir / f"{endpoint_id}.log").open("wb") as log:
-        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-
-
-def _reap(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=10)
-
-
-@dataclass
-class Stream:
-    text: str = ""
-    finish: str = ""
-    error: dict[str, object] | None = None
-    done: bool = False
-    endpoint: str = ""  # where it started
-    chunks: int = 0
-    progress: asyncio.Event = field(default_factory=asyncio.Event)  # set at chunk 5
-
-
-async def _stream(
-    session: aiohttp.ClientSession, url: str, body: dict[str, object], out: Stream | None = None
-) -> Stream:
-    out = out or Stream()
-    async with session.post(url + "/v1/completions", json=body) as reply:
-        if reply.status != 200:
-            out.error = {"status": reply.status, "body": await reply.text()}
-            return out
-        out.endpoint = reply.headers.get("x-weir-endpoint", "")
-        async for line in reply.content:
-            if not line.startswith(b"data: "):
-                continue
-            data = line[6:].strip()
-            if data == b"[DONE]":
-                out.done = True
-                continue
-            chunk = json.loads(data)
-            out.chunks += 1
-            if out.chunks == 5:
-                out.progress.set()
-            if "error" in chunk:
-                out.error = chunk["error"]
-                continue
-            for choice in chunk.get("choices") or ():
-                out.text += choice.get("text") or ""
-                out.finish = choice.get("finish_reason") or out.finish
-    return out
-
-
-def _body(i: int, max_tokens: int) -> dict[str, object]:
-    prompt = f"{i:03d} " + "the river rises against the weir, " * 10
-    return {
-        "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
-        "stream": True,
-    }  # fmt: skip
 
 
 async def _expected(bodies: list[dict[str, object]]) -> list[str]:
     """What each request gives uninterrupted, from an engine with room for all of them."""
     config = EngineConfig(model=MODEL, max_total_tokens=200_000, speed_factor=200.0, seed=7)
     async with serve_engine(config) as engine, aiohttp.ClientSession() as session:
-        return [(await _stream(session, engine.url, body)).text for body in bodies]
+        return [(await read_stream(session, engine.url, body)).text for body in bodies]
 
 
 async def _settled(fleet: LiveFleet) -> None:
     gateway = fleet.router.gateway
-    await until(lambda: gateway.inflight.total == 0, "the router to release every endpoint")
+    await until(
+        lambda: gateway.dispatch.inflight.total == 0, "the router to release every endpoint"
+    )
     for sidecar in fleet.sidecars.values():
         await until(lambda s=sidecar: not s.service.ledger.flights, "the sidecars to empty")
         assert sidecar.service.ledger.own_used == 0
@@ -203,11 +82,11 @@ def _assert_whole(streams: list[Stream], expected: list[str]) -> None:
 async def test_a_kv_burst_keeps_every_admitted_stream(redis_url: str) -> None:
     """Twice the KV the fleet has, asked for at once: admission queues what does not fit,
     relief preempts and migrates as outputs grow, and every stream still ends whole."""
-    bodies = [_body(i, 1500) for i in range(24)]
+    bodies = [request_body(i, 1500) for i in range(24)]
     expected = await _expected(bodies)
     async with live_fleet(redis_url) as fleet, aiohttp.ClientSession() as session:
         streams = await asyncio.wait_for(
-            asyncio.gather(*(_stream(session, fleet.router.url, b) for b in bodies)), 120.0
+            asyncio.gather(*(read_stream(session, fleet.router.url, b) for b in bodies)), 120.0
         )
         preempted = sum(s.service.ledger.preemptions for s in fleet.sidecars.values())
         _assert_whole(streams, expected)
@@ -226,7 +105,10 @@ async def _kill_mid_stream(
     """Start every stream, `kill` once each has had a few chunks, wait for them all."""
     streams = [Stream() for _ in bodies]
     running = asyncio.gather(
-        *(_stream(session, fleet.router.url, b, s) for b, s in zip(bodies, streams, strict=True))
+        *(
+            read_stream(session, fleet.router.url, b, s)
+            for b, s in zip(bodies, streams, strict=True)
+        )
     )
     await asyncio.wait_for(asyncio.gather(*(s.progress.wait() for s in streams)), 60.0)
     await kill()
@@ -238,7 +120,7 @@ async def test_an_engine_lost_for_good_hands_its_streams_back_at_once(redis_url:
     """An engine dies mid-stream and does not come back: its sidecar does not wait for it
     but hands each stream back to the router with its continuation, and the router resumes
     them on the other endpoint, token for token."""
-    bodies = [_body(i, 400) for i in range(8)]
+    bodies = [request_body(i, 400) for i in range(8)]
     expected = await _expected(bodies)
     # Room for every stream on one engine: no relief muddles the count of resumes.
     async with (
@@ -258,7 +140,7 @@ async def test_an_engine_lost_for_good_hands_its_streams_back_at_once(redis_url:
 async def test_a_sidecar_killed_mid_stream_loses_no_stream(redis_url: str, tmp_path: Path) -> None:
     """A sidecar (as a pod's would be) is SIGKILLed while it streams: the router resumes
     each of its streams on the other endpoint from what the client holds, exactly."""
-    bodies = [_body(i, 400) for i in range(8)]
+    bodies = [request_body(i, 400) for i in range(8)]
     expected = await _expected(bodies)
     async with (
         live_fleet(
@@ -276,3 +158,105 @@ async def test_a_sidecar_killed_mid_stream_loses_no_stream(redis_url: str, tmp_p
         assert lost > 0
         assert _router_count(fleet, "weir_router_resumes_total", reason="broken") == lost
         await _settled(fleet)
+
+
+async def test_a_redis_failover_loses_no_stream_and_leaks_no_quota() -> None:
+    """The Redis primary dies mid-stream and Sentinel promotes its replica. Router and
+    sidecars, given only a redis+sentinel:// URL (with AUTH), follow the new primary:
+    every stream ends whole, the tenant's quota — exact while they run — is back to zero
+    once they end (releases that fell in the outage land later), and new requests are
+    admitted again. How long new requests were refused is printed, not asserted."""
+    bodies = [request_body(i, 1000) for i in range(8)]
+    expected = await _expected(bodies)
+    probe = {"model": MODEL, "prompt": "probe", "max_tokens": 2}
+    with SentinelTopology(password="weir-failover") as topology:
+        settings = RedisSettings.from_url(topology.url, retries=10, backoff_cap_s=0.2)
+        quotas = QuotaStore(connect(settings), POOL)
+        async with (
+            live_fleet(topology.url, kv_tokens=20_000, tenants=(TenantQuota(name="default",
+                       max_concurrency=10),)) as fleet,
+            aiohttp.ClientSession() as session,
+        ):  # fmt: skip
+            streams = [Stream() for _ in bodies]
+            running = asyncio.gather(
+                *(read_stream(session, fleet.router.url, b, s) for b, s in zip(bodies, streams,
+                                                                          strict=True))
+            )  # fmt: skip
+            await asyncio.wait_for(asyncio.gather(*(s.progress.wait() for s in streams)), 60.0)
+            assert (await quotas.usage("default")).concurrency == len(bodies)
+            primary = redis.Redis(port=topology.master.port, password=topology.password)
+            primary.wait(1, 5000)  # the replica has every charge
+            primary.close()
+            await asyncio.to_thread(topology.master.stop)
+            died = asyncio.get_running_loop().time()
+            answers: list[int] = []
+
+            async def admitted() -> bool:
+                async with session.post(fleet.router.url + "/v1/completions", json=probe) as r:
+                    answers.append(r.status)
+                    return r.status == 200
+
+            await eventually(admitted, "a request admitted after the failover", timeout_s=60)
+            refused_s = asyncio.get_running_loop().time() - died
+            await asyncio.wait_for(running, 60.0)
+            _assert_whole(streams, expected)
+            assert set(answers) <= {200, 503}, answers  # refused while no primary, then served
+            print(f"\nredis failover: new requests refused for {refused_s:.2f}s "
+                  f"({len(answers) - 1} probes answered 503)")  # fmt: skip
+            await _settled(fleet)
+
+            async def released() -> bool:
+                return (await quotas.usage("default")).concurrency == 0
+
+            await eventually(released, "every quota slot to come back", timeout_s=30)
+        await quotas.redis.aclose()
+
+
+async def test_a_fleet_on_a_redis_cluster_keeps_every_stream_while_the_pool_s_slot_moves(
+    redis_cluster: ClusterTopology, redis_cluster_url: str
+) -> None:
+    """Router and sidecars given only a redis+cluster:// URL (with AUTH), the tenant's
+    quota on: mid-stream, the pool's hash slot migrates to another primary key by key.
+    Every stream ends whole, the quota is exact before and after the move and back to
+    zero once the streams end, and new requests are admitted."""
+    bodies = [request_body(i, 400) for i in range(8)]
+    expected = await _expected(bodies)
+    quotas = QuotaStore(connect(RedisSettings.from_url(redis_cluster_url)), POOL)
+    tenant = TenantQuota(name="default", max_concurrency=10)
+    async with (
+        live_fleet(redis_cluster_url, kv_tokens=20_000, tenants=(tenant,)) as fleet,
+        aiohttp.ClientSession() as session,
+    ):
+        streams = [Stream() for _ in bodies]
+        running = asyncio.gather(
+            *(
+                read_stream(session, fleet.router.url, b, s)
+                for b, s in zip(bodies, streams, strict=True)
+            )
+        )
+        await asyncio.wait_for(asyncio.gather(*(s.progress.wait() for s in streams)), 60.0)
+        assert (await quotas.usage("default")).concurrency == len(bodies)
+        key = PoolKeys(POOL).state
+        target = next(n for n in redis_cluster.primaries() if n is not redis_cluster.owner(key))
+        moved = await asyncio.to_thread(redis_cluster.migrate_slot, key, target,
+                                        lambda: time.sleep(0.05))  # fmt: skip
+        assert redis_cluster.owner(key) is target
+        assert not running.done()  # the slot moved mid-stream
+        assert (await quotas.usage("default")).concurrency == len(bodies)
+        probe = {"model": MODEL, "prompt": "probe", "max_tokens": 2}
+
+        async def admitted() -> bool:
+            async with session.post(fleet.router.url + "/v1/completions", json=probe) as r:
+                return r.status == 200
+
+        await eventually(admitted, "a request admitted after the move", timeout_s=30)
+        await asyncio.wait_for(running, 60.0)
+        _assert_whole(streams, expected)
+        print(f"\nslot migration under a fleet: {moved} keys moved mid-stream")
+        await _settled(fleet)
+
+        async def released() -> bool:
+            return (await quotas.usage("default")).concurrency == 0
+
+        await eventually(released, "every quota slot to come back", timeout_s=30)
+    await quotas.redis.aclose()

@@ -70,7 +70,7 @@ async def test_the_router_takes_the_url_from_env_or_file_and_never_prints_the_pa
     assert warned == (source == "flag")
 
 
-def test_a_missing_or_empty_url_file_is_refused(
+def test_a_missing_empty_or_unusable_url_is_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("WEIR_REDIS_URL", raising=False)
@@ -84,6 +84,13 @@ def test_a_missing_or_empty_url_file_is_refused(
     assert "--redis-url-file or $WEIR_REDIS_URL" in capsys.readouterr().err
     assert main(["operator", "--redis-url-file", str(empty)]) == 2
     assert "holds no URL" in capsys.readouterr().err
+    # A URL no component can use is refused at start, by each, without its password.
+    monkeypatch.setenv("WEIR_REDIS_URL", "redis+sentinel://:hunter2@sentinel-0/weir")
+    for command in (["router"], ["operator"], ["sidecar", "--engine-url", "http://127.0.0.1:1"]):
+        assert main(command) == 2
+        err = capsys.readouterr().err
+        assert "is not host:port" in err
+        assert "hunter2" not in err
 
 
 @pytest.mark.parametrize(("text", "message"), [

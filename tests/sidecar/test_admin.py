@@ -40,6 +40,7 @@ async def test_admin_routes_refuse_without_the_token(
     async with aiohttp.ClientSession() as http:
         for method, path, body in (
             ("GET", "/weir/v1/state", None),
+            ("GET", "/weir/v1/requests/r1", None),
             ("POST", "/weir/v1/preempt", {"rid": "weirx", "mode": "terminate"}),
             ("POST", "/weir/v1/drain", {"deadline_s": 0}),
         ):

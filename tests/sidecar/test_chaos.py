@@ -1,5 +1,6 @@
 """A seeded, bounded chaos run over two engines and two sidecars: requests are added,
-preempted and resumed, cancelled, migrated (the test plays the router), left to finish,
+preempted and resumed (recomputed, or offloaded to the engines' host tier), cancelled,
+migrated (the test plays the router), left to finish,
 and one engine is killed and restarted mid-run. At the end nothing leaks — no KV in the
 engines, no KV, reservation or queue entry in the sidecars — every request ended exactly
 once, and every request that completed produced exactly the uninterrupted output."""
@@ -12,10 +13,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from controlplane.contract import TenantQuota, encode_json
+from controlplane.contract import PreemptionMode, SchedulingPolicy, TenantQuota, encode_json
 from controlplane.store import PoolKeys, RedisSettings, connect
 from controlplane.store.quotas import QuotaStore
 from engine_sidecar.server import RunningSidecar, SidecarConfig, serve_sidecar
@@ -27,7 +29,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.redis]
 
 SEED = 20261130
 REQUESTS = 36
-CONFIG = engine_config(speed_factor=4.0)
+# A host tier smaller than the pool, so that it evicts too.
+CONFIG = engine_config(speed_factor=4.0, enable_hierarchical_cache=True, hicache_ratio=0.5)
+POLICY = msgspec.structs.replace(
+    pool_policy(),
+    scheduling=SchedulingPolicy(preemption_modes=tuple(PreemptionMode)),
+)
 
 
 @dataclass
@@ -66,7 +73,9 @@ async def _client(
     sidecars: list[RunningSidecar],
 ) -> Outcome:
     api, path, body = _request(rng, i)
-    action = rng.choices(["finish", "cancel", "recompute", "migrate"], [4, 2, 2, 2])[0]
+    action = rng.choices(["finish", "cancel", "recompute", "offload", "migrate"], [4, 2, 2, 2, 2])[
+        0
+    ]
     after = rng.randint(2, 25)
     home = rng.randrange(2)
     await asyncio.sleep(rng.uniform(0.0, 1.5))
@@ -84,7 +93,7 @@ async def _client(
         resp.close()
         out.kind = "cancelled"
         return out
-    if action in ("recompute", "migrate") and not got.done:
+    if action in ("recompute", "offload", "migrate") and not got.done:
         async with http.post(
             sidecars[home].url + "/weir/v1/preempt", json={"rid": rid, "mode": action}
         ) as answer:
@@ -126,11 +135,16 @@ async def _restart(engine: RunningEngine, delay_s: float) -> RunningEngine:
     return await start_engine(CONFIG, port=port)
 
 
-def _finished_total(sidecar: RunningSidecar) -> float:
+def _counted(sidecar: RunningSidecar, name: str, mode: str = "") -> float:
+    """A counter family's total (over the samples of `mode`, if given)."""
     text = sidecar.service.metrics.exposition().decode()
     for family in text_string_to_metric_families(text):
-        if family.name == "weir_sidecar_requests_finished":
-            return sum(s.value for s in family.samples if s.name.endswith("_total"))
+        if family.name == name:
+            return sum(
+                s.value
+                for s in family.samples
+                if s.name.endswith("_total") and mode in ("", s.labels.get("mode"))
+            )
     return 0.0
 
 
@@ -146,7 +160,7 @@ async def test_seeded_chaos_leaks_nothing_and_ends_every_request_once(redis_url:
     def config(engine: RunningEngine, endpoint: str) -> SidecarConfig:
         return SidecarConfig(
             engine_url=engine.url, redis_url=redis_url, pool="p", endpoint_id=endpoint,
-            policy=pool_policy(), heartbeat_s=0.2,
+            policy=POLICY, heartbeat_s=0.2,
         )  # fmt: skip
 
     try:
@@ -181,7 +195,10 @@ async def test_seeded_chaos_leaks_nothing_and_ends_every_request_once(redis_url:
             assert sb.service.quota is not None
             assert sa.service.quota.held == sb.service.quota.held == 0
             # Every request the sidecars saw ended exactly once.
-            assert _finished_total(sa) + _finished_total(sb) == sum(o.posts for o in outcomes)
+            finished = "weir_sidecar_requests_finished"
+            assert _counted(sa, finished) + _counted(sb, finished) == sum(o.posts for o in outcomes)
+            preempted = "weir_sidecar_preemptions"
+            assert _counted(sa, preempted, "offload") + _counted(sb, preempted, "offload") > 0
             kinds = {o.kind for o in outcomes}
             assert "completed" in kinds
             assert "cancelled" in kinds

@@ -56,3 +56,24 @@ async def test_an_engine_that_is_not_there_is_an_engine_error() -> None:
             await engine.abort("weir-nobody")
     finally:
         await engine.close()
+
+
+@pytest.mark.parametrize(
+    ("flags", "tokens"),
+    [
+        ({}, 0),
+        ({"enable_hierarchical_cache": True}, 16384),  # --hicache-ratio 2 of 8,192
+        ({"enable_hierarchical_cache": True, "hicache_ratio": 0.5}, 4096),
+        ({"enable_hierarchical_cache": True, "hicache_size": 1}, int(1e9 // 131072)),
+    ],
+)
+async def test_the_host_tier_is_read_from_server_info(
+    flags: dict[str, object], tokens: int
+) -> None:
+    async with serve_engine(engine_config(**flags)) as running:
+        engine = SGLangEngine(running.url)
+        try:
+            info = await engine.server_info()
+        finally:
+            await engine.close()
+    assert info.host_tier_tokens(kv_bytes_per_token=131072) == tokens

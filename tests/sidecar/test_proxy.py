@@ -128,9 +128,14 @@ async def test_openai_routes_stream_and_answer(sidecar: RunningSidecar) -> None:
     completion = {"model": MODEL, "prompt": "once upon", "max_tokens": 12}
     async with aiohttp.ClientSession() as http:
         for path, body in (("/v1/chat/completions", chat), ("/v1/completions", completion)):
-            async with http.post(sidecar.url + path, json=body | {"stream": True}) as resp:
+            headers = {"x-request-id": f"client-{len(path)}"}
+            async with http.post(
+                sidecar.url + path, json=body | {"stream": True}, headers=headers
+            ) as resp:
                 assert resp.status == 200
-                assert resp.headers["x-weir-request-id"].startswith("weir")
+                # Its rid starts with the client's request id, which it answers with.
+                assert resp.headers["x-request-id"] == headers["x-request-id"]
+                assert resp.headers["x-weir-request-id"].startswith(headers["x-request-id"] + "@")
                 events = await sse(resp)
             streamed = "".join(
                 (e["choices"][0].get("delta") or {}).get("content")

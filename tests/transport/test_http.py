@@ -5,18 +5,26 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
 
 import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from controlplane.transport import HTTPClient, Response, SSEEvent, TransportError
+from controlplane.transport import (
+    ClosedError,
+    ConnectError,
+    HTTPClient,
+    ProtocolError,
+    ReadTimeoutError,
+    Response,
+    SSEEvent,
+    TransportError,
+)
 from controlplane.transport.http import _Connection
 from fleetsim.engine import EngineConfig
 from fleetsim.server import serve_engine
+from tests.transport.raw_server import answering, tcp_server
 
 CONFIG = EngineConfig(model="m", max_total_tokens=8192, context_length=4096, speed_factor=200.0)
 JSON = {"Content-Type": "application/json"}
@@ -90,7 +98,7 @@ async def test_streams_and_plain_answers_reuse_one_connection() -> None:
                 info = msgspec.json.decode(await resp.read())
             assert resp.status == 200
             assert info["max_total_num_tokens"] == 8192
-        idle = [conn for pool in client._idle.values() for conn in pool]
+        idle = [conn for origin in client._origins.values() for conn in origin.idle]
         assert len(idle) == 1  # six requests, one after the other, on one connection
 
 
@@ -100,7 +108,7 @@ async def test_a_response_left_unread_closes_its_connection() -> None:
             "POST", engine.url + "/generate", generate(500, "transport-unread-rid-000001"), JSON
         ) as resp:
             await anext(resp.events())
-        assert not any(client._idle.values())
+        assert not any(origin.idle for origin in client._origins.values())
         async with await client.request("POST", engine.url + "/generate", generate(2), JSON) as r:
             assert r.status == 200
             assert (await r.read()).endswith(b"[DONE]\n\n")
@@ -115,56 +123,20 @@ async def test_an_engine_killed_mid_stream_is_a_transport_error() -> None:
             events = resp.events()
             assert await anext(events)
             await engine.kill()
-            with pytest.raises(TransportError, match="mid-response"):
+            with pytest.raises(ClosedError, match="mid-response"):
                 async for _ in events:
                     pass
-        with pytest.raises(TransportError, match="connect"):
+        with pytest.raises(ConnectError, match="connect"):
             await client.request("GET", engine.url + "/server_info")
-
-
-@asynccontextmanager
-async def tcp_server(
-    handle: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]],
-) -> AsyncIterator[str]:
-    """Serves `handle` per connection; at the end, waits for every handler to finish."""
-    handlers: list[asyncio.Task[None]] = []
-
-    async def tracked(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        handlers.append(asyncio.current_task())  # type: ignore[arg-type]
-        try:
-            await handle(reader, writer)
-        finally:
-            writer.close()
-
-    server = await asyncio.start_server(tracked, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await asyncio.wait_for(asyncio.gather(*handlers), 5.0)
-        server.close()
-        await server.wait_closed()
-
-
-def answering(
-    raw: bytes,
-) -> Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]:
-    """A server that answers every request with `raw`, then nothing until the client
-    gives up."""
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readuntil(b"\r\n\r\n")
-        writer.write(raw)
-        await writer.drain()
-        await reader.read()
-
-    return handle
 
 
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
 
 
-async def test_a_pooled_connection_the_peer_closed_is_retried_once_on_a_fresh_one() -> None:
+@pytest.mark.parametrize("cap", [1, 8])
+async def test_a_pooled_connection_the_peer_closed_is_retried_once_on_a_fresh_one(
+    cap: int,
+) -> None:
     connections = 0
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -177,7 +149,7 @@ async def test_a_pooled_connection_the_peer_closed_is_retried_once_on_a_fresh_on
         if first:  # keep-alive promised, but the next request finds it closing
             await reader.readuntil(b"\r\n\r\n")
 
-    async with tcp_server(handle) as url, HTTPClient() as client:
+    async with tcp_server(handle) as url, HTTPClient(max_connections_per_origin=cap) as client:
         for _ in range(2):
             async with await client.request("GET", url + "/x") as resp:
                 assert (resp.status, await resp.read()) == (200, b"ok")
@@ -261,7 +233,7 @@ async def test_a_request_is_retried_once_only() -> None:
     async with tcp_server(handle) as url, HTTPClient() as client:
         async with await client.request("GET", url + "/x") as resp:
             assert await resp.read() == b"ok"
-        with pytest.raises(TransportError, match="before a response"):
+        with pytest.raises(ClosedError, match="before a response"):
             await client.request("GET", url + "/x")
         assert connections == 2  # the pooled one, then one fresh retry
 
@@ -275,7 +247,7 @@ async def test_a_fresh_connection_that_closes_before_answering_is_not_retried() 
         await reader.readuntil(b"\r\n\r\n")
 
     async with tcp_server(handle) as url, HTTPClient() as client:
-        with pytest.raises(TransportError, match="before a response"):
+        with pytest.raises(ClosedError, match="before a response"):
             await client.request("GET", url + "/x")
         assert connections == 1
 
@@ -290,7 +262,7 @@ async def test_silence_past_the_read_timeout_is_a_transport_error() -> None:
     ):
         chunks = resp.chunks()
         assert await anext(chunks) == b"hello"
-        with pytest.raises(TransportError, match="no data"):
+        with pytest.raises(ReadTimeoutError, match="no data"):
             await anext(chunks)
 
 
@@ -298,12 +270,12 @@ async def test_malformed_answers_and_requests_are_transport_errors() -> None:
     handle = answering(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n")
 
     async with tcp_server(handle) as url, HTTPClient() as client:
-        with pytest.raises(TransportError, match="malformed"):
+        with pytest.raises(ProtocolError, match="malformed"):
             async with await client.request("GET", url + "/x") as resp:
                 await resp.read()
         with pytest.raises(TransportError, match="line break"):
             await client.request("GET", url + "/x", headers={"X-Evil": "a\r\nHost: b"})
-        with pytest.raises(TransportError, match="http://"):
+        with pytest.raises(ConnectError, match="http://"):
             await client.request("GET", "https://127.0.0.1/x")
 
 
@@ -366,7 +338,7 @@ async def test_what_the_callback_raises_reaches_the_reader_and_retires_the_conne
         ) as resp:
             with pytest.raises(ValueError, match="unreadable"):
                 await resp.push_events(fail)
-        assert not any(client._idle.values())
+        assert not any(origin.idle for origin in client._origins.values())
 
 
 async def test_an_engine_killed_mid_push_is_a_transport_error() -> None:
@@ -384,7 +356,7 @@ async def test_an_engine_killed_mid_push_is_a_transport_error() -> None:
         push = asyncio.ensure_future(resp.push_events(take))
         await seen.wait()
         await engine.kill()
-        with pytest.raises(TransportError, match="mid-response"):
+        with pytest.raises(ClosedError, match="mid-response"):
             await push
 
 
@@ -402,7 +374,7 @@ async def test_silence_past_the_read_timeout_fails_a_push() -> None:
         HTTPClient(read_timeout_s=0.2) as client,
         await client.request("GET", url + "/x") as resp,
     ):
-        with pytest.raises(TransportError, match="no data"):
+        with pytest.raises(ReadTimeoutError, match="no data"):
             await resp.push_events(take)
     assert got == [b"a"]
 

@@ -101,10 +101,12 @@ async def _empty_script_us(client: Redis, keys: tuple[str, ...], state: Endpoint
 
 async def _heartbeat_figures(url: str, sizes: list[int], runs: int, report: Report) -> None:
     import msgspec
+    from redis.asyncio import Redis
 
     from controlplane.store import EndpointRegistry, PoolFollower, RedisSettings, connect
 
     client = connect(RedisSettings(url=url))
+    assert isinstance(client, Redis)  # one server: the figures read its INFO
     try:
         for size in sizes:
             await _clear_pool(client)

@@ -7,11 +7,14 @@
    are cumulative (every event carries the whole output so far), so the router reads
    their counts only; the read must cost the same however long the output (goal: the
    4,000-token read within 2× the 64-token one).
-3. Proxied streaming: reference engines and a router run as subprocesses (`weir engine`,
+3. The engine-stream HTTP client's CPU per network read, decoded and cut through, against
+   llhttp alone on the same reads and, with `--http-baseline FILE`, another version of
+   the client (`weir.benchmarks._http_reads`).
+4. Proxied streaming: reference engines and a router run as subprocesses (`weir engine`,
    `weir router`); the same streamed requests go direct to an engine and through the
    router, alternating, so the added time to first token (goal: p50 <= 1 ms) and the
    streaming throughput are measured against a baseline from the same run.
-4. With `--quota-streams N`: N streams opened at once through a router with tenant quotas
+5. With `--quota-streams N`: N streams opened at once through a router with tenant quotas
    on (its own redis-server, the engine registered there, one tenant allowed N at once),
    held together, and counted: each admission is a quota charge in Redis at the same
    moment as the others', so this is where a Redis client that runs out of connections
@@ -34,6 +37,7 @@ import time
 from collections.abc import Callable, Iterator
 
 from weir.benchmarks import _replicas
+from weir.benchmarks._http_reads import http_reads
 from weir.benchmarks._report import Figure, Report, add_output_flags, median_p99
 
 NAME = "router"
@@ -49,8 +53,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--tokens", type=int, default=64, help="tokens per streamed request")
     parser.add_argument(
-        "--skip-proxy", action="store_true", help="measure decisions only (no subprocesses)"
+        "--skip-proxy",
+        action="store_true",
+        help="measure in-process figures only (no subprocesses)",
     )
+    parser.add_argument(
+        "--http-baseline", metavar="FILE", default="",
+        help="another version of controlplane/transport/http.py (git show "
+             "REV:controlplane/transport/http.py > FILE), read for read against this one",
+    )  # fmt: skip
     parser.add_argument(
         "--quota-streams", type=int, default=0, metavar="N",
         help="also open N streams at once through a router with tenant quotas on (a "
@@ -83,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
     )
     _decisions(report, args)
     _event_reads(report, args)
+    http_reads(report, args.runs, args.http_baseline)
     if not args.skip_proxy:
         asyncio.run(_proxy(report, args))
     if args.quota_streams:

@@ -33,7 +33,17 @@ def add_redis_url_flags(
 
 def redis_url(args: argparse.Namespace, command: str, env: Mapping[str, str] = os.environ) -> str:
     """--redis-url, else --redis-url-file's URL, else $WEIR_REDIS_URL; "" for none.
-    Raises ValueError for a file that cannot be read or holds no URL."""
+    Raises ValueError for a file that cannot be read or holds no URL, and for a URL that
+    `RedisSettings.from_url` cannot use (at start, not at the first connection)."""
+    url = _given_url(args, command, env)
+    if url:
+        from controlplane.store.connection import RedisSettings
+
+        RedisSettings.from_url(url)
+    return url
+
+
+def _given_url(args: argparse.Namespace, command: str, env: Mapping[str, str]) -> str:
     from controlplane.store.connection import redact_url  # not at import: `weir --help`
 
     if args.redis_url:

@@ -31,6 +31,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add("--schedule-low-priority-values-first", action="store_true")
     add("--schedule-policy", choices=("fcfs", "lpm"), default="fcfs")
     add("--disable-radix-cache", action="store_true")
+    add("--enable-hierarchical-cache", "--enable-hicache", action="store_true",
+        help="a host-memory KV tier: evicted prefix pages are kept there and loaded back")  # fmt: skip
+    add("--hicache-ratio", type=float, default=2.0, help="host pool size over device pool size")
+    add("--hicache-size", type=int, default=0, help="host pool GB (overrides the ratio)")
+    add("--hicache-write-policy", choices=("write_back",), default="write_back",
+        help="only write_back is modelled (SGLang's default is write_through)")  # fmt: skip
     add("--enable-mixed-chunk", action="store_true")
     add(
         "--enable-metrics",
@@ -68,6 +74,10 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         schedule_low_priority_values_first=args.schedule_low_priority_values_first,
         schedule_policy=args.schedule_policy,
         disable_radix_cache=args.disable_radix_cache,
+        enable_hierarchical_cache=args.enable_hierarchical_cache,
+        hicache_ratio=args.hicache_ratio,
+        hicache_size=args.hicache_size,
+        hicache_write_policy=args.hicache_write_policy,
         enable_mixed_chunk=args.enable_mixed_chunk,
         enable_metrics=args.enable_metrics,
         decode_log_interval=args.decode_log_interval,

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 
+from weir.commands._admin_token import add_admin_token_flag, admin_token
+from weir.commands._observability_flags import add_logging_flags, configure_observability
 from weir.commands._redis_url import ENV as REDIS_URL_ENV
 from weir.commands._redis_url import add_redis_url_flags, redis_url
 from weir.commands._server_flags import add_server_flags, server_limits
@@ -45,12 +47,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add("--staleness-s", type=float,
         help="route on the last snapshot this long while Redis is unreachable, then refuse "
              "(default: the policy's routing.snapshot_staleness_s, else 10)")  # fmt: skip
-    add("--queue-max-wait-s", type=float, default=30.0)
-    add("--max-attempts", type=int, default=3, help="endpoints tried before the first byte")
+    add("--queue-max-wait-s", type=float,
+        help="longest a request waits in the fair queue while every endpoint is saturated "
+             "(default: the policy's routing.queue_max_wait_s, else 30)")  # fmt: skip
+    add("--max-attempts", type=int,
+        help="endpoints tried before the first byte (default: the policy's "
+             "routing.max_attempts, else 3)")  # fmt: skip
+    add("--max-upstream-connections", type=int, default=8192,
+        help="connections open to one endpoint at once; past it a request waits for one to "
+             "come free (up to the connect timeout), then tries another endpoint")  # fmt: skip
     add("--prefill-for", metavar="DECODE_POOL", default="",
         help="this pool does prefill only: admit with a handoff credit on DECODE_POOL")  # fmt: skip
     add("--quotas", action="store_true",
         help="enforce tenant quotas from the control plane (needs --redis-url)")  # fmt: skip
+    add_admin_token_flag(parser, "the debug route GET /weir/v1/requests/{id}, also shown to "
+                         "the sidecars to read theirs")  # fmt: skip
+    add_logging_flags(parser)
     add_server_flags(parser, max_connections=8192)
 
 
@@ -78,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
             )
         if not (0.5 <= args.bytes_per_token <= 16):
             raise ValueError("--bytes-per-token must be between 0.5 and 16")
+        if args.max_upstream_connections < 1:
+            raise ValueError("--max-upstream-connections must be at least 1")
         keys = TenantKeys.load(args.api_keys) if args.api_keys else TenantKeys()
         profile = yaml.safe_load(Path(args.profile).read_text()) if args.profile else None
         if profile is not None:
@@ -89,9 +103,16 @@ def run(args: argparse.Namespace) -> int:
         )
         if args.pool and args.pool != policy.pool:
             raise ValueError(f"--pool {args.pool} but the policy is for pool {policy.pool}")
-        routing = policy.routing
-        if args.staleness_s is not None:
-            routing = msgspec.structs.replace(routing, snapshot_staleness_s=args.staleness_s)
+        flags = {
+            "snapshot_staleness_s": args.staleness_s,
+            "queue_max_wait_s": args.queue_max_wait_s,
+            "max_attempts": args.max_attempts,
+        }
+        given = {name: value for name, value in flags.items() if value is not None}
+        if given:
+            policy = msgspec.structs.replace(
+                policy, routing=msgspec.structs.replace(policy.routing, **given)
+            )
         overrides: dict[str, object] = {}
         if args.prefill_for:
             overrides.update(role=Role.PREFILL, decode_pool=args.prefill_for)
@@ -103,11 +124,10 @@ def run(args: argparse.Namespace) -> int:
             host=args.host,
             port=args.port,
             limits=Limits(args.context_length or policy.context_length, args.bytes_per_token),
-            routing=routing,
             profile=profile,
-            max_attempts=args.max_attempts,
-            queue_max_wait_s=args.queue_max_wait_s,
+            max_upstream_connections=args.max_upstream_connections,
             server=server_limits(args),
+            admin_token=admin_token(args.admin_token_file),
             **overrides,
         )
         if (config.enforce_quotas or config.role is Role.PREFILL) and not url:
@@ -118,6 +138,15 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError, ProfileError, SchemaError, yaml.YAMLError) as exc:
         print(f"weir router: {exc}", file=sys.stderr)
         return 2
+
+    configure_observability(args, "weir-router")
+    if not config.admin_token:
+        import logging
+
+        logging.getLogger("weir.router").warning(
+            "no admin token: GET /weir/v1/requests/{id} is open to anyone who reaches the "
+            "router (set --admin-token-file or WEIR_ADMIN_TOKEN)"
+        )
 
     async def serve() -> int:
         stop = asyncio.Event()

@@ -9,7 +9,8 @@
 
 The operator and `weir up` spawn it with exactly these flags.
 
-The admin routes (`/weir/v1/state`, `/weir/v1/preempt`, `/weir/v1/drain`) need the
+The admin routes (`/weir/v1/state`, `/weir/v1/requests/{id}`, `/weir/v1/preempt`,
+`/weir/v1/drain`) need the
 admin token when one is configured: read from `--admin-token-file` (a mounted Secret),
 else from the environment variable `WEIR_ADMIN_TOKEN`, never from the command line.
 Without either they stay open, and the sidecar warns at start. The control plane's Redis
@@ -20,16 +21,14 @@ given, but shows its password in process listings); none: local admission only.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-from collections.abc import Mapping
-from pathlib import Path
 
+from weir.commands._admin_token import add_admin_token_flag, admin_token
+from weir.commands._observability_flags import add_logging_flags, configure_observability
 from weir.commands._redis_url import add_redis_url_flags, redis_url
 from weir.commands._server_flags import add_server_flags, server_limits
 
 NAME = "sidecar"
-ADMIN_TOKEN_ENV = "WEIR_ADMIN_TOKEN"
 HELP = "Run the engine sidecar (proxy, KV admission, preemption, heartbeats), or drain one."
 
 
@@ -57,29 +56,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--deadline-s", type=float, default=30.0, help="drain: how long in-flight may run"
     )
-    parser.add_argument(
-        "--admin-token-file",
-        default="",
-        metavar="FILE",
-        help=f"the admin routes' bearer token, read from FILE (default: ${ADMIN_TOKEN_ENV}; "
-        "neither: the admin routes are open); drain: the token it sends",
-    )
-    parser.add_argument("--log-level", default="INFO", help="logging level")
+    add_admin_token_flag(
+        parser, "the admin routes (/weir/v1/state, /requests, /preempt, /drain); drain: the token "
+        "it sends",
+    )  # fmt: skip
+    add_logging_flags(parser)
     add_server_flags(parser, max_connections=4096)
-
-
-def admin_token(token_file: str, env: Mapping[str, str] = os.environ) -> str:
-    """The admin token from `token_file`, else from $WEIR_ADMIN_TOKEN; "" for none.
-    Raises ValueError for a file that cannot be read or holds no token."""
-    if not token_file:
-        return env.get(ADMIN_TOKEN_ENV, "").strip()
-    try:
-        token = Path(token_file).read_text().strip()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"cannot read --admin-token-file {token_file}: {exc}") from None
-    if not token:
-        raise ValueError(f"--admin-token-file {token_file} is empty")
-    return token
 
 
 def _drain(url: str, deadline_s: float, token: str) -> int:
@@ -133,9 +115,7 @@ def run(args: argparse.Namespace) -> int:
 
     from engine_sidecar.server import SidecarConfig, load_policy, serve_sidecar
 
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
-    )
+    configure_observability(args, "weir-sidecar")
     from controlplane.contract import SchemaError
 
     try:

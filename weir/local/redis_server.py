@@ -59,8 +59,19 @@ class RedisServer(LocalService):
         wait_for_port(self.port)
         return self
 
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
     def stop(self) -> None:
         stop_process(self._proc, timeout_s=5)
+        self._proc = None
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash: nothing is handed over or written on the way out."""
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait()
         self._proc = None
 
     def restart(self) -> None:

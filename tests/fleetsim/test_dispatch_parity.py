@@ -1,0 +1,388 @@
+"""The simulator routes as the live router does: one scripted sequence of arrivals,
+endpoint reports, finishes, a preemption handed back and an endpoint failure, fed to the
+live gateway's dispatch glue (its clock injected, a fixed pool view, the upstream played
+by the script) and to the simulator's Weir router glue, gives the same decisions in the
+same order: where each request is sent, and which are refused, and why.
+
+Both drive `controlplane.routing.Dispatcher`; what this holds equal is the glue around
+it: what each side calls it with, when, and what it does with the answers (a refused
+connection to a dead endpoint, waits that end on the core's timers)."""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+from controlplane.contract import (
+    EndpointState,
+    EngineAPI,
+    FinishReason,
+    Lifecycle,
+    PoolPolicy,
+    Role,
+    RoutingPolicy,
+    WatermarkState,
+)
+from controlplane.gateway import ClientRequest, Gateway, GatewayConfig, GatewayError, PoolView
+from controlplane.gateway.app import REPORT_LAG_S, _Exchange
+from controlplane.gateway.relay import Received, Splicer
+from controlplane.ownership import Membership, OwnershipRing
+from controlplane.routing import (
+    Dispatcher,
+    EndpointView,
+    Refusal,
+    RouteRequest,
+    default_config,
+    profile_from_config,
+)
+from fleetsim.sim.config import MODEL, FleetConfig
+from fleetsim.sim.flight import Flight, Stage
+from fleetsim.sim.gate import RouterGate
+from fleetsim.sim.weir import Sidecar, WeirPolicy
+from fleetsim.workloads import RequestSpec
+
+ENDPOINTS = 3
+LEASE_S = 2.0  # each report renews the endpoint's lease this long
+FAILED_AFTER = 10  # tokens streamed when an engine fails
+POLICY = PoolPolicy(
+    pool="p",
+    model=MODEL,
+    routing=RoutingPolicy(
+        queue_capacity_per_band=2, queue_max_wait_s=5.0, max_attempts=2, resume_wait_s=3.0
+    ),
+)
+
+
+@dataclass(frozen=True)
+class Report:
+    at: float
+    endpoint: int
+    watermark: WatermarkState = WatermarkState.NORMAL
+    running: int = 0
+    draining: bool = False
+
+
+@dataclass(frozen=True)
+class Arrive:
+    at: float
+    rid: str
+    tenant: str = "a"
+    priority: int = 0
+    prompt: int = 200  # under one 512-token block: no prefix index on either side
+    deadline_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Finish:
+    at: float
+    rid: str
+    generated: int
+
+
+@dataclass(frozen=True)
+class Preempt:
+    """The endpoint migrated the stream away after `generated` tokens."""
+
+    at: float
+    rid: str
+    generated: int
+
+
+@dataclass(frozen=True)
+class Fail:
+    """The endpoint's engine dies: what streams there breaks, and its connection is
+    refused from now on (its lease has not lapsed)."""
+
+    at: float
+    endpoint: int
+
+
+@dataclass(frozen=True)
+class Tick:
+    at: float
+
+
+Event = Report | Arrive | Finish | Preempt | Fail | Tick
+
+SCRIPT: tuple[Event, ...] = (
+    *(Report(0.0, i) for i in range(ENDPOINTS)),
+    Arrive(0.1, "a1"),
+    Arrive(0.2, "b1", tenant="b"),
+    Arrive(0.3, "a2", priority=1),
+    # Every endpoint saturated: new work waits, fairest first, in a bounded queue.
+    *(Report(1.0 + i / 100, i, WatermarkState.CRITICAL, running=2) for i in range(ENDPOINTS)),
+    Arrive(1.1, "a3"),
+    Arrive(1.1, "b2", tenant="b"),
+    Arrive(1.15, "a4"),  # the band is full
+    Arrive(1.2, "c1", tenant="c", priority=2, deadline_s=0.5),  # its deadline ends its wait
+    Report(2.0, 2, running=1),  # room again on engine-2, its last report
+    *(Report(2.1, i, WatermarkState.CRITICAL, running=2) for i in range(2)),
+    Finish(2.5, "b1", generated=30),
+    Preempt(3.0, "a1", generated=20),  # resumed elsewhere, its old endpoint avoided
+    Fail(3.5, 2),  # its streams resume elsewhere and never come back; it refuses connections
+    Report(3.6, 0, running=2),
+    Report(3.6, 1, WatermarkState.CRITICAL, running=2),
+    Arrive(3.8, "d1", tenant="d"),  # the dead endpoint looks best, and refuses it
+    Arrive(3.85, "d2", tenant="d"),
+    *(Report(4.5, i, WatermarkState.CRITICAL, running=4) for i in range(2)),
+    Arrive(4.6, "q1", tenant="q"),  # engine-2's lease has lapsed: saturated, it waits
+    *(Report(6.0, i, draining=True) for i in range(2)),
+    Preempt(6.1, "a2", generated=5),  # nowhere to go: it waits, then is lost
+    *(Report(at, i, draining=True) for at in (7.5, 9.0) for i in range(2)),
+    *(Report(10.0, i) for i in range(2)),
+    Finish(10.5, "a1", generated=60),
+    Tick(12.0),
+)
+
+
+def _state(event: Report, version: int) -> EndpointState:
+    return EndpointState(
+        pool="p", endpoint_id=f"engine-{event.endpoint}", address=f"sim://{event.endpoint}",
+        model=MODEL, version=version, kv_capacity_tokens=10_000, watermark=event.watermark,
+        running_requests=event.running,
+        lifecycle=Lifecycle.DRAINING if event.draining else Lifecycle.READY,
+    )  # fmt: skip
+
+
+def _flight(event: Arrive) -> Flight:
+    spec = RequestSpec(
+        request_id=event.rid, arrival_s=event.at, tenant=event.tenant, priority=event.priority,
+        input_tokens=event.prompt, output_tokens=100, max_tokens=100,
+        block_ids=(sum(map(ord, event.rid)),),  # its own prefix, its own owners
+        deadline_s=event.deadline_s,
+    )  # fmt: skip
+    return Flight(spec)
+
+
+Decisions = list[tuple[float, str, str]]  # (when, request, endpoint or refusal reason)
+
+
+# -- the simulator's side ------------------------------------------------------------------
+
+
+class _Sim:
+    """The calls the simulator's router glue makes on its simulation, and its clock."""
+
+    def __init__(self, policy: WeirPolicy) -> None:
+        self.config = FleetConfig(engines=ENDPOINTS, policy=POLICY)
+        self.engines = [SimpleNamespace(alive=True) for _ in range(ENDPOINTS)]
+        self.policy, self.now = policy, 0.0
+        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+
+    def at(self, when: float, action: Callable[[], None]) -> None:
+        heapq.heappush(self._heap, (max(when, self.now), next(self._seq), action))
+
+    def run_until(self, until: float) -> None:
+        while self._heap and self._heap[0][0] <= until:
+            self.now, _, action = heapq.heappop(self._heap)
+            action()
+        self.now = until
+
+    def end(self, flight: Flight, reason: FinishReason, now: float, detail: str = "") -> None:
+        flight.stage, flight.reason = Stage.DONE, reason
+        self.policy.ended(flight, now)
+
+
+class _Recorded(WeirPolicy):
+    """The glue under test; the sidecar behind each endpoint is left out (a placement
+    is recorded where it would be offered to it)."""
+
+    def __init__(self) -> None:
+        super().__init__(POLICY)
+        self.decisions: Decisions = []
+        self.routes: dict[str, RouteRequest] = {}
+
+    def _route_request(self, flight: Flight, role: Role, now: float) -> RouteRequest:
+        route = self.routes[flight.rid] = super()._route_request(flight, role, now)
+        return route
+
+    def _offer(self, sidecar: Sidecar, flight: Flight, now: float) -> None:
+        self.decisions.append((now, flight.rid, sidecar.endpoint_id))
+
+    def _placed(self, role: Role, flight: Flight, endpoint_id: str) -> None:
+        if not self.sim.engines[int(endpoint_id.rsplit("-", 1)[1])].alive:
+            self.decisions.append((self.sim.now, flight.rid, f"refused by {endpoint_id}"))
+        super()._placed(role, flight, endpoint_id)
+
+    def _refused(self, flight: Flight, refusal: Refusal, now: float) -> None:
+        self.decisions.append((now, flight.rid, refusal.reason))
+        super()._refused(flight, refusal, now)
+
+
+def _streaming(decisions: Decisions, endpoint: str, finished: set[str]) -> list[str]:
+    """The requests last sent to `endpoint` and still there, in the order they were sent."""
+    last: dict[str, str] = {}
+    for _, rid, where in decisions:
+        last.pop(rid, None)  # re-inserted: ordered by the last decision
+        last[rid] = where
+    return [rid for rid, where in last.items() if where == endpoint and rid not in finished]
+
+
+def _simulated(script: tuple[Event, ...]) -> tuple[Decisions, dict[str, RouteRequest]]:
+    weir = _Recorded()
+    sim = _Sim(weir)
+    weir._sim = sim  # type: ignore[assignment]
+    weir._gate = RouterGate(POLICY, kv_bytes_per_token=1, credits=False)
+    weir.profile = profile_from_config(default_config(POLICY.routing))  # as the gateway's
+    weir.sidecars = [
+        Sidecar(i, f"engine-{i}", 10_000, POLICY, lambda: sim.now) for i in range(ENDPOINTS)
+    ]
+    weir.routers[Role.MIXED] = Dispatcher(weir.profile, POLICY.routing, weir.index)
+    members = (s.endpoint_id for s in weir.sidecars)
+    weir.rings[Role.MIXED] = OwnershipRing(Membership.of(1, members), POLICY.routing.virtual_nodes)
+    flights: dict[str, Flight] = {}
+    finished: set[str] = set()
+    version = 0
+    for event in script:
+        sim.run_until(event.at)
+        now = event.at
+        if isinstance(event, Report):
+            version += 1
+            weir._publish(event.endpoint, _state(event, version), now + LEASE_S, now - REPORT_LAG_S)
+        elif isinstance(event, Arrive):
+            flight = flights[event.rid] = _flight(event)
+            weir.arrive(flight, now)
+        elif isinstance(event, Finish):
+            flight = flights[event.rid]
+            flight.output_ids = [7] * event.generated
+            finished.add(event.rid)
+            sim.end(flight, FinishReason.STOP, now)
+        elif isinstance(event, Preempt):
+            flight = flights[event.rid]
+            flight.output_ids = [7] * event.generated
+            weir._hand_back(flight, now, broken=False)
+        elif isinstance(event, Fail):
+            sim.engines[event.endpoint].alive = False
+            on_it = _streaming(weir.decisions, f"engine-{event.endpoint}", finished)
+            for rid in on_it:
+                flights[rid].output_ids = [7] * FAILED_AFTER
+            weir.engine_failed(event.endpoint, [flights[rid] for rid in on_it], now)
+    return weir.decisions, weir.routes
+
+
+# -- the live side -------------------------------------------------------------------------
+
+
+@dataclass
+class _Live:
+    """The live gateway with an injected clock over a fixed pool view; the script plays
+    its upstreams (an attempt on a dead endpoint is a refused connection)."""
+
+    now: float = 0.0
+    view: PoolView = field(default_factory=lambda: PoolView("p", float("inf")))
+    endpoints: dict[str, EndpointView] = field(default_factory=dict)
+    dead: set[str] = field(default_factory=set)
+    decisions: Decisions = field(default_factory=list)
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    gateway: Gateway = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.gateway = Gateway(GatewayConfig.from_policy(POLICY), self.view, clock=lambda: self.now)
+
+    def report(self, state: EndpointState) -> None:
+        self.endpoints[state.endpoint_id] = EndpointView(state, self.now + LEASE_S)
+        self.view.update([self.endpoints[e] for e in sorted(self.endpoints)], self.now)
+
+    def follow(self, ex: _Exchange, step: Coroutine[Any, Any, str]) -> None:
+        self.tasks.append(asyncio.create_task(self._placed(ex, step)))
+
+    async def _placed(self, ex: _Exchange, step: Coroutine[Any, Any, str]) -> None:
+        rid = ex.route.request_id
+        try:
+            endpoint = await step
+        except GatewayError as exc:
+            self.decisions.append((self.now, rid, exc.reason))
+            return
+        if endpoint in self.dead:  # the connection is refused: nothing reached the client
+            self.decisions.append((self.now, rid, f"refused by {endpoint}"))
+            self.follow(ex, self.gateway._redispatch(ex, "refused"))
+            return
+        self.decisions.append((self.now, rid, endpoint))
+
+    async def settle(self) -> None:
+        for _ in range(20):
+            await asyncio.sleep(0)
+
+    async def run_until(self, until: float) -> None:
+        """The gateway's timer, on the injected clock: pump at each wakeup due."""
+        while (wakeup := self.gateway.dispatch.next_wakeup()) is not None and wakeup <= until:
+            self.now = wakeup
+            self.gateway._wake()
+            await self.settle()
+        self.now = until
+
+
+def _exchange(route: RouteRequest) -> _Exchange:
+    client = ClientRequest(
+        api=EngineAPI.GENERATE, model=MODEL, body={}, stream=True, prompt_text="",
+        prompt_ids=(1,) * route.prompt_tokens, prompt_tokens=route.prompt_tokens,
+        max_new_tokens=route.max_new_tokens, priority=route.priority,
+        deadline_s=route.deadline_s,
+    )  # fmt: skip
+    received = Received(EngineAPI.GENERATE, prompt_tokens=route.prompt_tokens)
+    return _Exchange(client, route, route.tenant, 0.0, received, Splicer(received, 1.0))
+
+
+async def _live(script: tuple[Event, ...], routes: dict[str, RouteRequest]) -> Decisions:
+    live = _Live()
+    gateway = live.gateway
+    exchanges: dict[str, _Exchange] = {}
+    finished: set[str] = set()
+    version = 0
+    for event in script:
+        await live.run_until(event.at)
+        if isinstance(event, Report):
+            version += 1
+            live.report(_state(event, version))
+        elif isinstance(event, Arrive):
+            ex = exchanges[event.rid] = _exchange(routes[event.rid])
+            live.follow(ex, gateway._admit(ex))
+        elif isinstance(event, Finish):
+            ex = exchanges[event.rid]
+            ex.received.tokens = event.generated
+            finished.add(event.rid)
+            gateway._finish(ex)
+        elif isinstance(event, Preempt):
+            ex = exchanges[event.rid]
+            ex.received.tokens = event.generated
+            live.follow(ex, gateway._redispatch(ex, "preempted"))
+        elif isinstance(event, Fail):
+            endpoint = f"engine-{event.endpoint}"
+            live.dead.add(endpoint)
+            for rid in _streaming(live.decisions, endpoint, finished):
+                ex = exchanges[rid]
+                ex.received.tokens = FAILED_AFTER
+                live.follow(ex, gateway._redispatch(ex, "broken"))
+        await live.settle()
+    if gateway._wakeup is not None:
+        gateway._wakeup.cancel()
+    for task in live.tasks:
+        task.cancel()
+    await asyncio.gather(*live.tasks, return_exceptions=True)
+    return live.decisions
+
+
+async def test_the_simulator_dispatches_as_the_live_router_does() -> None:
+    simulated, routes = _simulated(SCRIPT)
+    live = await _live(SCRIPT, routes)
+    assert live == simulated
+    # The script exercises what it claims to: every kind of refusal, a fallback after a
+    # refused connection, a migrated stream avoiding its endpoint, a failed one never
+    # trying the dead endpoint again.
+    reasons = {what for _, _, what in live if not what.startswith("engine-")}
+    assert reasons == {
+        "queue_full", "deadline", "queue_timeout", "endpoints_overloaded", "resume_failed",
+        "refused by engine-2",
+    }  # fmt: skip
+    d1 = [what for _, rid, what in live if rid == "d1"]
+    assert d1 == ["refused by engine-2", "engine-0"]
+    a1 = [what for _, rid, what in live if rid == "a1"]
+    assert len(a1) == 3
+    assert a1[1] != a1[0]
+    assert all(what != "engine-2" for at, _, what in live if at >= 3.5)

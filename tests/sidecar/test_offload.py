@@ -1,0 +1,116 @@
+"""Offload live: a sidecar in front of a reference engine with a host tier (SGLang's
+hierarchical cache) aborts a long request, its pages go to host memory as other work
+evicts them, and the continuation resumes from them in place with exactly the tokens an
+uninterrupted run gives."""
+
+from __future__ import annotations
+
+import random
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from controlplane.contract import PoolPolicy, PreemptionMode, SchedulingPolicy
+from engine_sidecar.server import SidecarConfig, serve_sidecar
+from fleetsim.server import serve_engine
+from tests.sidecar.conftest import MODEL, engine_config
+from tests.sidecar.streams import Received, read_sse
+from tests.sidecar.test_preemption import uninterrupted
+
+PROMPT = 1500
+MAX_NEW = 240
+
+
+def generate(seed: int, max_new: int) -> dict[str, object]:
+    rng = random.Random(seed)
+    return {
+        "input_ids": [rng.randrange(1, 200) for _ in range(PROMPT)],
+        "sampling_params": {"max_new_tokens": max_new, "ignore_eos": True},
+    }
+
+
+POLICY = PoolPolicy(
+    pool="p",
+    model=MODEL,
+    context_length=4096,
+    scheduling=SchedulingPolicy(
+        preemption_modes=(PreemptionMode.RECOMPUTE, PreemptionMode.OFFLOAD)
+    ),
+)
+
+
+async def test_an_offloaded_request_resumes_from_the_host_tier_exactly() -> None:
+    tiered = engine_config(
+        max_total_tokens=4096, page_size=16, speed_factor=4.0, enable_hierarchical_cache=True
+    )
+    policy = POLICY
+    async with (
+        serve_engine(engine_config()) as plain,
+        serve_engine(tiered) as engine,
+        serve_sidecar(SidecarConfig(engine_url=engine.url, pool="p", policy=policy)) as sidecar,
+        aiohttp.ClientSession() as http,
+    ):
+        service, host = sidecar.service, engine.engine.host
+        assert host is not None
+        assert service.host_tier_tokens == 8192  # --hicache-ratio 2 of 4,096, from server info
+        expected = await uninterrupted(http, plain.url, "/generate", generate(1, MAX_NEW))
+        async with http.post(
+            sidecar.url + "/generate", json=generate(1, MAX_NEW) | {"stream": True}
+        ) as resp:
+            rid = resp.headers["x-weir-request-id"]
+            first = await read_sse(resp, stop_after=20)
+            # Relief's second rung holds the continuation back while other work runs.
+            service.ledger.set_admission(False)
+            async with http.post(
+                sidecar.url + "/weir/v1/preempt", json={"rid": rid, "mode": "offload"}
+            ) as answer:
+                assert answer.status == 200, await answer.text()
+            for seed in (2, 3, 4):  # push the victim's pages out of the device pool
+                async with http.post(engine.url + "/generate", json=generate(seed, 1)) as done:
+                    assert done.status == 200
+            offloaded = service.ledger.flights[rid].offloaded
+            assert offloaded >= PROMPT + 20
+            assert service.relief_costs().host_room_tokens == 8192 - offloaded
+            loaded = host.load_back_tokens_total
+            service.ledger.set_admission(True)
+            rest = await read_sse(resp)
+        async with http.get(sidecar.url + "/metrics") as scraped:
+            metrics = await scraped.text()
+    got = Received(first.events + rest.events, rest.done)
+    assert got.done
+    assert got.text() == expected.text()
+    assert len(got.text()) == MAX_NEW
+    # The continuation's history came back from the host tier, whole pages of it.
+    assert host.load_back_tokens_total - loaded >= PROMPT // 16 * 16
+    assert service.relief_costs().host_room_tokens == 8192
+    samples = {
+        (s.name, s.labels.get("mode", "")): s.value
+        for family in text_string_to_metric_families(metrics)
+        for s in family.samples
+    }
+    assert samples["weir_sidecar_preemptions_total", "offload"] == 1
+    assert samples["weir_sidecar_preemptions_total", "recompute"] == 0
+    assert samples["weir_sidecar_offloaded_tokens_total", ""] == offloaded
+    assert samples["weir_sidecar_recomputed_tokens_total", ""] == 0
+    assert service.ledger.own_used == 0
+
+
+async def test_an_engine_without_a_host_tier_refuses_offload() -> None:
+    async with (
+        serve_engine(engine_config(speed_factor=4.0)) as engine,
+        serve_sidecar(SidecarConfig(engine_url=engine.url, pool="p", policy=POLICY)) as sidecar,
+        aiohttp.ClientSession() as http,
+    ):
+        assert sidecar.service.host_tier_tokens == 0
+        assert sidecar.service.relief_costs().offload_s(1000) is None
+        async with http.post(
+            sidecar.url + "/generate", json=generate(1, MAX_NEW) | {"stream": True}
+        ) as resp:
+            rid = resp.headers["x-weir-request-id"]
+            await read_sse(resp, stop_after=5)
+            for mode, status in (("offload", 409), ("recompute", 200)):
+                async with http.post(
+                    sidecar.url + "/weir/v1/preempt", json={"rid": rid, "mode": mode}
+                ) as answer:
+                    assert answer.status == status
+            assert (await read_sse(resp)).done
