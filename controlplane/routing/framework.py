@@ -21,10 +21,10 @@ credited with the same cached prefix, a hash of the request id chooses instead
 (randomized tie-breaking, as in Envoy's and llm-d's pickers). The routers' picks
 decorrelate; at light load a router's own dispatch (about 0.2 of queue score) still takes
 an endpoint out of the band, so one router never doubles up on it while an equal one is
-free; no pick trades cached tokens for balance. It does not spread what is not a tie: an
-endpoint one reported request below the others still gets one request from every router
-(docs/architecture.md, "Several routers per pool"). Pure: a request decides the same way
-everywhere, the simulator included.
+free; no pick trades cached tokens for balance, and a pick of the prefix's primary owner
+stands. It does not spread what is not a tie: an endpoint one reported request below the
+others still gets one request from every router (docs/architecture.md, "Several routers
+per pool"). Pure: a request decides the same way everywhere, the simulator included.
 """
 
 from __future__ import annotations
@@ -207,7 +207,8 @@ class Decision:
 
 
 def spread_ties(
-    request_id: str,
+    request: RouteRequest,
+    candidates: Sequence[EndpointView],
     totals: Sequence[float],
     affinity: Sequence[float] | None,
     chosen: int,
@@ -215,7 +216,11 @@ def spread_ties(
 ) -> int:
     """Among the candidates whose total is within `band` of `totals[chosen]` and whose
     prefix-affinity score (when the profile has one) equals the chosen one's, the one a
-    hash of `request_id` names; `chosen` itself when it has no such peer."""
+    hash of the request id names; `chosen` itself when it has no such peer, or when it is
+    the request's primary owner: the one endpoint every router sends the prefix to stays
+    its home, even where a short prompt credits the secondary as fully cached too."""
+    if candidates[chosen].endpoint_id == request.primary_owner:
+        return chosen
     floor = totals[chosen] - band
     if affinity is None:
         ties = [i for i, total in enumerate(totals) if total >= floor]
@@ -227,7 +232,7 @@ def spread_ties(
     # CRC-32 is linear: ids that differ in one character (a simulator's r1, r2, ...) have
     # related low bits. A multiplicative mix spreads them over the high bits, which pick;
     # the candidate window's rotation uses the low ones.
-    mixed = (zlib.crc32(request_id.encode()) * _GOLDEN) & 0xFFFFFFFF
+    mixed = (zlib.crc32(request.request_id.encode()) * _GOLDEN) & 0xFFFFFFFF
     return ties[mixed * len(ties) >> 32]
 
 
@@ -354,7 +359,7 @@ class Profile:
         if self.tie_band and len(candidates) > 1:
             at = self._affinity_at
             chosen = spread_ties(
-                cycle.request.request_id, totals, scores[at] if at >= 0 else None, chosen,
+                cycle.request, candidates, totals, scores[at] if at >= 0 else None, chosen,
                 self.tie_band,
             )  # fmt: skip
         return Decision.of(cycle.request, candidates, totals, chosen, rejected)

@@ -276,9 +276,8 @@ class FusedPipeline:
             )
         if band and runner_up >= best - band:  # a near-tie: rare, so checked first
             chosen = spread_ties(
-                request.request_id, totals, affinities if self.has_affinity else None, chosen,
-                band,
-            )  # fmt: skip
+                request, kept, totals, affinities if self.has_affinity else None, chosen, band
+            )
         return Decision.of(request, kept, totals, chosen, rejected)
 
 

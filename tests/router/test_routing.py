@@ -293,7 +293,8 @@ def test_routers_sharing_a_snapshot_spread_near_ties_instead_of_herding() -> Non
 
 def test_a_tie_band_never_trades_cached_tokens_for_balance() -> None:
     """However wide the band, a pick is spread only among candidates credited with the same
-    cached prefix: the owner of a prefix keeps it over equally idle endpoints."""
+    cached prefix: the owner of a prefix keeps it over equally idle endpoints, and over
+    its secondary too where a short prompt credits both with all of it."""
     config = default_config()
     config["tie_band"] = 1.0
     profile = profile_from_config(config)
@@ -303,6 +304,8 @@ def test_a_tie_band_never_trades_cached_tokens_for_balance() -> None:
     for i in range(20):
         owned = _request(request_id=f"r{i}", owners=("e2", "e0"))
         assert profile.decide(owned, RoutingContext(snapshot, 0.0)).endpoint_id == "e2"
+        short = _request(request_id=f"s{i}", prompt_tokens=100, owners=("e3", "e1"))
+        assert profile.decide(short, RoutingContext(snapshot, 0.0)).endpoint_id == "e3"
         held = _request(request_id=f"h{i}", block_hashes=(7, 8, 9))
         ctx = RoutingContext(snapshot, 0.0, prefix_index=index)
         assert profile.decide(held, ctx).endpoint_id == "e1"
