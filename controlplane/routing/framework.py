@@ -11,7 +11,7 @@ A decision over a large pool never scans it: the candidates are the request's ow
 the endpoints that probably hold its prefix, and a request-dependent window of the
 snapshot's least pressured endpoints (power of k choices over a presorted list).
 
-Near-ties are spread (`Profile.tie_band`). Several routers serving one pool share one
+Near-ties can be spread (`Profile.tie_band`, off by default). Several routers serving one pool share one
 snapshot, and each counts only its own dispatches until the endpoints report them. Where
 candidates score alike (an idle pool; equally loaded endpoints whose KV differs by a
 percent or so) the picker's deterministic choice, the first of the highest, sends every

@@ -73,19 +73,16 @@ for _name, _factory in _BUILTIN_SCORERS:
 register(PluginKind.PICKER, "max-score", pickers.MaxScore)
 
 
-# Totals this close count as a tie: KV pressures a percent or so apart, never a request
-# queued or dispatched (a dispatch to an idle endpoint costs about 0.2 of its queue score).
-DEFAULT_TIE_BAND = 0.005
-
-
 def default_config(policy: RoutingPolicy | None = None) -> dict[str, Any]:
     """The cost model of ARCHITECTURE.md as a profile: every term one weighted scorer,
-    affinity one term among them, near-ties spread."""
+    affinity one term among them. Near-ties are not spread (`tie_band` 0): in the
+    simulator's matrix a band of 0.005 cost long_long 11 % of its goodput while several
+    routers' live figures did not move with it (docs/benchmarks.md); a pool with several
+    routers and an idle, uniform fleet may still want it."""
     policy = policy or RoutingPolicy()
     return {
         "name": "default",
         "candidates": 4,
-        "tie_band": DEFAULT_TIE_BAND,
         "filters": [
             "lease-valid",
             "not-draining",
