@@ -546,15 +546,19 @@ class Gateway:
         )  # fmt: skip
 
     def _refuse(self, exc: GatewayError, tenant: str, request_id: str) -> web.Response:
-        self.trail.record(
-            request_id, "refused", status=exc.status, reason=exc.reason, message=exc.message
-        )
+        self._note_refusal(request_id, exc)
         pool = self.config.pool
         if exc.status in (429, 503):
             self.metrics.overloads.labels(pool, exc.reason).inc()
         reason = "overload" if exc.status in (429, 503) else "error"
         self.metrics.requests.labels(pool, tenant, reason).inc()
         return exc.response()
+
+    def _note_refusal(self, request_id: str, exc: GatewayError) -> None:
+        self.trail.record(
+            request_id, "refused", status=exc.status, reason=exc.reason, message=exc.message,
+            upstream_reason=exc.upstream_reason,
+        )  # fmt: skip
 
     async def _serve(
         self, request: web.Request, ex: _Exchange, endpoint_id: str
@@ -595,10 +599,7 @@ class Gateway:
                     ex.finish = "overload"  # every endpoint tried refused it
                     self.metrics.overloads.labels(self.config.pool, exc.reason).inc()
                     exc.upstream_reason = ex.upstream_refusal or None
-                    self.trail.record(
-                        ex.route.request_id, "refused", status=exc.status, reason=exc.reason,
-                        message=exc.message, upstream_reason=exc.upstream_reason,
-                    )  # fmt: skip
+                    self._note_refusal(ex.route.request_id, exc)
                     return exc.response()
         except (asyncio.CancelledError, _ClientGoneError):
             ex.finish = "cancelled"
@@ -723,8 +724,8 @@ class Gateway:
                 return await self._relay(request, ex, upstream)
         except TransportError as exc:
             log.info("endpoint %s failed: %s", endpoint_id, exc)
-            ex.upstream_refusal = f"{endpoint_id}: {exc.reason}"
             if not relaying:
+                ex.upstream_refusal = f"{endpoint_id}: {exc.reason}"
                 # Nothing reached the client: another endpoint may take it, whatever went
                 # wrong here. The label says what did (a refused connect, a timeout, a
                 # malformed answer, ...: `TransportError.reason`).
