@@ -74,7 +74,7 @@ register(PluginKind.PICKER, "max-score", pickers.MaxScore)
 
 
 def default_config(policy: RoutingPolicy | None = None) -> dict[str, Any]:
-    """The cost model of ARCHITECTURE.md as a profile: every term one weighted scorer,
+    """The cost model of docs/architecture.md as a profile: every term one weighted scorer,
     affinity one term among them. Near-ties are not spread (`tie_band` 0): in the
     simulator's matrix a band of 0.005 cost long_long 11 % of its goodput while several
     routers' live figures did not move with it (docs/benchmarks.md); a pool with several

@@ -39,4 +39,3 @@ async def test_a_stuck_pass_is_cancelled_after_the_grace_and_unwinds() -> None:
     assert task.cancelled()
     assert unwound == ["closed its connection"]
     await passes.settle(grace_s=30)  # nothing left: returns at once
-
