@@ -469,15 +469,16 @@ class Ledger:
             self.on_reservation("expired", reservation)
         if expired:
             self._held_changed(now)
+            self._pump()  # the room returned: what waits may fit
 
     def _held_changed(self, now: float) -> None:
-        """Room held here changed: re-evaluate, publish, admit what fits, and wake up when
-        the next reservation expires."""
+        """Room held here changed: re-evaluate, publish, and wake up when the next
+        reservation expires. (A consumed reservation's room is its continuation's: no
+        pump before that one is admitted.)"""
         self._reclassify(now)
         if self.changed_at is None:
             self.changed_at = now
         self.changed.set()
-        self._pump()
         if self._reservations_due is not None:
             self._reservations_due.cancel()
             self._reservations_due = None
@@ -503,15 +504,19 @@ class Ledger:
         if not len(self._queue):
             return
         now = self.clock()
-        for _, future in self._queue.expire(now):
-            if not future.done():
-                future.set_exception(self._timed_out("kv_reserve"))
+        for queued, future in self._queue.expire(now):
+            self._wait_over(queued, future)
         for queued, future, verdict in self._queue.pump(now, self._verdict):
             if verdict is AdmissionVerdict.ADMIT:
                 self._commit(self.flights[queued.rid])
                 future.set_result(None)
             else:  # it grew past what the engine could ever hold
                 future.set_exception(_never_fits("too_large"))
+
+    def _wait_over(self, queued: QueuedRequest, waiter: asyncio.Future[None]) -> None:
+        """`queued` waited as long as it may: its admission is refused."""
+        if not waiter.done():
+            waiter.set_exception(self._timed_out("kv_reserve"))
 
     def _verdict(
         self, queued: QueuedRequest, waiter: asyncio.Future[None]

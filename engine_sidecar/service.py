@@ -419,7 +419,7 @@ class SidecarService:
                 ),
                 content_type="application/json",
             )  # fmt: skip
-        answer = replace(asked, reservation_id=granted.reservation_id)
+        answer = msgspec.structs.replace(asked, reservation_id=granted.reservation_id)
         return web.Response(body=encode_json(answer), content_type="application/json")
 
     def _reservation_event(self, outcome: str, reservation: Reservation) -> None:
