@@ -88,7 +88,8 @@ def test_a_continuation_takes_the_room_held_for_it_whatever_the_watermark() -> N
     assert decide_admission(cont, 980, critical, KV, held=True).verdict is AdmissionVerdict.REFUSE
     # It goes in ahead of a queue; a request that merely fits waits behind one.
     fits = decide_admission(cont, 300, PoolOutlook(1000, 0, 0, W.NORMAL), KV)
-    assert admits_now(held, waiting=3) and admits_now(fits, waiting=0)
+    assert admits_now(held, waiting=3)
+    assert admits_now(fits, waiting=0)
     assert not admits_now(fits, waiting=1)
 
 
@@ -139,13 +140,16 @@ async def test_the_ledger_holds_room_for_a_continuation_and_no_one_else_takes_it
     ledger.add(stranger)
     queued_too = asyncio.create_task(ledger.admit(stranger))
     await asyncio.sleep(0)
-    assert ledger.queued == 2 and ledger.held_tokens == 600  # not its reservation
+    assert ledger.queued == 2
+    assert ledger.held_tokens == 600
     mover = _flight("moving@1", 500, reservation=held.reservation_id)
     ledger.add(mover)
     await asyncio.wait_for(ledger.admit(mover), 1.0)
     assert mover.record.state is S.PREFILL_READY
-    assert mover.admission is not None and mover.admission.reason == RESERVED
-    assert ledger.held_tokens == 0 and ledger.queued == 2
+    assert mover.admission is not None
+    assert mover.admission.reason == RESERVED
+    assert ledger.held_tokens == 0
+    assert ledger.queued == 2
     assert events == [("refused", "moving"), ("taken", "moving"), ("consumed", "moving")]
     for task in (waiting, queued_too):
         task.cancel()
@@ -160,7 +164,8 @@ async def test_an_unused_reservation_expires_and_its_room_goes_to_what_waits() -
     ledger = Ledger(POLICY, 1000, clock=lambda: now[0])
     ledger.on_reservation = lambda outcome, r: events.append(outcome)
     held = ledger.reserve("lost", 900, ttl_s=2.0)
-    assert held is not None and ledger.watermark is W.CRITICAL  # 900 of 1000 committed
+    assert held is not None
+    assert ledger.watermark is W.CRITICAL
     newcomer = _flight("new@1", 400)
     ledger.add(newcomer)
     waiting = asyncio.create_task(ledger.admit(newcomer))
@@ -174,7 +179,8 @@ async def test_an_unused_reservation_expires_and_its_room_goes_to_what_waits() -
     assert newcomer.record.state is S.PREFILL_READY
     assert events == ["taken", "expired"]
     # Too late for its room: it queues as any continuation (616 do not fit beside 416).
-    assert late.record.state is S.WAITING_ADMISSION and ledger.held_tokens == 0
+    assert late.record.state is S.WAITING_ADMISSION
+    assert ledger.held_tokens == 0
     assert ledger.queued == 1
     late_task.cancel()
     await asyncio.gather(late_task, return_exceptions=True)
@@ -234,7 +240,8 @@ async def test_a_reservation_whose_resume_never_comes_expires_and_frees_its_room
         async with http.post(sidecar.url + RESERVE, json=ask) as reply:
             assert reply.status == 200
             granted = await reply.json()
-        assert granted["tokens"] == room and granted["reservation_id"]
+        assert granted["tokens"] == room
+        assert granted["reservation_id"]
         async with http.get(sidecar.url + "/weir/v1/state") as reply:
             state = await reply.json()
         assert state["held_for_migrations_tokens"] == room
