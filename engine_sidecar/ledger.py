@@ -47,6 +47,7 @@ from engine_sidecar.policy import (
     classify,
     decide_admission,
     growth_reserve,
+    queue_wait_s,
     queued_request,
     reconcile_used,
     reservable_tokens,
@@ -403,7 +404,7 @@ class Ledger:
         arrived_at = rec.arrived_at if rec.state is _S.DECODE_PREEMPTED else now
         queued = queued_request(
             flight.rid, rec.priority, rec.prompt_tokens, arrived_at=arrived_at, now=now,
-            max_wait_s=sched.local_queue_max_wait_s, deadline_at=rec.deadline_at,
+            max_wait_s=queue_wait_s(self.policy, resumed), deadline_at=rec.deadline_at,
             resumed=resumed,
         )  # fmt: skip
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -423,11 +424,10 @@ class Ledger:
 
     def _timed_out(self, reason: str) -> OverloadError:
         sched = self.policy.scheduling
-        wait_s = sched.local_queue_max_wait_s
         return OverloadError(
             "queue_timeout",
-            retry_after_s(len(self._queue), sched.local_queue_size, wait_s),
-            f"no KV capacity within its wait (at most {wait_s:g}s; last reason {reason})",
+            retry_after_s(len(self._queue), sched.local_queue_size, sched.local_queue_max_wait_s),
+            f"no KV capacity within its wait (last reason {reason})",
         )
 
     # -- room held for migrations ------------------------------------------------------------

@@ -27,7 +27,9 @@ A streamed request may be preempted at any time: the sidecar aborts its rid in t
 when the engine's stream ends with the abort, the request either resumes in place (its
 prompt plus what the client has received, as a fresh engine request, once admission
 allows) or — when the router marked it migratable (`x-weir-migratable: 1`) — ends this
-response with an SSE `weir.preempted` event carrying the continuation for the router.
+response with an SSE `weir.preempted` event carrying the continuation for the router. A
+resume in place that finds no room here within the local queue's wait is handed back the
+same way when it is migratable (else its stream ends with an `overload` error).
 A client that disconnects is cancelled: the engine request is aborted at once and its KV
 released.
 """
@@ -728,12 +730,7 @@ class SidecarService:
                     return response
             self._preempted(flight, mode)
             if mode == "migrate":
-                cont = await self.continuation(flight, reader)
-                data = encode_json(cont)
-                await response.write_eof(PREEMPTED_EVENT + b"data: " + data + b"\n\n")
-                self.metrics.count("weir_sidecar_transferred_bytes_total", amount=len(data))
-                self._note(flight, "handed_back", continuation_bytes=len(data))
-                self._end(flight, _S.FINISHED, FinishReason.PREEMPTED)
+                await self._hand_back(response, flight, await self.continuation(flight, reader))
                 return response
             if mode == "terminate":
                 await self._end_stream(response, flight, "aborted", "terminated by relief policy")
@@ -744,7 +741,13 @@ class SidecarService:
                 await self.ledger.admit(flight)
             except OverloadError as exc:
                 self._note_admission(flight, exc)
-                await self._end_stream(response, flight, "overload", f"could not resume: {exc}")
+                if flight.record.migratable:
+                    # No room here in time: the router, which can place it elsewhere (or
+                    # here again later), takes it back rather than the client losing it.
+                    await self._hand_back(response, flight, resume)
+                else:
+                    message = f"could not resume: {exc}"
+                    await self._end_stream(response, flight, "overload", message)
                 return response
             finally:
                 flight.offloaded = 0  # resumed or ended: its host pages are claimed no more
@@ -756,6 +759,16 @@ class SidecarService:
                 amount=flight.record.prompt_tokens + flight.record.generated_tokens,
             )
             segment += 1
+
+    async def _hand_back(
+        self, response: web.StreamResponse, flight: Flight, cont: Continuation
+    ) -> None:
+        """End this response with the continuation, for the router to resume elsewhere."""
+        data = encode_json(cont)
+        await response.write_eof(PREEMPTED_EVENT + b"data: " + data + b"\n\n")
+        self.metrics.count("weir_sidecar_transferred_bytes_total", amount=len(data))
+        self._note(flight, "handed_back", continuation_bytes=len(data))
+        self._end(flight, _S.FINISHED, FinishReason.PREEMPTED)
 
     def _too_large(self, flight: Flight) -> web.Response:
         """400 for a request whose prompt and least growth exceed what this endpoint's KV

@@ -29,6 +29,7 @@ from engine_sidecar.policy.queue import (
     engine_priority,
     expired,
     queue_order,
+    queue_wait_s,
     queued_request,
     retry_after_s,
 )
@@ -100,6 +101,7 @@ __all__ = [
     "pick_target",
     "plan_relief",
     "queue_order",
+    "queue_wait_s",
     "queued_request",
     "reconcile_used",
     "reservable_tokens",

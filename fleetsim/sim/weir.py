@@ -104,6 +104,7 @@ from engine_sidecar.policy import (
     growth_reserve,
     peer_rooms,
     plan_relief,
+    queue_wait_s,
     queued_request,
     reservable_tokens,
 )
@@ -135,7 +136,6 @@ class _Held:
     flight: Flight
     prompt_tokens: int
     generated_at_admission: int
-    arrived_at: float  # at this sidecar: a request preempted here ages from then
 
 
 @dataclass(slots=True)
@@ -274,6 +274,7 @@ class WeirPolicy:
         self._wakeups: dict[Role, float] = {}  # each router's earliest timer set
         self._gate: RouterGate | None = None
         self._costs: ReliefCosts | None = None
+        self._in_place: set[str] = set()  # relief victims resuming where they were
 
     @property
     def sim(self) -> Simulation:
@@ -582,34 +583,32 @@ class WeirPolicy:
         return spec.arrival_s + wait - now
 
     # -- the sidecars ----------------------------------------------------------------------
-    def _offer(
-        self, sidecar: Sidecar, flight: Flight, now: float, arrived_at: float | None = None
-    ) -> None:
-        """A request reaches the sidecar (`arrived_at`: when it first did, for one
-        preempted here): taken into room held for it at once, else queued by the live
-        ledger's rule (`queued_request`) and admitted as the queue allows."""
+    def _offer(self, sidecar: Sidecar, flight: Flight, now: float) -> None:
+        """A request reaches the sidecar: taken into room held for it at once, else queued
+        by the live ledger's rule (`queued_request`; one preempted here ages from now,
+        where the live ledger ages it from its first arrival) and admitted as the queue
+        allows."""
         spec = flight.spec
         resumed = bool(flight.generated)
         prompt = spec.input_tokens + flight.generated
         if self._consume(sidecar, flight, now):
             decision = self._decision(sidecar, flight, prompt, held=True)
             if admits_now(decision, len(sidecar.queue)):
-                self._enter(sidecar, flight, prompt, spec.priority, decision, now, now)
+                self._enter(sidecar, flight, prompt, spec.priority, decision, now)
                 return
         # A continuation is accepted work: a full queue takes it all the same.
         if sidecar.queue.refuses(resumed=resumed):
             self.sim.end(flight, FinishReason.OVERLOAD, now, "sidecar queue full")
             return
-        policy = self._policy()
         deadline = spec.arrival_s + spec.deadline_s if spec.deadline_s > 0 else 0.0
-        wait = policy.scheduling.local_queue_max_wait_s
+        wait = queue_wait_s(self._policy(), resumed)
         if not resumed:
             wait, deadline = self._patience_left(flight, now), 0.0
         flight.enqueue(now)
         self._where[flight.rid] = sidecar.index
         queued = queued_request(
-            flight.rid, spec.priority, prompt, arrived_at=now if arrived_at is None else arrived_at,
-            now=now, max_wait_s=wait, deadline_at=deadline, resumed=resumed,
+            flight.rid, spec.priority, prompt, arrived_at=now, now=now, max_wait_s=wait,
+            deadline_at=deadline, resumed=resumed,
         )  # fmt: skip
         sidecar.queue.offer(queued, flight)
         self._admit(sidecar, now)
@@ -628,10 +627,7 @@ class WeirPolicy:
         sim = self.sim
         for _, flight in sidecar.queue.expire(now):
             self._where.pop(flight.rid, None)
-            if flight.generated:
-                sim.end(flight, FinishReason.ABORTED, now, "continuation waited too long")
-            else:
-                sim.end(flight, FinishReason.OVERLOAD, now, "sidecar queue wait exceeded")
+            self._wait_over(flight, now)
         decisions: dict[str, AdmissionDecision] = {}
 
         def decide(queued: QueuedRequest, flight: Flight) -> AdmissionVerdict:
@@ -648,10 +644,23 @@ class WeirPolicy:
                 ending = FinishReason.ABORTED if flight.generated else FinishReason.OVERLOAD
                 sim.end(flight, ending, now, f"sidecar: {decision.reason}")
                 continue
-            self._enter(
-                sidecar, flight, queued.prompt_tokens, queued.priority, decision,
-                queued.enqueued_at, now,
-            )  # fmt: skip
+            self._enter(sidecar, flight, queued.prompt_tokens, queued.priority, decision, now)
+
+    def _wait_over(self, flight: Flight, now: float) -> None:
+        """A request waited in a sidecar's queue as long as it may. A new one is refused
+        (its client's patience is spent). A resume is accepted work and goes back to its
+        router, as the live sidecar answers it: one preempted here is handed back, one
+        the router placed here is refused (429), and the router places it again."""
+        role = self._role(flight)
+        if flight.rid in self._in_place:
+            self._in_place.discard(flight.rid)
+            self._hand_back(flight, now, broken=False)
+        elif flight.generated:
+            router = self.routers[role]
+            self._deliver(role, router.refused(flight.rid, now, self._snapshot(now, role)))
+            self._mark_waiting(role, flight, now)
+        else:
+            self.sim.end(flight, FinishReason.OVERLOAD, now, "sidecar queue wait exceeded")
 
     def _enter(
         self,
@@ -660,7 +669,6 @@ class WeirPolicy:
         prompt_tokens: int,
         priority: int,
         decision: AdmissionDecision,
-        arrived_at: float,
         now: float,
     ) -> None:
         """An admitted request goes into the engine, its KV committed here."""
@@ -669,9 +677,10 @@ class WeirPolicy:
         if flight.spec.deadline_s > 0:
             slack = flight.spec.arrival_s + flight.spec.deadline_s - now
         engine_prio = engine_priority(priority, now - flight.spec.arrival_s, slack, aging)
+        self._in_place.discard(flight.rid)
         if self.sim.submit(flight, sidecar.index, now, engine_prio):
             self._where[flight.rid] = sidecar.index
-            sidecar.held[flight.rid] = _Held(flight, prompt_tokens, flight.generated, arrived_at)
+            sidecar.held[flight.rid] = _Held(flight, prompt_tokens, flight.generated)
             sidecar.used_tokens += prompt_tokens
             sidecar.reserved_tokens += decision.needed_tokens - prompt_tokens
             if prompt_tokens >= LONG_PROMPT_TOKENS:
@@ -800,8 +809,7 @@ class WeirPolicy:
                     mode = victim.fallback
             if mode is None:
                 continue  # no peer held room for it, and it cannot resume in place
-            held = sidecar.held[victim.rid]
-            flight = held.flight
+            flight = sidecar.held[victim.rid].flight
             self._release(sidecar, flight)
             self.sim.withdraw(flight, now)
             # What its continuation computes again is known when it resumes: its history
@@ -815,7 +823,8 @@ class WeirPolicy:
                 flight.preempted(mode.value)
                 if mode is Rung.OFFLOAD:
                     sidecar.offloaded[flight.rid] = (flight, flight.resume_tokens)
-                self._offer(sidecar, flight, now, held.arrived_at)
+                self._in_place.add(flight.rid)
+                self._offer(sidecar, flight, now)
             else:
                 self.sim.end(flight, FinishReason.ABORTED, now, "terminated by relief")
         if plan.victims:
@@ -828,6 +837,7 @@ class WeirPolicy:
     # -- endings and failures -------------------------------------------------------------
     def ended(self, flight: Flight, now: float) -> None:
         self.gate.release(flight, now)
+        self._in_place.discard(flight.rid)
         for role, router in self.routers.items():
             snapshot = self._snapshot(now, role)
             self._deliver(role, router.finished(flight.rid, flight.generated, now, snapshot))

@@ -208,9 +208,7 @@ class _Recorded(WeirPolicy):
         route = self.routes[flight.rid] = super()._route_request(flight, role, now)
         return route
 
-    def _offer(
-        self, sidecar: Sidecar, flight: Flight, now: float, arrived_at: float | None = None
-    ) -> None:
+    def _offer(self, sidecar: Sidecar, flight: Flight, now: float) -> None:
         self.decisions.append((now, flight.rid, sidecar.endpoint_id))
         flight.target = ""  # the sidecar would take (or ignore) the room held for it
 

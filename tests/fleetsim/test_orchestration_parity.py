@@ -15,6 +15,7 @@ from controlplane.contract import (
     FinishReason,
     KVPolicy,
     PoolPolicy,
+    RoutingPolicy,
     SchedulingPolicy,
 )
 from engine_sidecar.intake import Limits, parse
@@ -41,6 +42,7 @@ POLICY = PoolPolicy(
     model="m",
     kv=KVPolicy(growth_horizon_steps=16),
     scheduling=SchedulingPolicy(local_queue_size=3, local_queue_max_wait_s=30.0),
+    routing=RoutingPolicy(resume_wait_s=30.0),  # how long a resume may wait, here too
 )
 
 
@@ -88,7 +90,8 @@ SCRIPT = (
     # c, d, f hold 510 + 48 of growth: 392 free. Room held for m leaves 92.
     Hold(10.0, "m", 300),
     Arrive(11.0, "m", 250, resumed=40, held=True),  # takes its room at once
-    # Handed back long after its client arrived: it waits 30 s from now, not from then.
+    # Handed back long after its client arrived: it waits the pool's resume wait (30 s)
+    # from now, not from then.
     Arrive(11.5, "k", 300, resumed=10, first_arrival=-500.0),
     Arrive(12.0, "n", 50),  # waits behind k, which holds the line
     End(41.6, "c"),  # k's wait ended at 41.5; n's has not: n goes in
@@ -187,7 +190,7 @@ class _Sim:
         """Timers (a reservation's expiry) are not needed: nothing expires here."""
 
     def end(self, flight: Flight, reason: FinishReason, now: float, detail: str = "") -> None:
-        if reason in (FinishReason.OVERLOAD, FinishReason.ABORTED):  # a continuation: aborted
+        if reason is FinishReason.OVERLOAD:
             self.decisions.append(("refuse", flight.rid))
         flight.stage, flight.reason = Stage.DONE, reason
         self.policy.ended(flight, now)
@@ -196,6 +199,11 @@ class _Sim:
 class _Glue(WeirPolicy):
     def _heartbeat(self, sidecar: Sidecar, now: float, registered: bool = False) -> None:
         pass  # nothing routes here: what is published does not matter
+
+    def _wait_over(self, flight: Flight, now: float) -> None:
+        # The sidecar refuses it; where it goes next (its client, or back to its router)
+        # is the router's side, which tests/fleetsim/test_dispatch_parity.py holds.
+        self.sim.end(flight, FinishReason.OVERLOAD, now, "waited as long as it may")
 
 
 def _simulated(script: tuple[Event, ...]) -> list[tuple[str, str]]:

@@ -80,15 +80,17 @@ async def live_fleet(
     tenants: tuple[TenantQuota, ...] = (),
     admin_token: str = "",
     speed_factor: float = 40.0,
+    resume_wait_s: float = 60.0,
 ) -> AsyncIterator[LiveFleet]:
     """`size` endpoints s0, s1, …; those named in `processes` run their sidecar as a
     `weir sidecar` process of its own (in `workdir`), which a test may SIGKILL. With
     `tenants`, the router enforces their quotas; `admin_token` guards router's and sidecars'
-    admin routes."""
+    admin routes; `resume_wait_s` bounds how long a resume waits, at the router or in a
+    sidecar's queue."""
     async with contextlib.AsyncExitStack() as stack:
         policy = PoolPolicy(
             pool=POOL, model=MODEL, context_length=4096, tenants=tenants,
-            routing=RoutingPolicy(queue_max_wait_s=60.0),
+            routing=RoutingPolicy(queue_max_wait_s=60.0, resume_wait_s=resume_wait_s),
         )  # fmt: skip
         router = await serve_gateway(
             GatewayConfig.from_policy(policy, admin_token=admin_token), redis_url=redis_url

@@ -184,6 +184,41 @@ async def test_two_sidecars_that_want_one_peer_s_room_do_not_both_move_into_it(
         await _settled(fleet)
 
 
+async def test_a_stream_that_cannot_resume_in_place_in_time_goes_back_to_its_router(
+    redis_url: str,
+) -> None:
+    """Preempted to recompute in place on an endpoint that then has no room (the test
+    holds it, critical, for someone else): the stream waits there as long as the pool
+    lets a resume wait, and then, rather than end with an error, its sidecar hands it
+    back and the router resumes it on the other endpoint, whole."""
+    body = request_body(0, 1500)
+    (expected,) = await _expected([body])
+    async with (
+        live_fleet(redis_url, kv_tokens=20_000, speed_factor=10.0, resume_wait_s=1.0) as fleet,
+        aiohttp.ClientSession() as session,
+    ):
+        stream = Stream()
+        running = asyncio.create_task(read_stream(session, fleet.router.url, body, stream))
+        await asyncio.wait_for(stream.progress.wait(), 30.0)
+        service = fleet.sidecars[stream.endpoint].service
+        ledger = service.ledger
+        (rid,) = ledger.flights
+        # Critical (no new work, the resume included) but not exhausted (no relief).
+        held = ledger.reserve("someone-else", ledger.room_tokens() - 1_200, ttl_s=5.0)
+        assert held is not None
+        assert ledger.watermark is WatermarkState.CRITICAL
+        assert await service.preempt(rid, "recompute", "ordered by the test")
+        await asyncio.wait_for(running, 60.0)
+        _assert_whole([stream], [expected])
+        assert _router_count(fleet, "weir_router_resumes_total", reason="preempted") == 1
+        story = service.trail.story(stream.request_id)
+        assert story is not None
+        events = [e["event"] for e in story["events"]]
+        assert events[-3:] == ["refused", "handed_back", "end"], events
+        await until(lambda: ledger.held_tokens == 0, "the held room to expire")
+        await _settled(fleet)
+
+
 async def _kill_mid_stream(
     fleet: LiveFleet,
     session: aiohttp.ClientSession,
