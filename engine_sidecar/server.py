@@ -155,8 +155,8 @@ async def serve_sidecar(config: SidecarConfig) -> AsyncIterator[RunningSidecar]:
         )  # fmt: skip
         if not config.admin_token:
             log.warning(
-                "no admin token: /weir/v1/state, /weir/v1/requests, /weir/v1/preempt and "
-                "/weir/v1/drain are "
+                "no admin token: /weir/v1/state, /weir/v1/requests, /weir/v1/preempt, "
+                "/weir/v1/drain and /weir/v1/reserve are "
                 "open to anyone who reaches %s (set --admin-token-file or WEIR_ADMIN_TOKEN)",
                 url,
             )
