@@ -9,22 +9,14 @@ import asyncio
 import aiohttp
 import pytest
 
-from controlplane.contract import (
-    EngineAPI,
-    FinishReason,
-    KVPolicy,
-    PoolPolicy,
-    SchedulingPolicy,
-    WatermarkState,
-)
-from engine_sidecar.intake import Limits, parse
+from controlplane.contract import FinishReason, KVPolicy, PoolPolicy, SchedulingPolicy
+from controlplane.contract import WatermarkState as W
 from engine_sidecar.ledger import Flight, Ledger
 from engine_sidecar.policy import (
     RESERVED,
     AdmissionVerdict,
     KVUsage,
     PoolOutlook,
-    RequestRecord,
     RequestState,
     Reservations,
     SequenceOutlook,
@@ -35,9 +27,9 @@ from engine_sidecar.policy import (
 )
 from engine_sidecar.server import RunningSidecar
 from tests.sidecar.conftest import MODEL
+from tests.sidecar.test_ledger import flight
 
 S = RequestState
-W = WatermarkState
 KV = KVPolicy(growth_horizon_steps=16)  # safety: 5 % of capacity
 POLICY = PoolPolicy(
     pool="p",
@@ -106,15 +98,10 @@ def test_a_queue_wait_runs_from_when_the_request_joined() -> None:
 
 
 def _flight(rid: str, prompt: int, *, reservation: str = "") -> Flight:
-    intake = parse(
-        EngineAPI.GENERATE,
-        {"input_ids": [1] * prompt, "sampling_params": {"max_new_tokens": 64}},
-        Limits("m", 100_000),
-    )
-    record = RequestRecord(
-        rid=rid, tenant="t", model="m", prompt_tokens=prompt, max_new_tokens=64, arrived_at=0.0
-    )
-    return Flight(intake, record, 0.0, resumed=bool(reservation), reservation=reservation)
+    """A request of `prompt` tokens; with a `reservation`, a continuation naming it."""
+    f = flight(rid, prompt)
+    f.resumed, f.reservation = bool(reservation), reservation
+    return f
 
 
 async def test_the_ledger_holds_room_for_a_continuation_and_no_one_else_takes_it() -> None:
