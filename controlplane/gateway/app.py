@@ -387,8 +387,9 @@ class Gateway:
             events = self.dispatch.refused(rid, now, snapshot, ex.retry_after_s)
         else:
             broken = outcome == "broken"
+            target = _target_of(ex.continuation) if ex.continuation else ""
             events = self.dispatch.handed_back(
-                rid, ex.received.tokens, now, snapshot, broken=broken
+                rid, ex.received.tokens, now, snapshot, broken=broken, target=target
             )
         self._deliver(events)
         return await self._placed(ex, placed, now)
@@ -1008,6 +1009,21 @@ def _unary_finish(reply: dict[str, Any]) -> str:
     if isinstance(finish, dict) and isinstance(finish.get("type"), str):
         return str(finish["type"])
     return "stop"
+
+
+class _Held(msgspec.Struct):
+    """Of a sidecar's continuation, only where room is held for it."""
+
+    target: str = ""
+
+
+def _target_of(continuation: bytes) -> str:
+    """The endpoint that holds room for a sidecar's continuation ("" when none, or when
+    the record is not one: the resume is then placed as any other)."""
+    try:
+        return msgspec.json.decode(continuation, type=_Held).target
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return ""
 
 
 def _adapters_of(snapshot: PoolSnapshot) -> frozenset[tuple[str, str]]:

@@ -32,7 +32,10 @@ A request's life here:
   backoff that doubles with each refusal (50 ms to 1 s), then asked again. A resume
   waits ahead of new work of its class, without holding the line for anything (it can
   only wait for want of a routable endpoint), for up to `resume_wait_s` from when it was
-  handed back (then 503 `resume_failed`).
+  handed back (then 503 `resume_failed`). A migration whose sidecar took room for it at
+  a target (`target`) goes there first, if the filters a resume passes allow it: a
+  preference, tried once; a target that refuses or is gone leaves the resume to
+  `decide_resume`.
 - **End.** Its reservation released, its charge settled (`service_correction`), the
   freed room pumped.
 
@@ -128,6 +131,7 @@ class _Request(Generic[P]):
     refusals: int = 0  # of this resume, for the backoff
     generated: int = 0  # tokens the client holds: a resume's prompt grows by them
     retry_after_s: float = 0.0
+    target: str = ""  # where room is held for its resume: tried first, once
 
 
 class Dispatcher(Generic[P]):
@@ -248,11 +252,14 @@ class Dispatcher(Generic[P]):
         snapshot: PoolSnapshot | None,
         *,
         broken: bool,
+        target: str = "",
     ) -> list[Event[P]]:
         """Its stream stopped after bytes reached the client (`generated_tokens` of them
         in all) and before the request ended: the endpoint broke it (`broken`: never
-        offered it again) or migrated it away (avoided a while). It resumes elsewhere."""
+        offered it again) or migrated it away (avoided a while), perhaps to a `target`
+        that holds room for it. It resumes elsewhere."""
         request = self._requests[request_id]
+        request.target = target
         endpoint = self._release(request)
         if broken:
             request.failed.add(endpoint)
@@ -376,7 +383,16 @@ class Dispatcher(Generic[P]):
         self, request: _Request[P], now: float, snapshot: PoolSnapshot, events: list[Event[P]]
     ) -> None:
         exclude = frozenset(request.failed.union(request.avoided))
-        decision = self._decide(request, now, snapshot, resume=True, exclude=exclude)
+        decision = None
+        target, request.target = request.target, ""
+        if target and target not in exclude and target in snapshot.by_id:
+            # The target alone: it stands as the only owner, every other endpoint excluded.
+            others = frozenset(snapshot.by_id).difference((target,))
+            decision = self._decide(
+                request, now, snapshot, resume=True, exclude=others, owners=(target,)
+            )
+        if decision is None or not decision.endpoint_id:
+            decision = self._decide(request, now, snapshot, resume=True, exclude=exclude)
         if decision.endpoint_id:
             del self._resuming[request.route.request_id]
             self._reserve(request, decision, now, events)
@@ -389,6 +405,7 @@ class Dispatcher(Generic[P]):
         *,
         resume: bool = False,
         exclude: frozenset[str] = frozenset(),
+        owners: tuple[str, ...] | None = None,
     ) -> Decision:
         route = request.route
         if now != request.arrived_at or resume:  # a new arrival routes as it came
@@ -400,6 +417,7 @@ class Dispatcher(Generic[P]):
                 deadline_s=self._deadline_left(request, now),
                 waited_s=now - request.waiting_since,
                 exclude=exclude,
+                owners=route.owners if owners is None else owners,
             )
         inflight = self.inflight
         ctx = RoutingContext(snapshot, now, inflight.counts, inflight.total, self.prefix_index)

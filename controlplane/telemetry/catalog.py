@@ -108,6 +108,21 @@ SIDECAR: tuple[MetricSpec, ...] = (
         _EP,
     ),
     MetricSpec(
+        "weir_sidecar_migration_reservations_total",
+        _C,
+        "Room held here for continuations other sidecars migrate here, by outcome: taken, "
+        "refused (no room), consumed (the continuation arrived and took it), expired (it "
+        "did not arrive in time; the room returned).",
+        (*_EP, "outcome"),
+    ),
+    MetricSpec(
+        "weir_sidecar_kv_held_for_migrations_tokens",
+        _G,
+        "KV tokens held for continuations migrating here (committed until they arrive or "
+        "their reservation expires).",
+        _EP,
+    ),
+    MetricSpec(
         "weir_sidecar_transferred_bytes_total",
         _C,
         "KV or continuation bytes moved to another endpoint.",

@@ -48,8 +48,8 @@ class Cell:
 
 
 def fleet_config(spec: CellSpec) -> FleetConfig:
-    """The fleet of a cell: a scenario's P/D split and its tenant quotas in Weir's pool
-    policy (a trace runs on a colocated fleet without quotas)."""
+    """The fleet of a cell: a scenario's P/D split, its engines' KV and its tenant quotas
+    in Weir's pool policy (a trace runs on a colocated fleet without quotas)."""
     config = FleetConfig(engines=spec.engines, kv_scale=spec.kv_scale, drain_s=spec.drain_s)
     if spec.scenario == TRACE:
         return config
@@ -57,6 +57,7 @@ def fleet_config(spec: CellSpec) -> FleetConfig:
     prefill = round(spec.engines * s.prefill_share) if s.prefill_share else 0
     return replace(
         config,
+        kv_scale=spec.kv_scale * s.kv_factor,
         prefill_engines=min(spec.engines - 1, max(1, prefill)) if prefill else 0,
         decode_kv_factor=s.decode_kv_factor,
         policy=msgspec.structs.replace(config.policy, tenants=s.tenant_quotas),
@@ -64,8 +65,10 @@ def fleet_config(spec: CellSpec) -> FleetConfig:
 
 
 def workload(spec: CellSpec, config: FleetConfig) -> tuple[list[RequestSpec], float, Any]:
-    """The requests of a cell, the fleet's nominal capacity for them, and fleet events."""
-    engine = engine_config_for(config)
+    """The requests of a cell, the fleet's nominal capacity for them (with the KV of the
+    cell, not a scenario's small-KV engines: their load is the full fleet's), and fleet
+    events."""
+    engine = engine_config_for(replace(config, kv_scale=spec.kv_scale))
     if spec.scenario == TRACE:
         specs = read_trace(spec.trace, speedup=spec.speedup)
         return specs, nominal_capacity_rps(specs, engine, spec.engines), ()

@@ -53,6 +53,10 @@ class Flight:
     handoff_s: float = 0.0  # first token on prefill to the next one on decode
     # Refusals (429/503) a patient client retried after.
     retries: int = 0
+    # A relief migration's target and the room held there for the continuation, until
+    # the continuation reaches a sidecar.
+    target: str = ""
+    reservation: str = ""
 
     @property
     def rid(self) -> str:

@@ -177,6 +177,27 @@ def test_an_endpoint_that_migrated_or_refused_a_resume_is_avoided_a_backoff() ->
     assert _outcomes(core.pump(3.0, two)) == [("p", "e1")]
 
 
+def test_a_migration_resumes_first_where_its_room_is_held() -> None:
+    """The sidecar that migrated it took room at a target: the resume goes there, over
+    the endpoint routing would pick (its owner) and over a target's saturation (the held
+    room is counted in what it published). A preference, tried once: a target that
+    refuses, is gone or is draining leaves the resume to the usual decision."""
+    core: Dispatcher[str] = Dispatcher(PROFILE, RoutingPolicy())
+    snapshot = _snapshot(e0=NORMAL, e1=NORMAL, e2=CRITICAL)
+    placed = core.arrive(_route("r1", owners=("e1", "e0")), "p", 0.0, snapshot)
+    assert _outcomes(placed) == [("p", "e1")]
+    assert _outcomes(core.handed_back("r1", 5, 1.0, snapshot, broken=False, target="e2")) == [
+        ("p", "e2")
+    ]
+    # It refused after all (its room expired, say): avoided, and decided as usual.
+    assert _outcomes(core.refused("r1", 1.01, snapshot)) == [("p", "e0")]  # e1: just left
+    for gone in (_snapshot(e0=NORMAL, e1=NORMAL), _snapshot(e0=NORMAL, e1=NORMAL, e2=DRAINING)):
+        core.finished("r1", 5, 3.0, gone)
+        core.arrive(_route("r1", owners=("e1", "e0")), "p", 3.0, gone)
+        handed = core.handed_back("r1", 5, 4.0, gone, broken=False, target="e2")
+        assert _outcomes(handed) == [("p", "e0")]  # e1 migrated it: avoided a while
+
+
 def test_a_resume_goes_ahead_of_new_work_of_its_class_when_room_returns() -> None:
     core: Dispatcher[str] = Dispatcher(PROFILE, RoutingPolicy())
     snapshot = _snapshot(e0=NORMAL, e1=NORMAL, e2=NORMAL)

@@ -16,6 +16,7 @@ from controlplane.store import EndpointRegistry, PoolKeys, connect
 from controlplane.store.commands import CommandChannel
 from controlplane.store.connection import RedisSettings
 from controlplane.store.quotas import QuotaStore
+from engine_sidecar.policy import peer_rooms
 from engine_sidecar.server import SidecarConfig, serve_sidecar
 from fleetsim.server import RunningEngine, serve_engine
 from tests.sidecar.conftest import MODEL, engine_config, pool_policy
@@ -365,7 +366,7 @@ async def test_relief_reads_the_room_its_peers_published(
     engine: RunningEngine, redis_url: str
 ) -> None:
     """Relief's room elsewhere comes from the pool in Redis: the ready peers' published
-    headroom, not its own, and nothing it can use when Redis cannot be read."""
+    headroom, not its own, and no peer at all when Redis cannot be read."""
     redis = connect(RedisSettings(url=redis_url))
     registry = EndpointRegistry(redis, "p")
     kv = pool_policy().kv
@@ -386,8 +387,9 @@ async def test_relief_reads_the_room_its_peers_published(
         )  # fmt: skip
         async with serve_sidecar(config) as sidecar:
             assert sidecar.link is not None
-            room = await sidecar.link.migration_room()
-            assert room == 10_000 - kv.safety_tokens(10_000) - 1_000
+            rooms = peer_rooms(await sidecar.link.peers(), kv)
+            room = 10_000 - kv.safety_tokens(10_000)
+            assert rooms == {"roomy": room - 1_000, "full": room - 9_000}
     finally:
         await redis.aclose()
     with RedisServer() as gone:
@@ -397,4 +399,4 @@ async def test_relief_reads_the_room_its_peers_published(
     )
     async with serve_sidecar(unreachable) as sidecar:
         assert sidecar.link is not None
-        assert await sidecar.link.migration_room() is None
+        assert await sidecar.link.peers() == []
