@@ -38,16 +38,18 @@ class OraclePolicy(WeirPolicy):
     def __init__(self, policy: PoolPolicy | None = None) -> None:
         super().__init__(policy)
         self._due: set[int] = set()  # sidecars whose fresh state is about to be published
+        self._staleness = Staleness()
 
     @property
     def staleness(self) -> Staleness:
         """Nothing late: the sidecar's account is exact at every iteration and its state
         published the instant it changes (heartbeats keep their period: leases lapse as
         Weir's do)."""
-        return replace(self.sim.config.staleness, notify_delay_s=0.0, engine_poll_s=0.0)
+        return self._staleness
 
     def start(self, sim: Simulation) -> None:
         self._due.clear()
+        self._staleness = replace(sim.config.staleness, notify_delay_s=0.0, engine_poll_s=0.0)
         super().start(sim)
 
     def _heartbeat(self, sidecar: Sidecar, now: float, registered: bool = False) -> None:
@@ -65,11 +67,12 @@ class OraclePolicy(WeirPolicy):
         if not self.sim.engines[sidecar.index].alive:
             return
         now = self.sim.now
-        sidecar.account()
         state, lease = self._report(sidecar, now)
         self._publish(sidecar.index, state, lease, now)
 
-    # Every change to a sidecar's state is published.
+    # Every change to a sidecar's state is published. Its account is exact when it is:
+    # re-derived at every iteration (engine_poll_s 0), at every end, and after admissions
+    # (below) rather than adjusted by what was admitted.
     def after_step(self, engine: int, now: float) -> None:
         super().after_step(engine, now)
         self._heartbeat(self.sidecars[engine], now)
@@ -78,6 +81,7 @@ class OraclePolicy(WeirPolicy):
         queued = len(sidecar.queue)
         super()._admit(sidecar, now)
         if queued:
+            sidecar.account()
             self._heartbeat(sidecar, now)
 
     def _offer(self, sidecar: Sidecar, flight: Flight, now: float) -> None:

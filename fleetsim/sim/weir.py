@@ -244,8 +244,9 @@ class WeirPolicy:
         self.routers: dict[Role, Dispatcher[Flight]] = {}
         self.rings: dict[Role, OwnershipRing] = {}
         self._snapshots: dict[Role, PoolSnapshot] = {}
-        self._states: dict[int, EndpointState] = {}
-        self._leases: dict[int, float] = {}
+        # Each endpoint as the routers last heard from it (its state and lease), by
+        # sidecar index: a view is built once per report, not once per snapshot.
+        self._views: dict[int, EndpointView] = {}
         self._where: dict[str, int] = {}  # the sidecar a request is at
         # The routers' decisions, delivered in the order they were made even when acting
         # on one (an engine that refuses, a flight that ends) makes more.
@@ -388,8 +389,7 @@ class WeirPolicy:
         return state, now + LEASE_HEARTBEATS * self.staleness.heartbeat_period_s
 
     def _publish(self, index: int, state: EndpointState, lease: float, taken_at: float) -> None:
-        self._states[index] = state
-        self._leases[index] = lease
+        self._views[index] = EndpointView(state, lease)
         role = state.role
         self.routers[role].reported(state.endpoint_id, taken_at)
         self._snapshots.clear()
@@ -410,11 +410,7 @@ class WeirPolicy:
         """`role`'s pool as the router sees it."""
         snapshot = self._snapshots.get(role)
         if snapshot is None:
-            views = tuple(
-                EndpointView(state, self._leases[i])
-                for i, state in sorted(self._states.items())
-                if state.role is role
-            )
+            views = tuple(v for _, v in sorted(self._views.items()) if v.state.role is role)
             snapshot = self._snapshots[role] = PoolSnapshot(
                 self._policy().pool, views, taken_at=now
             )
@@ -705,9 +701,9 @@ class WeirPolicy:
         # The room elsewhere, from what the other sidecars last published (the live
         # sidecar reads the same from the control plane).
         peers = [
-            state
-            for i, state in self._states.items()
-            if i != sidecar.index and state.role is sidecar.role and self._leases[i] > now
+            v.state
+            for i, v in self._views.items()
+            if i != sidecar.index and v.state.role is sidecar.role and v.lease_deadline > now
         ]
         room = peer_room(peers, policy.kv)
         costs = self._costs

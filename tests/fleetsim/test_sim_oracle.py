@@ -29,7 +29,7 @@ class _Watched(WeirPolicy):
             for held in sidecar.held.values():
                 truth = held.flight.spec.generated_tokens
                 self.predictions.append((sidecar.predicted_total(held.flight), truth))
-            published = self._states[sidecar.index]
+            published = self._views[sidecar.index].state
             sidecar.account()
             self.stale.append(
                 (published.kv_used_tokens, published.kv_reserved_growth_tokens)
