@@ -179,6 +179,9 @@ class _CountedProfile:
     def decide_resume(self, request: RouteRequest, ctx: RoutingContext) -> Decision:
         return self._observed(self.profile.decide_resume, request, ctx, "route_resume")
 
+    def placed(self, request: RouteRequest, endpoint_id: str, prefix_index: PrefixIndex) -> None:
+        self.profile.placed(request, endpoint_id, prefix_index)
+
     def _observed(
         self,
         decide: Callable[[RouteRequest, RoutingContext], Decision],
@@ -697,12 +700,9 @@ class Gateway:
                     ex.upstream_refusal = f"{endpoint_id}: {_refusal_reason(await upstream.read())}"
                     self.metrics.retries.labels(pool, f"upstream_{upstream.status}").inc()
                     return "refused", None
-                if ex.route.block_hashes:
-                    # Indexed once this task next waits: a long prompt's blocks are not
-                    # worth delaying its first byte for.
-                    asyncio.get_running_loop().call_soon(
-                        self.prefix_index.record, endpoint_id, ex.route.block_hashes
-                    )
+                # The profile's hooks learn it once this task next waits: indexing a long
+                # prompt's blocks is not worth delaying its first byte for.
+                asyncio.get_running_loop().call_soon(self.dispatch.reached, ex.route, endpoint_id)
                 if not client.stream:
                     raw = await upstream.read()
                     self._count_unary(ex, raw, upstream.status)

@@ -14,7 +14,7 @@ A request's life here:
 - **Arrival.** Placed at once unless something of its class or above waits (nobody
   jumps the queue of their own class). Placed means reserved (`InFlight`) and its
   tenant charged `service_estimate` in the fair queue's counters, once per request.
-  When only saturation stood in the way (`SATURATION`) it waits in the `FairQueue`
+  When only saturation stood in the way (`Decision.saturated`) it waits in the `FairQueue`
   (full: 429 `queue_full`); any other refusal means nothing could serve it: 503 named by
   the filter that removed the most candidates.
 - **Waiting.** Room that returns (an end, a release, a report) is pumped fairest first,
@@ -33,6 +33,9 @@ A request's life here:
   waits ahead of new work of its class, without holding the line for anything (it can
   only wait for want of a routable endpoint), for up to `resume_wait_s` from when it was
   handed back (then 503 `resume_failed`).
+- **Reached.** Once the endpoint it was placed at has it, the caller says so (`reached`):
+  the profile's post-decision hooks learn where it went (the prefix plugin records its
+  prompt's blocks there, for the next decisions to find).
 - **End.** Its reservation released, its charge settled (`service_correction`), the
   freed room pumped.
 
@@ -51,9 +54,10 @@ from controlplane.routing.fair_queue import (
     service_correction,
     service_estimate,
 )
-from controlplane.routing.framework import SATURATION, Decision
+from controlplane.routing.framework import Decision
 from controlplane.routing.inflight import InFlight
-from controlplane.routing.snapshot import PoolSnapshot, PrefixLookup, RouteRequest, RoutingContext
+from controlplane.routing.prefix_index import PrefixIndex
+from controlplane.routing.snapshot import PoolSnapshot, RouteRequest, RoutingContext
 
 P = TypeVar("P")
 
@@ -88,10 +92,12 @@ class Refusal:
 
 @dataclass(frozen=True, slots=True)
 class Placed(Generic[P]):
-    """Send `payload` to `endpoint_id` (reserved for it until it ends or comes back)."""
+    """Send `payload` to `endpoint_id` (reserved for it until it ends or comes back);
+    `route` is the request as it arrived, for `Dispatcher.reached`."""
 
     payload: P
     endpoint_id: str
+    route: RouteRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +117,10 @@ class Decider(Protocol):
     def decide(self, request: RouteRequest, ctx: RoutingContext) -> Decision: ...
 
     def decide_resume(self, request: RouteRequest, ctx: RoutingContext) -> Decision: ...
+
+    def placed(
+        self, request: RouteRequest, endpoint_id: str, prefix_index: PrefixIndex
+    ) -> None: ...
 
 
 @dataclass(slots=True, eq=False)
@@ -135,7 +145,7 @@ class Dispatcher(Generic[P]):
         self,
         decider: Decider,
         policy: RoutingPolicy,
-        prefix_index: PrefixLookup | None = None,
+        prefix_index: PrefixIndex | None = None,
     ) -> None:
         self.decider = decider
         self.policy = policy
@@ -178,7 +188,7 @@ class Dispatcher(Generic[P]):
                 self.queue.charge(route.tenant, _estimate(route))
                 request.charged = True
                 self._reserve(request, decision, now, events)
-            elif decision.refusal in SATURATION:
+            elif decision.saturated:
                 self._enqueue(request, now, events)
             else:
                 message = (
@@ -287,6 +297,14 @@ class Dispatcher(Generic[P]):
                 route.tenant, service_correction(route.max_new_tokens, generated_tokens)
             )
         return self.pump(now, snapshot)
+
+    def reached(self, route: RouteRequest, endpoint_id: str) -> None:
+        """The request `route` reached `endpoint_id`, which has it now (the gateway: it
+        answered without refusing it; the simulator: its sidecar was offered it): the
+        profile's post-decision hooks learn where it went. Without a prefix index there
+        is no state for them to keep."""
+        if self.prefix_index is not None:
+            self.decider.placed(route, endpoint_id, self.prefix_index)
 
     def reported(self, endpoint_id: str, taken_at: float) -> None:
         """The endpoint reported at `taken_at`: what was sent to it before is in the
@@ -426,7 +444,7 @@ class Dispatcher(Generic[P]):
             request.decision = decision
         request.endpoint = endpoint
         self.inflight.add(endpoint, request.route.request_id, now)
-        events.append(Placed(request.payload, endpoint))
+        events.append(Placed(request.payload, endpoint, request.route))
 
     def _release(self, request: _Request[P]) -> str:
         endpoint, request.endpoint = request.endpoint, ""
