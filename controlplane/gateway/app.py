@@ -203,7 +203,8 @@ class _CountedProfile:
 
     def _record(self, event: str, request: RouteRequest, decision: Decision) -> None:
         """The decision as the request's trail keeps it: the pick and why, each filter's
-        count of rejected candidates, and with decision logs on every candidate's total."""
+        count of rejected candidates, and with decision logs on every candidate's total
+        and each scorer's weighted term of it."""
         fields: dict[str, Any] = {
             "endpoint": decision.endpoint_id or None,
             "reason": decision.reason if decision.endpoint_id else decision.refusal,
@@ -216,8 +217,14 @@ class _CountedProfile:
         if decision.endpoint_id:
             fields["score"] = round(decision.score, 4)
         if self.trail.detailed:
+            terms = self.profile.terms(decision)
             fields["candidates"] = {
-                view.endpoint_id: round(total, 4)
+                view.endpoint_id: {
+                    "total": round(total, 4),
+                    "terms": {
+                        name: round(term, 4) for name, term in terms[view.endpoint_id].items()
+                    },
+                }
                 for view, total in zip(decision.eligible, decision.totals, strict=True)
             }
         self.trail.record(request.request_id, event, **fields)

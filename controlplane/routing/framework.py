@@ -131,7 +131,7 @@ class Decision:
     A decision keeps the eligible candidates, their totals and each scorer's column of
     scores as computed, and ranks the fallbacks when first read: the simulator and most
     live requests never retry, so a decision does not pay for the ranking up front, nor
-    for an explanation nobody asked for."""
+    for an explanation nobody asked for (`Profile.terms`)."""
 
     endpoint_id: str
     reason: str

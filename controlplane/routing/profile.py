@@ -199,6 +199,17 @@ class Profile:
         for hook in self._hooks:
             hook.placed(request, endpoint_id, prefix_index)
 
+    def terms(self, decision: Decision) -> dict[str, dict[str, float]]:
+        """Each eligible candidate's weighted terms by scorer (weight times its clamped
+        score), which add up to the candidate's total: why the pick won, for a request's
+        trail. Computed only when asked for, from the columns the decision kept."""
+        names = [ws.scorer.name for ws in self.scorers]
+        weights = self._weights
+        return {
+            view.endpoint_id: dict(zip(names, map(mul, weights, row), strict=True))
+            for view, row in zip(decision.eligible, zip(*decision.scores, strict=True), strict=True)
+        }
+
     def _candidates(
         self, request: RouteRequest, snapshot: PoolSnapshot, holders: Mapping[str, int]
     ) -> list[EndpointView]:

@@ -6,6 +6,7 @@ with the same cached prefix), and a refusal may wait exactly when saturation mad
 
 from __future__ import annotations
 
+import math
 import random
 from operator import mul
 from typing import Any
@@ -137,6 +138,9 @@ def test_every_decision_is_the_weighted_sum_of_its_plugins_verdicts(
     weights = [ws.weight for ws in profile.scorers]
     rows = list(zip(*decision.scores, strict=True))
     assert list(decision.totals) == [sum(map(mul, weights, row)) for row in rows]
+    terms = profile.terms(decision)
+    for view, total in zip(eligible, decision.totals, strict=True):
+        assert math.isclose(sum(terms[view.endpoint_id].values()), total, abs_tol=1e-9)
 
     totals = decision.totals
     first = totals.index(max(totals))  # MaxScore's pick: the first of the highest

@@ -191,6 +191,21 @@ def test_scores_are_clamped_to_the_unit_range_so_no_scorer_outweighs_the_others(
     assert list(_decide_with(alone, states, _request()).totals) == [0.0, 0.5, 0.25]
 
 
+def test_a_route_is_explained_by_each_scorer_s_weighted_term() -> None:
+    states = [_state("e0", waiting_prefill_tokens=20_000), _state("e1")]
+    decision = _decide(states, _request(owners=("e0",)))
+    terms = PROFILE.terms(decision)
+    names = [ws.scorer.name for ws in PROFILE.scorers]
+    assert set(terms) == {"e0", "e1"}
+    for view, total in zip(decision.eligible, decision.totals, strict=True):
+        assert list(terms[view.endpoint_id]) == names
+        assert sum(terms[view.endpoint_id].values()) == pytest.approx(total)
+    # The owner's cache credit is its prefix term; its queue is why it lost.
+    assert terms["e0"]["prefix-affinity"] > terms["e1"]["prefix-affinity"]
+    assert terms["e0"]["queue"] < terms["e1"]["queue"]
+    assert decision.endpoint_id == "e1"
+
+
 def test_a_lapsed_lease_takes_the_endpoint_out_at_its_deadline() -> None:
     snapshot = PoolSnapshot.of("p", [_state("only")], lease_deadline=10.0)
     assert PROFILE.decide(_request(), RoutingContext(snapshot, 9.9)).endpoint_id == "only"
