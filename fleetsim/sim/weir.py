@@ -487,22 +487,23 @@ class WeirPolicy:
                 if flight.done:
                     continue
                 if isinstance(event, Placed):
-                    self._placed(role, flight, event.endpoint_id)
+                    self._placed(role, flight, event)
                 else:
                     self._refused(flight, event.refusal, self.sim.now)
         finally:
             self._delivering = False
         self._arm_wakeups()
 
-    def _placed(self, role: Role, flight: Flight, endpoint_id: str) -> None:
+    def _placed(self, role: Role, flight: Flight, placed: Placed[Flight]) -> None:
         now = self.sim.now
+        endpoint_id = placed.endpoint_id
         index = int(endpoint_id.rsplit("-", 1)[1])
         if not self.sim.engines[index].alive:
             # Its lease has not lapsed yet but the connection is refused.
             snapshot = self._snapshot(now, role)
             self._deliver(role, self.routers[role].refused(flight.rid, now, snapshot))
             return
-        self.index.record(endpoint_id, _block_hashes(flight))
+        self.routers[role].reached(placed.route, endpoint_id)
         flight.accepted = True
         self._offer(self.sidecars[index], flight, now)
 
