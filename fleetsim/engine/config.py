@@ -156,8 +156,8 @@ class EngineConfig:
         if self.disaggregation_mode == "prefill" and self.disaggregation_transfer_backend == "fake":
             # As SGLang: the fake backend is a decode-only benchmark harness.
             problems.append("Prefill server does not support 'fake' as the transfer backend")
-        if not 0 < self.disaggregation_bootstrap_port < 65536:
-            problems.append("disaggregation_bootstrap_port must be a TCP port")
+        if not 0 <= self.disaggregation_bootstrap_port < 65536:
+            problems.append("disaggregation_bootstrap_port must be a TCP port (0: a free one)")
         if self.num_reserved_decode_tokens < 0:
             problems.append("num_reserved_decode_tokens must not be negative")
         if self.kv_link_bytes_per_s is not None and not self.kv_link_bytes_per_s > 0:

@@ -497,12 +497,17 @@ class EngineModel:
         return victims
 
     def abort_request(
-        self, req: EngineRequest, now: float, message: str = "Aborted"
+        self,
+        req: EngineRequest,
+        now: float,
+        message: str = "Aborted",
+        status_code: int | None = None,
     ) -> list[EngineRequest]:
-        """Abort exactly this request (a client that went away); [] if already over."""
+        """Abort exactly this request (a client that went away, or a failed P/D handoff
+        with its status); [] if already over."""
         if req.finish is not None or self.requests.get(req.rid) is not req:
             return []
-        self._finish(req, aborted(message), now)
+        self._finish(req, aborted(message, status_code), now)
         self.aborted_total += 1
         return [req]
 
