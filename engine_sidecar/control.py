@@ -20,7 +20,7 @@ from collections.abc import Awaitable
 
 from redis.exceptions import RedisError
 
-from controlplane.contract import EndpointState, Lifecycle, SchemaError
+from controlplane.contract import EndpointState, Lifecycle, Role, SchemaError
 from controlplane.store import (
     EndpointLease,
     EndpointRegistry,
@@ -88,6 +88,9 @@ class ControlLink:
             address=self.address,
             model=service.limits.model,
             role=service.policy.role,
+            bootstrap_port=service.info.bootstrap_port
+            if service.policy.role is Role.PREFILL
+            else 0,
             lifecycle=Lifecycle.DRAINING if service.draining else Lifecycle.READY,
             watermark=ledger.watermark,
             page_size=service.info.page_size,

@@ -289,6 +289,14 @@ ROUTER: tuple[MetricSpec, ...] = (
         "Endpoints removed from routing because their lease expired.",
         ("pool",),
     ),
+    MetricSpec(
+        "weir_router_handoff_credits_total",
+        _C,
+        "A prefill pool's decode handoff credits: taken before a P/D pair starts, "
+        "consumed when its KV lands on the decode side, released when the pair fails or "
+        "its client leaves first, expired when consumed too late.",
+        ("pool", "outcome"),
+    ),
 )
 
 CATALOG: tuple[MetricSpec, ...] = SIDECAR + ROUTER
