@@ -1008,39 +1008,51 @@ class Gateway:
         `endpoint_id`, `address`, `lifecycle`, `watermark`, `kv_used_tokens`,
         `kv_reserved_growth_tokens`, `kv_capacity_tokens`, `running_requests`,
         `queued_requests` (as last reported), `router_inflight` (sent by this router since
-        that report) and `lease_left_s` (null for a fixed `--endpoint`)."""
+        that report) and `lease_left_s` (null for a fixed `--endpoint`). A prefill pool's
+        router adds `decode`: its decode pool (`pool`, `stale`, `endpoints`) as it sees it."""
         now = self.clock()
-        snapshot = self.view.snapshot
-        endpoints = [
-            {
-                "endpoint_id": e.endpoint_id,
-                "address": e.state.address,
-                "lifecycle": e.state.lifecycle.value,
-                "watermark": e.state.watermark.value,
-                "kv_used_tokens": e.state.kv_used_tokens,
-                "kv_reserved_growth_tokens": e.state.kv_reserved_growth_tokens,
-                "kv_capacity_tokens": e.state.kv_capacity_tokens,
-                "running_requests": e.state.running_requests,
-                "queued_requests": e.state.queued_requests,
-                "router_inflight": self.dispatch.inflight.count(e.endpoint_id),
-                "lease_left_s": None
-                if e.lease_deadline == float("inf")
-                else round(e.lease_deadline - now, 3),
+        status = {
+            "pool": self.config.pool,
+            "version": self.view.snapshot.version,
+            "ring_version": self.view.snapshot.ring_version,
+            "snapshot_age_s": round(now - self.view.confirmed_at, 3),
+            "stale": self.view.is_stale(now),
+            "error": self.view.error,
+            "queued": len(self.dispatch.queue),
+            "endpoints": _endpoint_rows(self.view.snapshot, self.dispatch, now),
+        }
+        if self.pairing is not None:
+            decode = self.pairing.view
+            status["decode"] = {
+                "pool": decode.pool,
+                "stale": decode.is_stale(now),
+                "endpoints": _endpoint_rows(decode.snapshot, self.pairing.dispatch, now),
             }
-            for e in snapshot.endpoints
-        ]
-        return web.json_response(
-            {
-                "pool": self.config.pool,
-                "version": snapshot.version,
-                "ring_version": snapshot.ring_version,
-                "snapshot_age_s": round(now - self.view.confirmed_at, 3),
-                "stale": self.view.is_stale(now),
-                "error": self.view.error,
-                "queued": len(self.dispatch.queue),
-                "endpoints": endpoints,
-            }
-        )
+        return web.json_response(status)
+
+
+def _endpoint_rows(
+    snapshot: PoolSnapshot, dispatch: Dispatcher[_Exchange], now: float
+) -> list[dict[str, Any]]:
+    """Each endpoint of a snapshot, for `GET /weir/v1/pool`."""
+    return [
+        {
+            "endpoint_id": e.endpoint_id,
+            "address": e.state.address,
+            "lifecycle": e.state.lifecycle.value,
+            "watermark": e.state.watermark.value,
+            "kv_used_tokens": e.state.kv_used_tokens,
+            "kv_reserved_growth_tokens": e.state.kv_reserved_growth_tokens,
+            "kv_capacity_tokens": e.state.kv_capacity_tokens,
+            "running_requests": e.state.running_requests,
+            "queued_requests": e.state.queued_requests,
+            "router_inflight": dispatch.inflight.count(e.endpoint_id),
+            "lease_left_s": None
+            if e.lease_deadline == float("inf")
+            else round(e.lease_deadline - now, 3),
+        }
+        for e in snapshot.endpoints
+    ]
 
 
 def _unary_finish(reply: dict[str, Any]) -> str:
