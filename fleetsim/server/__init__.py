@@ -118,8 +118,11 @@ async def start_engine(
 ) -> RunningEngine:
     if api_version not in API_VERSIONS:
         raise ValueError(f"api_version must be one of {API_VERSIONS}, got {api_version!r}")
-    # The scheduler follows the version whose surface is served.
+    # The scheduler follows the version whose surface is served; a decode engine runs
+    # without a prefix cache, as SGLang's does unless asked (its KV arrives by transfer).
     config = config.replace(sglang_version=api_version)
+    if config.disaggregation_mode == "decode":
+        config = config.replace(disable_radix_cache=True)
     model = EngineModel(config, make_backend(config))
     metrics = EngineMetrics(model, api_version)
     driver = EngineDriver(model, metrics, config.speed_factor)

@@ -79,6 +79,8 @@ class FleetConfig:
     tenants: tuple[TenantQuota, ...] = DEMO_TENANTS
     # P/D: this many prefill engines serve `pool`; the `engines` decode `<pool>-decode`.
     prefill_engines: int = 0
+    # Reference engines: `weir engine` flags added to Weir's (tests, benchmarks).
+    reference_args: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not 1 <= self.engines <= 64:
@@ -220,7 +222,7 @@ class LocalFleet(LocalService):
         if role is Role.PREFILL:  # one bootstrap server per engine on this host
             pd += ["--disaggregation-bootstrap-port", str(free_port())]
         return [*WEIR, "engine", "--port", str(port), "--model", c.model,
-                "--speed-factor", str(c.speed_factor), *kv, *pd]  # fmt: skip
+                "--speed-factor", str(c.speed_factor), *kv, *pd, *c.reference_args]  # fmt: skip
 
     def _spawn(
         self,
