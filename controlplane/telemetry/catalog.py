@@ -197,8 +197,9 @@ ROUTER: tuple[MetricSpec, ...] = (
         "weir_router_retries_total",
         _C,
         "Requests retried on another endpoint before the first byte, by reason: the "
-        "endpoint's 429 or 503, or how the call failed (connect_error, connect_timeout, "
-        "pool_timeout, read_timeout, protocol_error, connection_closed).",
+        "endpoint's 429 or 503, how the call failed (connect_error, connect_timeout, "
+        "pool_timeout, read_timeout, protocol_error, connection_closed), or which leg of a "
+        "P/D pair failed (prefill_failed, decode_failed).",
         ("pool", "reason"),
     ),
     MetricSpec(
