@@ -97,6 +97,20 @@ class _Pair:
     failed: set[str] = field(default_factory=set)  # decode endpoints that failed it
 
 
+@dataclass(frozen=True, slots=True)
+class _Attempt:
+    """What an attempt keeps across its pairs: the gateway, the client's request, the
+    prefill endpoint the gateway picked, and what goes upstream."""
+
+    host: PairHost
+    request: web.Request
+    ex: _Exchange
+    prefill: EndpointView
+    body: Mapping[str, Any]
+    headers: Mapping[str, str]
+    path: str
+
+
 # How one pair ended, besides the gateway's outcomes ("done", "refused", "preempted"):
 # the decode side refused or failed before the client had a byte; another decode endpoint
 # takes the pair again.
@@ -193,15 +207,14 @@ class Pairing:
         """The request on `prefill` and a decode endpoint: the gateway's outcomes
         ("done", "refused": the prefill side did not take it, "preempted": resume it)."""
         pair = self._pairs.setdefault(ex.route.request_id, _Pair())
+        call = _Attempt(host, request, ex, prefill, body, headers, path)
         try:
             if not pair.credit:  # a resume after a handoff: the new prompt's KV
                 await self._take(ex, pair)
             for _ in range(self.max_attempts):
                 decode = self._place(ex, pair)
                 try:
-                    outcome = await self._run(
-                        host, request, ex, pair, prefill, decode, body, headers, path
-                    )
+                    outcome = await self._run(call, pair, decode)
                 finally:
                     now = self.clock()
                     self.dispatch.finished(
@@ -259,17 +272,9 @@ class Pairing:
     # -- one pair ------------------------------------------------------------------------
 
     async def _run(
-        self,
-        host: PairHost,
-        request: web.Request,
-        ex: _Exchange,
-        pair: _Pair,
-        prefill: EndpointView,
-        decode: EndpointView,
-        body: Mapping[str, Any],
-        headers: Mapping[str, str],
-        path: str,
+        self, call: _Attempt, pair: _Pair, decode: EndpointView
     ) -> tuple[str, web.StreamResponse | None]:
+        ex, prefill, body = call.ex, call.prefill, call.body
         rid = ex.route.request_id
         if not prefill.state.bootstrap_port:
             ex.upstream_refusal = f"{prefill.endpoint_id}: no bootstrap port advertised"
@@ -283,23 +288,19 @@ class Pairing:
         self.trail.record(
             rid, "pair", prefill=prefill.endpoint_id, decode=decode.endpoint_id, room=room
         )  # fmt: skip
-        http = host.upstream()
+        http = call.host.upstream()
         prefill_rid = uuid.uuid4().hex
-        prefill_url = prefill.state.address + path
         prefill_leg = asyncio.create_task(
             self._prefill_leg(
-                http, prefill_url,
+                http, prefill.state.address + call.path,
                 msgspec.json.encode({**body, **bootstrap, "rid": prefill_rid, "stream": False}),
-                headers,
+                call.headers,
             )
         )  # fmt: skip
         ex.endpoint, ex.address = decode.endpoint_id, decode.state.address
         payload = {**body, **bootstrap, "rid": ex.upstream_rid, "stream": ex.client.stream}
         try:
-            outcome = await self._decode_leg(
-                host, request, ex, pair, prefill, prefill_leg,
-                msgspec.json.encode(payload), headers, path,
-            )  # fmt: skip
+            outcome = await self._decode_leg(call, pair, prefill_leg, msgspec.json.encode(payload))
         finally:
             if prefill_leg.done():
                 pass
@@ -316,20 +317,14 @@ class Pairing:
         return outcome
 
     async def _decode_leg(
-        self,
-        host: PairHost,
-        request: web.Request,
-        ex: _Exchange,
-        pair: _Pair,
-        prefill: EndpointView,
-        prefill_leg: asyncio.Task[str],
-        payload: bytes,
-        headers: Mapping[str, str],
-        path: str,
+        self, call: _Attempt, pair: _Pair, prefill_leg: asyncio.Task[str], payload: bytes
     ) -> tuple[str, web.StreamResponse | None]:
         """The decode leg, watched together with the prefill leg until it answers."""
+        host, ex, prefill = call.host, call.ex, call.prefill
         http = host.upstream()
-        head = asyncio.ensure_future(http.request("POST", ex.address + path, payload, headers))
+        head = asyncio.ensure_future(
+            http.request("POST", ex.address + call.path, payload, call.headers)
+        )
         try:
             while not head.done():
                 await asyncio.wait({head, prefill_leg}, return_when=asyncio.FIRST_COMPLETED)
@@ -350,7 +345,7 @@ class Pairing:
         async with upstream:
             ex.upstream_rid = upstream.headers.get(wire.REQUEST_ID) or ex.upstream_rid
             if upstream.status != 200 or not ex.client.stream:
-                return await self._whole_answer(host, ex, pair, prefill, prefill_leg, upstream)
+                return await self._whole_answer(call, pair, prefill_leg, upstream)
             first = await _first_events(upstream)
             if not _has_started(first):
                 # The decode engine gave up before its first token: the handoff failed,
@@ -362,7 +357,7 @@ class Pairing:
                 return _DECODE_FAILED, None
             self._landed(host, ex, pair, prefill)
             try:
-                outcome, response = await host.relay(request, ex, upstream, first)
+                outcome, response = await host.relay(call.request, ex, upstream, first)
             except TransportError as exc:  # the decode engine or its sidecar went away
                 log.info("decode endpoint %s failed mid-stream: %s", ex.endpoint, exc)
                 outcome, response = "broken", None
@@ -376,16 +371,11 @@ class Pairing:
         return outcome, response
 
     async def _whole_answer(
-        self,
-        host: PairHost,
-        ex: _Exchange,
-        pair: _Pair,
-        prefill: EndpointView,
-        prefill_leg: asyncio.Task[str],
-        upstream: Response,
+        self, call: _Attempt, pair: _Pair, prefill_leg: asyncio.Task[str], upstream: Response
     ) -> tuple[str, web.StreamResponse | None]:
         """A unary decode answer, or a refusal before a stream: the client's answer, or
         a failed pair to try again."""
+        host, ex, prefill = call.host, call.ex, call.prefill
         raw = await upstream.read()
         status = upstream.status
         if status in (429, 503) or status >= 500:
