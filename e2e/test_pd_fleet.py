@@ -108,6 +108,7 @@ def test_the_openai_client_streams_through_a_pd_pair_with_exact_usage(fleet: Loc
             stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
         ) as response:  # fmt: skip
             endpoint = response.headers["x-weir-endpoint"]
+            request_id = response.headers["x-request-id"]
             chunks = list(response.parse())
         text = "".join(c.choices[0].text for c in chunks if c.choices)
         usage = chunks[-1].usage
@@ -118,6 +119,14 @@ def test_the_openai_client_streams_through_a_pd_pair_with_exact_usage(fleet: Loc
     after = _credits(fleet)
     assert after["taken"] - before.get("taken", 0) == 1
     assert after["consumed"] - before.get("consumed", 0) == 1
+    # The request's story holds both legs' sidecar stories.
+    with urllib.request.urlopen(f"{fleet.router_url}/weir/v1/requests/{request_id}") as reply:
+        story = json.loads(reply.read())
+    events = [e["event"] for e in story["events"]]
+    assert events.index("credit") < events.index("pair") < events.index("handoff")
+    assert "credit_consumed" in events
+    assert set(story["endpoints"]) == {"local-0", endpoint}
+    assert all("events" in leg for leg in story["endpoints"].values())
     # Both legs saw the whole request: the prompt once on each side.
     taken = [_prefilled(u) - n for u, n in zip((prefill, *decode), prompts, strict=True)]
     assert taken[0] == 400

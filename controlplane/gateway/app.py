@@ -976,13 +976,19 @@ class Gateway:
                 f"no record of request {request_id!r} here (unknown, or forgotten: the "
                 f"router keeps its last {self.trail.max_requests} requests)",
             ).response()  # fmt: skip
-        endpoints = sorted({e["endpoint"] for e in story["events"] if e["event"] == "attempt"})
+        events = story["events"]
+        endpoints = sorted(
+            {e["endpoint"] for e in events if e["event"] == "attempt"}
+            | {e["decode"] for e in events if e["event"] == "pair"}  # a P/D pair's decode legs
+        )
         stories = await asyncio.gather(*(self._endpoint_story(e, request_id) for e in endpoints))
         return web.json_response({**story, "endpoints": dict(zip(endpoints, stories, strict=True))})
 
     async def _endpoint_story(self, endpoint_id: str, request_id: str) -> Any:
         """What `endpoint_id`'s sidecar recorded about the request, or why it cannot say."""
         view = self.view.snapshot.by_id.get(endpoint_id)
+        if view is None and self.pairing is not None:
+            view = self.pairing.view.snapshot.by_id.get(endpoint_id)
         if view is None or self._http is None:
             return {"unavailable": "the endpoint has left the pool"}
         headers = dict(_JSON)
