@@ -120,9 +120,12 @@ async def _relief(service: SidecarService, link: ControlLink | None) -> None:
             await asyncio.wait_for(ledger.pressure.wait(), timeout=0.25)
         ledger.pressure.clear()
         if ledger.watermark is WatermarkState.EXHAUSTED:
-            room = await link.migration_room() if link is not None else None
+            if link is None:
+                await service.relieve()
+                continue
+            peers = await link.peers()
             if ledger.watermark is WatermarkState.EXHAUSTED:
-                service.relieve(room)
+                await service.relieve(peers, link.reserve)
 
 
 def _check_role(policy: PoolPolicy, info: EngineInfo, engine_url: str) -> None:
@@ -165,8 +168,8 @@ async def serve_sidecar(config: SidecarConfig) -> AsyncIterator[RunningSidecar]:
         )  # fmt: skip
         if not config.admin_token:
             log.warning(
-                "no admin token: /weir/v1/state, /weir/v1/requests, /weir/v1/preempt and "
-                "/weir/v1/drain are "
+                "no admin token: /weir/v1/state, /weir/v1/requests, /weir/v1/preempt, "
+                "/weir/v1/drain and /weir/v1/reserve are "
                 "open to anyone who reaches %s (set --admin-token-file or WEIR_ADMIN_TOKEN)",
                 url,
             )
@@ -202,6 +205,7 @@ async def serve_sidecar(config: SidecarConfig) -> AsyncIterator[RunningSidecar]:
                 config.advertise_url or url,
                 config.heartbeat_s,
                 config.lease_ttl_s,
+                config.admin_token,
             )
             service.on_drain = link.drain
             link.start()  # not awaited: an unreachable Redis must not hold up serving

@@ -181,6 +181,9 @@ class _CountedProfile:
     def decide_resume(self, request: RouteRequest, ctx: RoutingContext) -> Decision:
         return self._observed(self.profile.decide_resume, request, ctx, "route_resume")
 
+    def placed(self, request: RouteRequest, endpoint_id: str, prefix_index: PrefixIndex) -> None:
+        self.profile.placed(request, endpoint_id, prefix_index)
+
     def _observed(
         self,
         decide: Callable[[RouteRequest, RoutingContext], Decision],
@@ -202,7 +205,8 @@ class _CountedProfile:
 
     def _record(self, event: str, request: RouteRequest, decision: Decision) -> None:
         """The decision as the request's trail keeps it: the pick and why, each filter's
-        count of rejected candidates, and with decision logs on every candidate's total."""
+        count of rejected candidates, and with decision logs on every candidate's total
+        and each scorer's weighted term of it."""
         fields: dict[str, Any] = {
             "endpoint": decision.endpoint_id or None,
             "reason": decision.reason if decision.endpoint_id else decision.refusal,
@@ -215,8 +219,14 @@ class _CountedProfile:
         if decision.endpoint_id:
             fields["score"] = round(decision.score, 4)
         if self.trail.detailed:
+            terms = self.profile.terms(decision)
             fields["candidates"] = {
-                view.endpoint_id: round(total, 4)
+                view.endpoint_id: {
+                    "total": round(total, 4),
+                    "terms": {
+                        name: round(term, 4) for name, term in terms[view.endpoint_id].items()
+                    },
+                }
                 for view, total in zip(decision.eligible, decision.totals, strict=True)
             }
         self.trail.record(request.request_id, event, **fields)
@@ -400,8 +410,9 @@ class Gateway:
             events = self.dispatch.refused(rid, now, snapshot, ex.retry_after_s)
         else:
             broken = outcome == "broken"
+            target = _target_of(ex.continuation) if ex.continuation else ""
             events = self.dispatch.handed_back(
-                rid, ex.received.tokens, now, snapshot, broken=broken
+                rid, ex.received.tokens, now, snapshot, broken=broken, target=target
             )
         self._deliver(events)
         return await self._placed(ex, placed, now)
@@ -717,12 +728,9 @@ class Gateway:
                     ex.upstream_refusal = f"{endpoint_id}: {_refusal_reason(await upstream.read())}"
                     self.metrics.retries.labels(pool, f"upstream_{upstream.status}").inc()
                     return "refused", None
-                if ex.route.block_hashes:
-                    # Indexed once this task next waits: a long prompt's blocks are not
-                    # worth delaying its first byte for.
-                    asyncio.get_running_loop().call_soon(
-                        self.prefix_index.record, endpoint_id, ex.route.block_hashes
-                    )
+                # The profile's hooks learn it once this task next waits: indexing a long
+                # prompt's blocks is not worth delaying its first byte for.
+                asyncio.get_running_loop().call_soon(self.dispatch.reached, ex.route, endpoint_id)
                 if not client.stream:
                     raw = await upstream.read()
                     return "done", self.unary_answer(
@@ -1072,6 +1080,21 @@ def _unary_finish(reply: dict[str, Any]) -> str:
     if isinstance(finish, dict) and isinstance(finish.get("type"), str):
         return str(finish["type"])
     return "stop"
+
+
+class _Held(msgspec.Struct):
+    """Of a sidecar's continuation, only where room is held for it."""
+
+    target: str = ""
+
+
+def _target_of(continuation: bytes) -> str:
+    """The endpoint that holds room for a sidecar's continuation ("" when none, or when
+    the record is not one: the resume is then placed as any other)."""
+    try:
+        return msgspec.json.decode(continuation, type=_Held).target
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return ""
 
 
 def _adapters_of(snapshot: PoolSnapshot) -> frozenset[tuple[str, str]]:

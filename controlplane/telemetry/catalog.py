@@ -1,4 +1,4 @@
-"""Metric families, by component. See ARCHITECTURE.md, Observability."""
+"""Metric families, by component (docs/metrics.md lists them for users)."""
 
 from __future__ import annotations
 
@@ -105,6 +105,21 @@ SIDECAR: tuple[MetricSpec, ...] = (
         "weir_sidecar_offloaded_tokens_total",
         _C,
         "Tokens resumed from the engine's host tier instead of re-prefilled (offloads).",
+        _EP,
+    ),
+    MetricSpec(
+        "weir_sidecar_migration_reservations_total",
+        _C,
+        "Room held here for continuations other sidecars migrate here, by outcome: taken, "
+        "refused (no room), consumed (the continuation arrived and took it), expired (it "
+        "did not arrive in time; the room returned).",
+        (*_EP, "outcome"),
+    ),
+    MetricSpec(
+        "weir_sidecar_kv_held_for_migrations_tokens",
+        _G,
+        "KV tokens held for continuations migrating here (committed until they arrive or "
+        "their reservation expires).",
         _EP,
     ),
     MetricSpec(
