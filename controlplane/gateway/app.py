@@ -300,9 +300,8 @@ class Gateway:
         if credits is not None and decode_view is not None:
             decide = _CountedProfile(self.profile, self.metrics, decode_view.pool, self.trail)
             self.pairing = Pairing(
-                credits, decode_view, Dispatcher(decide, config.routing, PrefixIndex()),
-                clock=clock, metrics=self.metrics, pool=config.pool, trail=self.trail,
-                spawn=self._spawn, max_attempts=config.routing.max_attempts,
+                credits, decode_view, Dispatcher(decide, config.routing, PrefixIndex()), clock,
+                self.metrics, config.pool, self.trail, self._spawn, config.routing.max_attempts,
             )  # fmt: skip
         self._served = self._models_of(view.snapshot)
         self._adapters = _adapters_of(view.snapshot)

@@ -117,34 +117,25 @@ class _Attempt:
 _DECODE_FAILED = "decode_failed"
 
 
+@dataclass
 class Pairing:
-    """The P/D pairs of a prefill pool's router."""
+    """The P/D pairs of a prefill pool's router: its decode pool's credits (`gate`), view
+    and dispatch core, and the gateway's clock, metrics, trail and background tasks."""
 
-    def __init__(
-        self,
-        gate: HandoffGate,
-        decode_view: PoolView,
-        dispatch: Dispatcher[_Exchange],
-        *,
-        clock: Callable[[], float],
-        metrics: RouterMetrics,
-        pool: str,
-        trail: Trail,
-        spawn: Callable[[Coroutine[Any, Any, None]], None],
-        max_attempts: int,
-    ) -> None:
-        self.gate = gate
-        self.view = decode_view
-        self.dispatch = dispatch
-        self.clock = clock
-        self.metrics = metrics
-        self.pool = pool
-        self.trail = trail
-        self.spawn = spawn
-        self.max_attempts = max_attempts
-        self._pairs: dict[str, _Pair] = {}
-        self._versions: dict[str, int] = {}
-        decode_view.on_change(self._reported)
+    gate: HandoffGate
+    view: PoolView
+    dispatch: Dispatcher[_Exchange]
+    clock: Callable[[], float]
+    metrics: RouterMetrics
+    pool: str
+    trail: Trail
+    spawn: Callable[[Coroutine[Any, Any, None]], None]
+    max_attempts: int
+    _pairs: dict[str, _Pair] = field(default_factory=dict)
+    _versions: dict[str, int] = field(default_factory=dict)  # each endpoint's last report
+
+    def __post_init__(self) -> None:
+        self.view.on_change(self._reported)
 
     def _reported(self, snapshot: PoolSnapshot, removed: tuple[EndpointView, ...]) -> None:
         shown = self.clock() - _REPORT_LAG_S
