@@ -236,6 +236,7 @@ class EngineDriver:
         held, self.held = self.held, []
         for stream in held:
             self._queue(stream)
+        self._preallocate()  # handoffs that waited for pages while paused
         self._wake.set()
 
     def _ended(self, reqs: Iterable[EngineRequest]) -> None:
