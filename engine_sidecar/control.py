@@ -28,6 +28,7 @@ from redis.exceptions import RedisError
 from controlplane.contract import (
     EndpointState,
     Lifecycle,
+    Role,
     RoomReservation,
     SchemaError,
     decode_json,
@@ -114,6 +115,9 @@ class ControlLink:
             address=self.address,
             model=service.limits.model,
             role=service.policy.role,
+            bootstrap_port=service.info.bootstrap_port
+            if service.policy.role is Role.PREFILL
+            else 0,
             lifecycle=Lifecycle.DRAINING if service.draining else Lifecycle.READY,
             watermark=ledger.watermark,
             page_size=service.info.page_size,

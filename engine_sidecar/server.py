@@ -22,7 +22,7 @@ import msgspec
 import yaml
 from aiohttp import web
 
-from controlplane.contract import PoolPolicy, SchemaError, WatermarkState, decode_json
+from controlplane.contract import PoolPolicy, Role, SchemaError, WatermarkState, decode_json
 from controlplane.contract import headers as wire
 from controlplane.store.connection import RedisSettings, connect
 from controlplane.trace.middleware import request_ids
@@ -128,6 +128,18 @@ async def _relief(service: SidecarService, link: ControlLink | None) -> None:
                 await service.relieve(peers, link.reserve)
 
 
+def _check_role(policy: PoolPolicy, info: EngineInfo, engine_url: str) -> None:
+    """A P/D pool's engines must serve its half (SGLang's --disaggregation-mode), and a
+    mixed pool's neither: a mismatch would hang or fail every request."""
+    mode = "null" if policy.role is Role.MIXED else policy.role.value
+    if info.disaggregation_mode != mode:
+        raise EngineError(
+            f"pool {policy.pool!r} is a {policy.role.value} pool but {engine_url} runs "
+            f"--disaggregation-mode {info.disaggregation_mode}: launch it with "
+            f"--disaggregation-mode {mode}"
+        )
+
+
 @asynccontextmanager
 async def serve_sidecar(config: SidecarConfig) -> AsyncIterator[RunningSidecar]:
     engine = SGLangEngine(config.engine_url)
@@ -140,6 +152,7 @@ async def serve_sidecar(config: SidecarConfig) -> AsyncIterator[RunningSidecar]:
         policy = config.policy or PoolPolicy(pool=config.pool, model=info.model)
         if info.kv_capacity_tokens <= 0:
             raise EngineError(f"{config.engine_url} reports no KV capacity")
+        _check_role(policy, info, config.engine_url)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((config.host, config.port))

@@ -56,6 +56,7 @@ from controlplane.contract import (
     FinishReason,
     PoolPolicy,
     PreemptionMode,
+    Role,
     RoomReservation,
     SchemaError,
     decode_json,
@@ -210,13 +211,18 @@ class SidecarService:
         self._origins: dict[str, _Origin] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         modes = policy.scheduling.preemption_modes
-        self._may_recompute = PreemptionMode.RECOMPUTE in modes
+        # A decode endpoint of a P/D pair resumes nothing in place: its engine takes a
+        # request only with a prefill half, which the router pairs it with again.
+        in_place = policy.role is not Role.DECODE
+        self._may_recompute = in_place and PreemptionMode.RECOMPUTE in modes
         self._may_migrate = PreemptionMode.MIGRATE in modes
         # Offload is a resume in place whose pages wait in the engine's host tier: it
         # needs one, and relief weighs it against recompute and migrate by cost.
         self.costs = H200_LLAMA_8B
         self.host_tier_tokens = info.host_tier_tokens(self.costs.kv_bytes_per_token)
-        self._may_offload = PreemptionMode.OFFLOAD in modes and self.host_tier_tokens > 0
+        self._may_offload = (
+            in_place and PreemptionMode.OFFLOAD in modes and self.host_tier_tokens > 0
+        )
         if not self.host_tier_tokens:
             self.costs = replace(self.costs, host_bytes_per_s=0.0)
         # Whether the engine's /generate streams carry each event's ids only (SGLang
@@ -464,7 +470,8 @@ class SidecarService:
             tenant=tenant,
             model=intake.model,
             prompt_tokens=intake.prompt_tokens,
-            max_new_tokens=intake.max_new_tokens,
+            # A prefill endpoint computes the first token only: that is all it grows by.
+            max_new_tokens=1 if self.policy.role is Role.PREFILL else intake.max_new_tokens,
             arrived_at=now,
             state_since=now,
             deadline_at=now + deadline_s if deadline_s else 0.0,

@@ -97,6 +97,9 @@ class EndpointState(msgspec.Struct, frozen=True, kw_only=True):
     model: str
     adapters: tuple[str, ...] = ()
     role: Role = Role.MIXED
+    # A prefill endpoint's engine bootstrap server (SGLang's --disaggregation-bootstrap-
+    # port), on the host of `address`: where decode engines fetch its KV. 0: none.
+    bootstrap_port: int = 0
     cache_schema: int = 1
     security_domain: str = ""
     epoch: int = 0

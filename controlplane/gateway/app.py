@@ -3,7 +3,7 @@
 A request travels: API key → tenant (401; on a gateway without keys, a declared
 `x-weir-tenant` or `default`, 403 for an undeclared one) → validation (400; 404 for a model
 or a `lora_path` adapter that no endpoint serves) → the
-tenant's quota (429, when enforced; 403 for a tenant without one) → a decode handoff credit (prefill pools) → the pool snapshot (503
+tenant's quota (429, when enforced; 403 for a tenant without one) → a decode handoff credit (prefill pools, whose requests are P/D pairs: `controlplane.gateway.pd`) → the pool snapshot (503
 when stale) → a routing decision, or the tenant-fair queue when every candidate is
 saturated (429 `overload` when full or timed out, 504 past its deadline) → the picked
 endpoint. An overload or a
@@ -48,10 +48,11 @@ from controlplane.contract import (
     TenantQuota,
 )
 from controlplane.contract import headers as wire
-from controlplane.gateway.credits import CREDIT_HEADER, HandoffGate
+from controlplane.gateway.credits import HandoffGate
 from controlplane.gateway.errors import GatewayError, body_refused, refusal_error, unavailable
 from controlplane.gateway.metrics import RouterMetrics, length_bucket
-from controlplane.gateway.pool import PoolView
+from controlplane.gateway.pd import Pairing
+from controlplane.gateway.pool import PoolView, new_reports
 from controlplane.gateway.quotas import QuotaGate
 from controlplane.gateway.relay import Received, SegmentRelay, Splicer, sse
 from controlplane.gateway.requests import ClientRequest, Limits, decode_body, parse, resume_body
@@ -79,6 +80,7 @@ from controlplane.transport import (
     MAX_CONNECTIONS_PER_ORIGIN,
     HTTPClient,
     Response,
+    SSEEvent,
     TransportError,
 )
 from controlplane.transport.admin import admin_only
@@ -253,7 +255,6 @@ class _Exchange:
     retry_after_s: float = 0.0  # the last upstream refusal's
     upstream_refusal: str = ""  # the last endpoint's reason for refusing it
     placed: asyncio.Future[str] | None = None  # where the dispatch core sends it next
-    credit: str = ""
     continuation: bytes = b""  # a migrating sidecar's continuation, for the next sidecar
 
     @property
@@ -270,12 +271,14 @@ class Gateway:
         clock: Callable[[], float] = time.monotonic,
         quotas: QuotaGate | None = None,
         credits: HandoffGate | None = None,
+        decode_view: PoolView | None = None,
     ) -> None:
+        """A prefill pool's gateway (`credits` on the decode pool, whose endpoints
+        `decode_view` follows) serves every request as a P/D pair."""
         self.config = config
         self.view = view
         self.keys = (keys or TenantKeys()).declaring(t.name for t in config.tenants)
         self.quotas = quotas
-        self.credits = credits
         self.clock = clock
         self.profile = profile_from_config(config.profile or default_config(config.routing))
         self.prefix_index = PrefixIndex()
@@ -291,6 +294,15 @@ class Gateway:
         self._versions: dict[str, int] = {}  # each endpoint's last report seen
         self._http: HTTPClient | None = None
         self._background: set[asyncio.Task[None]] = set()
+        self.pairing: Pairing | None = None
+        if (credits is None) != (decode_view is None):
+            raise ValueError("a P/D gateway needs both handoff credits and the decode pool's view")
+        if credits is not None and decode_view is not None:
+            decide = _CountedProfile(self.profile, self.metrics, decode_view.pool, self.trail)
+            self.pairing = Pairing(
+                credits, decode_view, Dispatcher(decide, config.routing, PrefixIndex()), clock,
+                self.metrics, config.pool, self.trail, self._spawn, config.routing.max_attempts,
+            )  # fmt: skip
         self._served = self._models_of(view.snapshot)
         self._adapters = _adapters_of(view.snapshot)
         view.on_change(self._snapshot_changed)
@@ -405,8 +417,10 @@ class Gateway:
         return await self._placed(ex, placed, now)
 
     def _finish(self, ex: _Exchange) -> None:
-        """The request is over for the router: its reservation, any wait and its charge
-        are settled, and the room it leaves goes to what waits."""
+        """The request is over for the router: its reservation, any wait, its charge and
+        its handoff credit are settled, and the room it leaves goes to what waits."""
+        if self.pairing is not None:
+            self.pairing.ended(ex)
         now = self.clock()
         self._deliver(
             self.dispatch.finished(
@@ -471,14 +485,11 @@ class Gateway:
         now = self.clock()
         # A new report shows what reached its endpoint before it was taken, which is
         # what was sent up to a moment before it arrived here.
-        versions, shown = self._versions, now - REPORT_LAG_S
-        for view in snapshot.endpoints:
-            if versions.get(view.endpoint_id) != view.state.version:
-                versions[view.endpoint_id] = view.state.version
-                self.dispatch.reported(view.endpoint_id, shown)
+        shown = now - REPORT_LAG_S
+        for endpoint_id in new_reports(self._versions, snapshot, removed):
+            self.dispatch.reported(endpoint_id, shown)
         expired = 0
         for view in removed:
-            versions.pop(view.endpoint_id, None)
             self.prefix_index.forget(view.endpoint_id)
             expired += view.lease_deadline <= now
         if expired:
@@ -532,10 +543,8 @@ class Gateway:
         splicer = Splicer(received, self.config.limits.bytes_per_token)
         ex = _Exchange(client, route, tenant, started, received, splicer)
         try:
-            if self.credits is not None:
-                ex.credit = (
-                    await self.credits.take(route.request_id, client.prompt_tokens)
-                ).credit_id
+            if self.pairing is not None:
+                await self.pairing.admit(ex)
             endpoint_id = await self._admit(ex)
         except BaseException as exc:
             self._finish(ex)  # e.g. a client that left while its request was queued
@@ -605,13 +614,7 @@ class Gateway:
                 try:
                     endpoint_id = await self._redispatch(ex, outcome)
                 except GatewayError as exc:
-                    if ex.response is not None:  # a resume no endpoint took in time
-                        return await self._end_stream(ex, complete=False, refusal=exc)
-                    ex.finish = "overload"  # every endpoint tried refused it
-                    self.metrics.overloads.labels(self.config.pool, exc.reason).inc()
-                    exc.upstream_reason = ex.upstream_refusal or None
-                    self._note_refusal(ex.route.request_id, exc)
-                    return exc.response()
+                    return await self.answer_refusal(ex, exc)
         except (asyncio.CancelledError, _ClientGoneError):
             ex.finish = "cancelled"
             self._abort_upstream(ex)
@@ -622,6 +625,17 @@ class Gateway:
             self._finish(ex)
             self._release_quota(ex.route.request_id, ex.client.prompt_tokens, ex.received.tokens)
             self._account(ex)
+
+    async def answer_refusal(self, ex: _Exchange, exc: GatewayError) -> web.StreamResponse:
+        """No endpoint took the request: its client is told, in the stream it has (a
+        resume no endpoint took in time) or in the answer."""
+        if ex.response is not None:
+            return await self._end_stream(ex, complete=False, refusal=exc)
+        ex.finish = "overload"  # every endpoint tried refused it
+        self.metrics.overloads.labels(self.config.pool, exc.reason).inc()
+        exc.upstream_reason = ex.upstream_refusal or None
+        self._note_refusal(ex.route.request_id, exc)
+        return exc.response()
 
     def _continuation(self, ex: _Exchange) -> Continuation:
         """What the client holds, as the contract's continuation record."""
@@ -664,8 +678,6 @@ class Gateway:
             wire.REQUEST_ID: ex.route.request_id,
             wire.PRIORITY: str(client.priority),
         }
-        if ex.credit:
-            headers[CREDIT_HEADER] = ex.credit
         if client.stream:  # the router can resume it: a sidecar may migrate it away
             headers[wire.MIGRATABLE] = "1"
         if client.deadline_s:
@@ -676,7 +688,14 @@ class Gateway:
             "weir.router.attempt", kind=CLIENT,
             attributes={"weir.endpoint": endpoint_id, "http.route": path},
         ):  # fmt: skip
-            outcome = await self._call(request, ex, endpoint_id, url, payload, outgoing(headers))
+            if self.pairing is not None:  # a P/D pair: this endpoint prefills
+                outcome = await self.pairing.attempt(
+                    self, request, ex, view, body, outgoing(headers), path
+                )
+            else:
+                outcome = await self._call(
+                    request, ex, endpoint_id, url, payload, outgoing(headers)
+                )
         self.trail.record(
             ex.route.request_id, "attempt", endpoint=endpoint_id, outcome=outcome[0],
             upstream_rid=ex.upstream_rid, **({"refusal": ex.upstream_refusal}
@@ -713,12 +732,8 @@ class Gateway:
                 asyncio.get_running_loop().call_soon(self.dispatch.reached, ex.route, endpoint_id)
                 if not client.stream:
                     raw = await upstream.read()
-                    self._count_unary(ex, raw, upstream.status)
-                    return "done", web.Response(
-                        status=upstream.status,
-                        body=raw,
-                        content_type=upstream.content_type,
-                        headers={wire.ENDPOINT: endpoint_id},
+                    return "done", self.unary_answer(
+                        ex, endpoint_id, raw, upstream.status, upstream.content_type
                     )
                 if upstream.status != 200:
                     if ex.response is not None:
@@ -741,8 +756,33 @@ class Gateway:
                 return "refused", None
             return "broken", None
 
+    def upstream(self) -> HTTPClient:
+        """The client of the endpoints (the app has started)."""
+        assert self._http is not None
+        return self._http
+
+    def unary_answer(
+        self, ex: _Exchange, endpoint_id: str, raw: bytes, status: int, content_type: str
+    ) -> web.Response:
+        """An endpoint's whole answer, counted and passed on."""
+        self._count_unary(ex, raw, status)
+        return web.Response(
+            status=status, body=raw, content_type=content_type,
+            headers={wire.ENDPOINT: endpoint_id},
+        )  # fmt: skip
+
+    async def relay(
+        self, request: web.Request, ex: _Exchange, upstream: Response, first: list[SSEEvent]
+    ) -> tuple[str, web.StreamResponse | None]:
+        """A stream's relay whose first events were read already (a P/D decode leg's)."""
+        return await self._relay(request, ex, upstream, first)
+
     async def _relay(
-        self, request: web.Request, ex: _Exchange, upstream: Response
+        self,
+        request: web.Request,
+        ex: _Exchange,
+        upstream: Response,
+        first: list[SSEEvent] | None = None,
     ) -> tuple[str, web.StreamResponse | None]:
         if ex.out is None:
             ex.out = await DirectWriter.open(
@@ -763,8 +803,13 @@ class Gateway:
         relay = SegmentRelay(ex.splicer, out, first_token)
         try:
             while True:
-                wire_sink = relay.feed_wire if relay.cuts_through else None
-                body_ended = await upstream.push_events(relay.feed, wire_sink)
+                body_ended: bool = False
+                if first:  # read before the relay began: fed as if just read
+                    relay.feed(first)
+                    first = None
+                else:
+                    wire_sink = relay.feed_wire if relay.cuts_through else None
+                    body_ended = await upstream.push_events(relay.feed, wire_sink)
                 if relay.pending:
                     data, relay.pending = bytes(relay.pending), bytearray()
                     await out.write_first(data)
@@ -938,13 +983,19 @@ class Gateway:
                 f"no record of request {request_id!r} here (unknown, or forgotten: the "
                 f"router keeps its last {self.trail.max_requests} requests)",
             ).response()  # fmt: skip
-        endpoints = sorted({e["endpoint"] for e in story["events"] if e["event"] == "attempt"})
+        events = story["events"]
+        endpoints = sorted(
+            {e["endpoint"] for e in events if e["event"] == "attempt"}
+            | {e["decode"] for e in events if e["event"] == "pair"}  # a P/D pair's decode legs
+        )
         stories = await asyncio.gather(*(self._endpoint_story(e, request_id) for e in endpoints))
         return web.json_response({**story, "endpoints": dict(zip(endpoints, stories, strict=True))})
 
     async def _endpoint_story(self, endpoint_id: str, request_id: str) -> Any:
         """What `endpoint_id`'s sidecar recorded about the request, or why it cannot say."""
         view = self.view.snapshot.by_id.get(endpoint_id)
+        if view is None and self.pairing is not None:
+            view = self.pairing.view.snapshot.by_id.get(endpoint_id)
         if view is None or self._http is None:
             return {"unavailable": "the endpoint has left the pool"}
         headers = dict(_JSON)
@@ -970,39 +1021,51 @@ class Gateway:
         `endpoint_id`, `address`, `lifecycle`, `watermark`, `kv_used_tokens`,
         `kv_reserved_growth_tokens`, `kv_capacity_tokens`, `running_requests`,
         `queued_requests` (as last reported), `router_inflight` (sent by this router since
-        that report) and `lease_left_s` (null for a fixed `--endpoint`)."""
+        that report) and `lease_left_s` (null for a fixed `--endpoint`). A prefill pool's
+        router adds `decode`: its decode pool (`pool`, `stale`, `endpoints`) as it sees it."""
         now = self.clock()
-        snapshot = self.view.snapshot
-        endpoints = [
-            {
-                "endpoint_id": e.endpoint_id,
-                "address": e.state.address,
-                "lifecycle": e.state.lifecycle.value,
-                "watermark": e.state.watermark.value,
-                "kv_used_tokens": e.state.kv_used_tokens,
-                "kv_reserved_growth_tokens": e.state.kv_reserved_growth_tokens,
-                "kv_capacity_tokens": e.state.kv_capacity_tokens,
-                "running_requests": e.state.running_requests,
-                "queued_requests": e.state.queued_requests,
-                "router_inflight": self.dispatch.inflight.count(e.endpoint_id),
-                "lease_left_s": None
-                if e.lease_deadline == float("inf")
-                else round(e.lease_deadline - now, 3),
+        status = {
+            "pool": self.config.pool,
+            "version": self.view.snapshot.version,
+            "ring_version": self.view.snapshot.ring_version,
+            "snapshot_age_s": round(now - self.view.confirmed_at, 3),
+            "stale": self.view.is_stale(now),
+            "error": self.view.error,
+            "queued": len(self.dispatch.queue),
+            "endpoints": _endpoint_rows(self.view.snapshot, self.dispatch, now),
+        }
+        if self.pairing is not None:
+            decode = self.pairing.view
+            status["decode"] = {
+                "pool": decode.pool,
+                "stale": decode.is_stale(now),
+                "endpoints": _endpoint_rows(decode.snapshot, self.pairing.dispatch, now),
             }
-            for e in snapshot.endpoints
-        ]
-        return web.json_response(
-            {
-                "pool": self.config.pool,
-                "version": snapshot.version,
-                "ring_version": snapshot.ring_version,
-                "snapshot_age_s": round(now - self.view.confirmed_at, 3),
-                "stale": self.view.is_stale(now),
-                "error": self.view.error,
-                "queued": len(self.dispatch.queue),
-                "endpoints": endpoints,
-            }
-        )
+        return web.json_response(status)
+
+
+def _endpoint_rows(
+    snapshot: PoolSnapshot, dispatch: Dispatcher[_Exchange], now: float
+) -> list[dict[str, Any]]:
+    """Each endpoint of a snapshot, for `GET /weir/v1/pool`."""
+    return [
+        {
+            "endpoint_id": e.endpoint_id,
+            "address": e.state.address,
+            "lifecycle": e.state.lifecycle.value,
+            "watermark": e.state.watermark.value,
+            "kv_used_tokens": e.state.kv_used_tokens,
+            "kv_reserved_growth_tokens": e.state.kv_reserved_growth_tokens,
+            "kv_capacity_tokens": e.state.kv_capacity_tokens,
+            "running_requests": e.state.running_requests,
+            "queued_requests": e.state.queued_requests,
+            "router_inflight": dispatch.inflight.count(e.endpoint_id),
+            "lease_left_s": None
+            if e.lease_deadline == float("inf")
+            else round(e.lease_deadline - now, 3),
+        }
+        for e in snapshot.endpoints
+    ]
 
 
 def _unary_finish(reply: dict[str, Any]) -> str:

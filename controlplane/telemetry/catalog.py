@@ -212,8 +212,9 @@ ROUTER: tuple[MetricSpec, ...] = (
         "weir_router_retries_total",
         _C,
         "Requests retried on another endpoint before the first byte, by reason: the "
-        "endpoint's 429 or 503, or how the call failed (connect_error, connect_timeout, "
-        "pool_timeout, read_timeout, protocol_error, connection_closed).",
+        "endpoint's 429 or 503, how the call failed (connect_error, connect_timeout, "
+        "pool_timeout, read_timeout, protocol_error, connection_closed), or which leg of a "
+        "P/D pair failed (prefill_failed, decode_failed).",
         ("pool", "reason"),
     ),
     MetricSpec(
@@ -303,6 +304,14 @@ ROUTER: tuple[MetricSpec, ...] = (
         _C,
         "Endpoints removed from routing because their lease expired.",
         ("pool",),
+    ),
+    MetricSpec(
+        "weir_router_handoff_credits_total",
+        _C,
+        "A prefill pool's decode handoff credits: taken before a P/D pair starts, "
+        "consumed when its KV lands on the decode side, released when the pair fails or "
+        "its client leaves first, expired when consumed too late.",
+        ("pool", "outcome"),
     ),
 )
 

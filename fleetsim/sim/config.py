@@ -90,11 +90,9 @@ def default_pool_policy() -> PoolPolicy:
     )
 
 
-KV_LINK_BYTES_PER_S = 50e9
-"""Prefill→decode KV transfer bandwidth for one request: one 400 Gb/s NDR InfiniBand or
-RoCE NIC per H200 (a DGX/HGX H200 node has eight ConnectX-7 for eight GPUs), what
-Mooncake's transfer engine and NIXL move between nodes. A 20K-token prompt of the 70B
-model (6.6 GB of KV) takes about 0.13 s."""
+KV_LINK_BYTES_PER_S = H200.kv_link_bytes_per_s
+"""Prefill→decode KV transfer bandwidth for one request (`HardwareProfile.kv_link_bytes_per_s`,
+which the reference engine's P/D transfer uses too)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -384,8 +384,7 @@ class Simulation:
         flight.leave_engine()
         flight.handoff_from = now
         kv_tokens = flight.spec.input_tokens
-        kv_bytes = kv_tokens * self.engine_config.timing.model.kv_bytes_per_token
-        took = kv_bytes / self.config.kv_link_bytes_per_s
+        took = self.engine_config.timing.kv_transfer_s(kv_tokens, self.config.kv_link_bytes_per_s)
         flight.transfer_s += took
 
         def arrived() -> None:
