@@ -518,7 +518,10 @@ class SidecarService:
             raise
         except Exception:
             log.exception("request %s failed", record.rid)
-            if not flight.record.state.is_final:
+            if flight.record.state is _S.WAITING_ADMISSION:
+                # Failed before admission (the quota's charge, say): the engine never saw it.
+                self._end(flight, _S.REJECTED, FinishReason.ERROR, "internal_error")
+            elif not flight.record.state.is_final:
                 await asyncio.shield(self._spawn(self._abort_and_end(flight)))
             raise
         finally:

@@ -179,6 +179,9 @@ class _CountedProfile:
     def decide_resume(self, request: RouteRequest, ctx: RoutingContext) -> Decision:
         return self._observed(self.profile.decide_resume, request, ctx, "route_resume")
 
+    def placed(self, request: RouteRequest, endpoint_id: str, prefix_index: PrefixIndex) -> None:
+        self.profile.placed(request, endpoint_id, prefix_index)
+
     def _observed(
         self,
         decide: Callable[[RouteRequest, RoutingContext], Decision],
@@ -200,7 +203,8 @@ class _CountedProfile:
 
     def _record(self, event: str, request: RouteRequest, decision: Decision) -> None:
         """The decision as the request's trail keeps it: the pick and why, each filter's
-        count of rejected candidates, and with decision logs on every candidate's total."""
+        count of rejected candidates, and with decision logs on every candidate's total
+        and each scorer's weighted term of it."""
         fields: dict[str, Any] = {
             "endpoint": decision.endpoint_id or None,
             "reason": decision.reason if decision.endpoint_id else decision.refusal,
@@ -213,8 +217,14 @@ class _CountedProfile:
         if decision.endpoint_id:
             fields["score"] = round(decision.score, 4)
         if self.trail.detailed:
+            terms = self.profile.terms(decision)
             fields["candidates"] = {
-                view.endpoint_id: round(total, 4)
+                view.endpoint_id: {
+                    "total": round(total, 4),
+                    "terms": {
+                        name: round(term, 4) for name, term in terms[view.endpoint_id].items()
+                    },
+                }
                 for view, total in zip(decision.eligible, decision.totals, strict=True)
             }
         self.trail.record(request.request_id, event, **fields)
@@ -698,12 +708,9 @@ class Gateway:
                     ex.upstream_refusal = f"{endpoint_id}: {_refusal_reason(await upstream.read())}"
                     self.metrics.retries.labels(pool, f"upstream_{upstream.status}").inc()
                     return "refused", None
-                if ex.route.block_hashes:
-                    # Indexed once this task next waits: a long prompt's blocks are not
-                    # worth delaying its first byte for.
-                    asyncio.get_running_loop().call_soon(
-                        self.prefix_index.record, endpoint_id, ex.route.block_hashes
-                    )
+                # The profile's hooks learn it once this task next waits: indexing a long
+                # prompt's blocks is not worth delaying its first byte for.
+                asyncio.get_running_loop().call_soon(self.dispatch.reached, ex.route, endpoint_id)
                 if not client.stream:
                     raw = await upstream.read()
                     self._count_unary(ex, raw, upstream.status)

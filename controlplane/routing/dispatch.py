@@ -14,7 +14,7 @@ A request's life here:
 - **Arrival.** Placed at once unless something of its class or above waits (nobody
   jumps the queue of their own class). Placed means reserved (`InFlight`) and its
   tenant charged `service_estimate` in the fair queue's counters, once per request.
-  When only saturation stood in the way (`SATURATION`) it waits in the `FairQueue`
+  When only saturation stood in the way (`Decision.saturated`) it waits in the `FairQueue`
   (full: 429 `queue_full`); any other refusal means nothing could serve it: 503 named by
   the filter that removed the most candidates.
 - **Waiting.** Room that returns (an end, a release, a report) is pumped fairest first,
@@ -36,6 +36,9 @@ A request's life here:
   a target (`target`) goes there first, if the filters a resume passes allow it: a
   preference, tried once; a target that refuses or is gone leaves the resume to
   `decide_resume`.
+- **Reached.** Once the endpoint it was placed at has it, the caller says so (`reached`):
+  the profile's post-decision hooks learn where it went (the prefix plugin records its
+  prompt's blocks there, for the next decisions to find).
 - **End.** Its reservation released, its charge settled (`service_correction`), the
   freed room pumped.
 
@@ -54,9 +57,10 @@ from controlplane.routing.fair_queue import (
     service_correction,
     service_estimate,
 )
-from controlplane.routing.framework import SATURATION, Decision
+from controlplane.routing.framework import Decision
 from controlplane.routing.inflight import InFlight
-from controlplane.routing.snapshot import PoolSnapshot, PrefixLookup, RouteRequest, RoutingContext
+from controlplane.routing.prefix_index import PrefixIndex
+from controlplane.routing.snapshot import PoolSnapshot, RouteRequest, RoutingContext
 
 P = TypeVar("P")
 
@@ -91,10 +95,12 @@ class Refusal:
 
 @dataclass(frozen=True, slots=True)
 class Placed(Generic[P]):
-    """Send `payload` to `endpoint_id` (reserved for it until it ends or comes back)."""
+    """Send `payload` to `endpoint_id` (reserved for it until it ends or comes back);
+    `route` is the request as it arrived, for `Dispatcher.reached`."""
 
     payload: P
     endpoint_id: str
+    route: RouteRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +120,10 @@ class Decider(Protocol):
     def decide(self, request: RouteRequest, ctx: RoutingContext) -> Decision: ...
 
     def decide_resume(self, request: RouteRequest, ctx: RoutingContext) -> Decision: ...
+
+    def placed(
+        self, request: RouteRequest, endpoint_id: str, prefix_index: PrefixIndex
+    ) -> None: ...
 
 
 @dataclass(slots=True, eq=False)
@@ -139,7 +149,7 @@ class Dispatcher(Generic[P]):
         self,
         decider: Decider,
         policy: RoutingPolicy,
-        prefix_index: PrefixLookup | None = None,
+        prefix_index: PrefixIndex | None = None,
     ) -> None:
         self.decider = decider
         self.policy = policy
@@ -182,7 +192,7 @@ class Dispatcher(Generic[P]):
                 self.queue.charge(route.tenant, _estimate(route))
                 request.charged = True
                 self._reserve(request, decision, now, events)
-            elif decision.refusal in SATURATION:
+            elif decision.saturated:
                 self._enqueue(request, now, events)
             else:
                 message = (
@@ -294,6 +304,14 @@ class Dispatcher(Generic[P]):
                 route.tenant, service_correction(route.max_new_tokens, generated_tokens)
             )
         return self.pump(now, snapshot)
+
+    def reached(self, route: RouteRequest, endpoint_id: str) -> None:
+        """The request `route` reached `endpoint_id`, which has it now (the gateway: it
+        answered without refusing it; the simulator: its sidecar was offered it): the
+        profile's post-decision hooks learn where it went. Without a prefix index there
+        is no state for them to keep."""
+        if self.prefix_index is not None:
+            self.decider.placed(route, endpoint_id, self.prefix_index)
 
     def reported(self, endpoint_id: str, taken_at: float) -> None:
         """The endpoint reported at `taken_at`: what was sent to it before is in the
@@ -444,7 +462,7 @@ class Dispatcher(Generic[P]):
             request.decision = decision
         request.endpoint = endpoint
         self.inflight.add(endpoint, request.route.request_id, now)
-        events.append(Placed(request.payload, endpoint))
+        events.append(Placed(request.payload, endpoint, request.route))
 
     def _release(self, request: _Request[P]) -> str:
         endpoint, request.endpoint = request.endpoint, ""

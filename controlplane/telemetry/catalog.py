@@ -1,4 +1,4 @@
-"""Metric families, by component. See ARCHITECTURE.md, Observability."""
+"""Metric families, by component (docs/metrics.md lists them for users)."""
 
 from __future__ import annotations
 

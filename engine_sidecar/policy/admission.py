@@ -47,7 +47,7 @@ def total_growth_reserve(sequences: Iterable[SequenceOutlook], horizon_steps: in
 class AdmissionVerdict(enum.StrEnum):
     ADMIT = "admit"
     WAIT = "wait"  # fits in principle, not now: queue it
-    REFUSE = "refuse"  # can never fit, or admission is closed
+    REFUSE = "refuse"  # can never fit (too_large), however long it waits
 
 
 @dataclass(frozen=True, slots=True)

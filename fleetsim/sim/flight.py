@@ -57,6 +57,11 @@ class Flight:
     # the continuation reaches a sidecar.
     target: str = ""
     reservation: str = ""
+    # The spec's `generated_tokens`, read for every token streamed.
+    target_tokens: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.target_tokens = self.spec.generated_tokens
 
     @property
     def rid(self) -> str:
@@ -69,7 +74,7 @@ class Flight:
     @property
     def remaining(self) -> int:
         """Tokens still to stream before the request ends on its own."""
-        return self.spec.generated_tokens - len(self.output_ids)
+        return self.target_tokens - len(self.output_ids)
 
     def leave_engine(self) -> None:
         """The current engine visit is over; the next one gets a fresh engine rid."""

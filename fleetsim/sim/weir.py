@@ -109,7 +109,7 @@ from engine_sidecar.policy import (
     reservable_tokens,
 )
 from fleetsim.engine import EngineConfig
-from fleetsim.sim.config import MODEL, FleetConfig
+from fleetsim.sim.config import MODEL, FleetConfig, Staleness
 from fleetsim.sim.flight import Flight, Stage
 from fleetsim.sim.gate import HOLDER_TTL_MS, RouterGate
 from fleetsim.sim.loop import Simulation
@@ -146,6 +146,8 @@ class Sidecar:
     policy: PoolPolicy
     clock: Callable[[], float]
     role: Role = Role.MIXED
+    # The oracle's sidecars are told each answer's true length instead of predicting it.
+    told_lengths: bool = False
     # The live sidecar's ledger, for its output-length predictor and its TPOT estimate
     # (smoothed over finished requests, published as `predicted_tpot_s`); the simulator
     # keeps its own KV account below, on the virtual clock.
@@ -175,6 +177,8 @@ class Sidecar:
 
     def predicted_total(self, flight: Flight) -> int:
         spec = flight.spec
+        if self.told_lengths:
+            return spec.generated_tokens
         if spec.output_hint_tokens > 0:
             return max(flight.generated + 1, min(spec.max_tokens, spec.output_hint_tokens))
         return self.predictor.predict_total(
@@ -251,6 +255,9 @@ def relief_costs(config: EngineConfig) -> ReliefCosts | None:
 
 class WeirPolicy:
     name = "weir"
+    # Whether the router and the sidecars know every answer's length (the oracle) rather
+    # than estimate it from `max_tokens` and the sidecars' predictors.
+    knows_lengths = False
 
     def __init__(self, policy: PoolPolicy | None = None) -> None:
         self.pool_policy = policy
@@ -264,8 +271,9 @@ class WeirPolicy:
         self.routers: dict[Role, Dispatcher[Flight]] = {}
         self.rings: dict[Role, OwnershipRing] = {}
         self._snapshots: dict[Role, PoolSnapshot] = {}
-        self._states: dict[int, EndpointState] = {}
-        self._leases: dict[int, float] = {}
+        # Each endpoint as the routers last heard from it (its state and lease), by
+        # sidecar index: a view is built once per report, not once per snapshot.
+        self._views: dict[int, EndpointView] = {}
         self._where: dict[str, int] = {}  # the sidecar a request is at
         # The routers' decisions, delivered in the order they were made even when acting
         # on one (an engine that refuses, a flight that ends) makes more.
@@ -280,6 +288,11 @@ class WeirPolicy:
     def sim(self) -> Simulation:
         assert self._sim is not None, "start() first"
         return self._sim
+
+    @property
+    def staleness(self) -> Staleness:
+        """How late the router and the sidecars see what happens in the fleet."""
+        return self.sim.config.staleness
 
     @property
     def gate(self) -> RouterGate:
@@ -320,11 +333,20 @@ class WeirPolicy:
             "ttft_slo_s": sim.config.slo.ttft_s,
             "transfer_bytes_per_s": sim.config.kv_link_bytes_per_s,
         }
+        if self.knows_lengths:
+            # The request's `max_new_tokens` below is then its true length: all of it counts.
+            config["cost"]["expected_output_fraction"] = 1.0
         self.profile = profile_from_config(config)
         self._costs = relief_costs(sim.engine_config)
         self.sidecars = [
             Sidecar(
-                e.index, f"engine-{e.index}", e.capacity_tokens, policy, lambda: sim.now, e.role
+                e.index,
+                f"engine-{e.index}",
+                e.capacity_tokens,
+                policy,
+                lambda: sim.now,
+                e.role,
+                told_lengths=self.knows_lengths,
             )
             for e in sim.engines
         ]
@@ -337,7 +359,7 @@ class WeirPolicy:
             self.routers[role] = Dispatcher(self.profile, policy.routing, self.index)
             members = (s.endpoint_id for s in self.sidecars if s.role is role)
             self.rings[role] = OwnershipRing(Membership.of(1, members), vnodes)
-        period = sim.config.staleness.heartbeat_period_s
+        period = self.staleness.heartbeat_period_s
         for sidecar in self.sidecars:
             self._heartbeat(sidecar, 0.0, registered=True)
         # Stagger heartbeats across the period, as independent sidecars do.
@@ -351,10 +373,19 @@ class WeirPolicy:
     def _heartbeat(self, sidecar: Sidecar, now: float, registered: bool = False) -> None:
         """Publish the sidecar's state; the router sees it after the change feed's delay
         (at once for the registration that precedes any traffic)."""
+        if not self.sim.engines[sidecar.index].alive:
+            return
+        state, lease = self._report(sidecar, now)
+        if registered:
+            self._publish(sidecar.index, state, lease, now)
+            return
+        delay = self.staleness.notify_delay_s
+        self.sim.at(now + delay, lambda: self._publish(sidecar.index, state, lease, now))
+
+    def _report(self, sidecar: Sidecar, now: float) -> tuple[EndpointState, float]:
+        """The sidecar's state as its heartbeat carries it now, and the lease it renews."""
         sim = self.sim
         slot = sim.engines[sidecar.index]
-        if not slot.alive:
-            return
         sidecar.version += 1
         # Prompt tokens not yet prefilled: queued here, or admitted and still waiting for
         # their first token (the sidecar knows what it sent and what has streamed back).
@@ -383,16 +414,10 @@ class WeirPolicy:
             queued_requests=len(sidecar.queue),
             updated_at=now,
         )
-        lease = now + LEASE_HEARTBEATS * sim.config.staleness.heartbeat_period_s
-        if registered:
-            self._publish(sidecar.index, state, lease, now)
-            return
-        delay = sim.config.staleness.notify_delay_s
-        sim.at(now + delay, lambda: self._publish(sidecar.index, state, lease, now))
+        return state, now + LEASE_HEARTBEATS * self.staleness.heartbeat_period_s
 
     def _publish(self, index: int, state: EndpointState, lease: float, taken_at: float) -> None:
-        self._states[index] = state
-        self._leases[index] = lease
+        self._views[index] = EndpointView(state, lease)
         role = state.role
         self.routers[role].reported(state.endpoint_id, taken_at)
         self._snapshots.clear()
@@ -413,11 +438,7 @@ class WeirPolicy:
         """`role`'s pool as the router sees it."""
         snapshot = self._snapshots.get(role)
         if snapshot is None:
-            views = tuple(
-                EndpointView(state, self._leases[i])
-                for i, state in sorted(self._states.items())
-                if state.role is role
-            )
+            views = tuple(v for _, v in sorted(self._views.items()) if v.state.role is role)
             snapshot = self._snapshots[role] = PoolSnapshot(
                 self._policy().pool, views, taken_at=now
             )
@@ -466,22 +487,23 @@ class WeirPolicy:
                 if flight.done:
                     continue
                 if isinstance(event, Placed):
-                    self._placed(role, flight, event.endpoint_id)
+                    self._placed(role, flight, event)
                 else:
                     self._refused(flight, event.refusal, self.sim.now)
         finally:
             self._delivering = False
         self._arm_wakeups()
 
-    def _placed(self, role: Role, flight: Flight, endpoint_id: str) -> None:
+    def _placed(self, role: Role, flight: Flight, placed: Placed[Flight]) -> None:
         now = self.sim.now
+        endpoint_id = placed.endpoint_id
         index = int(endpoint_id.rsplit("-", 1)[1])
         if not self.sim.engines[index].alive:
             # Its lease has not lapsed yet but the connection is refused.
             snapshot = self._snapshot(now, role)
             self._deliver(role, self.routers[role].refused(flight.rid, now, snapshot))
             return
-        self.index.record(endpoint_id, _block_hashes(flight))
+        self.routers[role].reached(placed.route, endpoint_id)
         flight.accepted = True
         self._offer(self.sidecars[index], flight, now)
 
@@ -541,7 +563,7 @@ class WeirPolicy:
             request_id=spec.request_id,
             model=MODEL,
             prompt_tokens=spec.input_tokens,
-            max_new_tokens=spec.max_tokens,
+            max_new_tokens=spec.generated_tokens if self.knows_lengths else spec.max_tokens,
             tenant=spec.tenant,
             role=role,
             priority=spec.priority,
@@ -741,7 +763,7 @@ class WeirPolicy:
         sidecar = self.sidecars[engine]
         # The sidecar re-derives its KV account at its engine-poll rhythm, not every
         # iteration; admissions and releases adjust it in between.
-        if now - sidecar.accounted_at >= self.sim.config.staleness.engine_poll_s:
+        if now - sidecar.accounted_at >= self.staleness.engine_poll_s:
             sidecar.account()
             sidecar.accounted_at = now
         previous = sidecar.watermark
@@ -787,9 +809,9 @@ class WeirPolicy:
         # The room elsewhere, from what the other sidecars last published (the live
         # sidecar reads the same from the control plane).
         peers = [
-            state
-            for i, state in self._states.items()
-            if i != sidecar.index and state.role is sidecar.role and self._leases[i] > now
+            v.state
+            for i, v in self._views.items()
+            if i != sidecar.index and v.state.role is sidecar.role and v.lease_deadline > now
         ]
         rooms = peer_rooms(peers, policy.kv)
         costs = self._costs
@@ -880,7 +902,7 @@ class WeirPolicy:
 
     def engine_failed(self, engine: int, flights: list[Flight], now: float) -> None:
         sidecar = self.sidecars[engine]
-        lease = LEASE_HEARTBEATS * self.sim.config.staleness.heartbeat_period_s
+        lease = LEASE_HEARTBEATS * self.staleness.heartbeat_period_s
         self.sim.at(now + lease, lambda: self._membership_changed(self.sim.now))
         stranded = [*flights, *(f for _, f in sidecar.queue.entries())]
         for flight in stranded:

@@ -30,7 +30,7 @@ def values_id(path: Path) -> str:
 
 @cache
 def helm() -> str:
-    """The helm binary that scripts/k8s_tools.py extracts (see TESTING.md)."""
+    """The helm binary that scripts/k8s_tools.py extracts (docs/testing.md, the kube tier)."""
     out = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "k8s_tools.py")],
         capture_output=True,

@@ -37,6 +37,7 @@ from controlplane.ownership import Membership, OwnershipRing
 from controlplane.routing import (
     Dispatcher,
     EndpointView,
+    Placed,
     Refusal,
     RouteRequest,
     default_config,
@@ -212,10 +213,11 @@ class _Recorded(WeirPolicy):
         self.decisions.append((now, flight.rid, sidecar.endpoint_id))
         flight.target = ""  # the sidecar would take (or ignore) the room held for it
 
-    def _placed(self, role: Role, flight: Flight, endpoint_id: str) -> None:
+    def _placed(self, role: Role, flight: Flight, placed: Placed[Flight]) -> None:
+        endpoint_id = placed.endpoint_id
         if not self.sim.engines[int(endpoint_id.rsplit("-", 1)[1])].alive:
             self.decisions.append((self.sim.now, flight.rid, f"refused by {endpoint_id}"))
-        super()._placed(role, flight, endpoint_id)
+        super()._placed(role, flight, placed)
 
     def _refused(self, flight: Flight, refusal: Refusal, now: float) -> None:
         self.decisions.append((now, flight.rid, refusal.reason))

@@ -37,7 +37,13 @@ from fleet_operator.scaling import (
     target_replicas,
 )
 from fleet_operator.spec import InvalidPoolError, ReplicaSpec, parse_pool
-from fleet_operator.status import DeploymentView, Observed, build_status
+from fleet_operator.status import (
+    DeploymentView,
+    Observed,
+    build_status,
+    rejection,
+    rejection_status,
+)
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml"))
 SPEC: dict[str, Any] = {
@@ -371,6 +377,26 @@ def test_unreachable_control_plane_is_a_condition_not_an_error() -> None:
     assert conditions["ControlPlaneReachable"]["status"] == "False"
     assert conditions["ControlPlaneReachable"]["reason"] == "RedisUnavailable"
     assert conditions["Ready"]["reason"] == "EnginesNotReady"
+
+
+def test_a_child_refusal_outlives_a_status_pass_that_read_the_pool_before_it() -> None:
+    """The reconciler records a refusal while a status pass, started on the pool as it was,
+    writes its own conditions (a merge patch replaces the list): the next pass still finds
+    the refusal and keeps Degraded on it, until the spec's generation changes."""
+    stale = build_status(Observed(generation=3), [], "t")
+    refused = Observed(generation=3, rejected="requests over limits")
+    status = build_status(refused, [], "t") | rejection_status("requests over limits", 3)
+    # The stale pass lands last; its conditions (AsExpected) replace the list whole.
+    status |= stale
+    assert {c["type"]: c["reason"] for c in status["conditions"]}["Degraded"] == "AsExpected"
+    kept = rejection(status, 3)
+    assert kept == "requests over limits"
+    degraded = {c["type"]: c for c in build_status(Observed(generation=3, rejected=kept),
+                                                   status["conditions"], "t")["conditions"]}  # fmt: skip
+    assert (degraded["Degraded"]["status"], degraded["Degraded"]["reason"]) == (
+        "True", "ChildRejected",
+    )  # fmt: skip
+    assert rejection(status, 4) == ""
 
 
 def test_autoscaling_follows_the_worst_signal_with_stabilization() -> None:

@@ -9,6 +9,7 @@ from controlplane.routing import (
     Dispatcher,
     Placed,
     PoolSnapshot,
+    PrefixIndex,
     Refused,
     RouteRequest,
     default_config,
@@ -222,3 +223,28 @@ def test_an_adopted_continuation_is_placed_as_a_resume_and_never_charged() -> No
     assert core.finished("r1", 30, 1.0, full) == []
     assert core.queue.counter("a") == 0.0
     assert core.inflight.total == 0
+
+
+def test_where_a_request_went_is_learnt_by_the_prefix_plugin_once_the_endpoint_has_it() -> None:
+    """The prefix index is the prefix plugin's state, kept by its post-decision hook: the
+    driver says when the endpoint has the request (`reached`), for the gateway and the
+    simulator alike. A profile without the plugin keeps no index; a core without an
+    index has none to keep."""
+    index = PrefixIndex()
+    core: Dispatcher[str] = Dispatcher(PROFILE, RoutingPolicy(), index)
+    snapshot = _snapshot(e0=NORMAL, e1=NORMAL)
+    (placed,) = core.arrive(_route("r1", block_hashes=(1, 2, 3)), "p1", 0.0, snapshot)
+    assert isinstance(placed, Placed)
+    assert index.holders((1, 2, 3)) == {}  # placed is not reached: it may still be refused
+    core.reached(placed.route, placed.endpoint_id)
+    assert index.holders((1, 2, 3)) == {placed.endpoint_id: 3}
+
+    config = default_config()
+    config["scorers"] = [s for s in config["scorers"] if s["name"] != "prefix-affinity"]
+    elsewhere = PrefixIndex()
+    without = Dispatcher[str](profile_from_config(config), RoutingPolicy(), elsewhere)
+    (placed,) = without.arrive(_route("r2", block_hashes=(1, 2, 3)), "p2", 0.0, snapshot)
+    assert isinstance(placed, Placed)
+    without.reached(placed.route, placed.endpoint_id)
+    assert len(elsewhere) == 0
+    Dispatcher[str](PROFILE, RoutingPolicy()).reached(placed.route, placed.endpoint_id)
