@@ -422,10 +422,11 @@ def plan_relief(
         rungs.append(Rung.STOP_ROUTING)
     if watermark.rank >= WatermarkState.CRITICAL.rank:
         rungs += [Rung.PAUSE_ADMISSION, Rung.FAVOUR_NEAR_DONE]
-    favoured = tuple(
-        c.rid
-        for c in candidates
-        if Rung.FAVOUR_NEAR_DONE in rungs and c.predicted_remaining <= near_done_tokens
+    # Candidates are read only where a rung needs them (a caller may build them lazily).
+    favoured = (
+        tuple(c.rid for c in candidates if c.predicted_remaining <= near_done_tokens)
+        if Rung.FAVOUR_NEAR_DONE in rungs
+        else ()
     )
     target = int(kv.high_watermark * usage.capacity_tokens)
     needed = usage.committed_tokens - target if watermark is WatermarkState.EXHAUSTED else 0

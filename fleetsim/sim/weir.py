@@ -53,8 +53,9 @@ from __future__ import annotations
 import functools
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from typing import overload
 
 from controlplane.contract import (
     CacheIdentity,
@@ -778,34 +779,10 @@ class WeirPolicy:
 
     def _relieve(self, sidecar: Sidecar, now: float) -> None:
         policy = self._policy()
-        horizon = policy.kv.growth_horizon_steps
-        # A victim can migrate only to another live endpoint of the same role.
-        migratable = any(
-            other is not sidecar and other.role is sidecar.role and slot.alive
-            for other, slot in zip(self.sidecars, self.sim.engines, strict=True)
-        )
-        candidates = []
-        for held in sidecar.held.values():
-            flight = held.flight
-            if flight.first_token_at < 0 or flight.stage is not Stage.ENGINE:
-                continue
-            spec = flight.spec
-            outlook = sidecar.outlook(flight)
-            candidates.append(
-                VictimCandidate(
-                    rid=flight.rid,
-                    prompt_tokens=held.prompt_tokens,
-                    generated_tokens=flight.generated,
-                    max_new_tokens=spec.max_tokens,
-                    predicted_total_tokens=outlook.predicted_total_tokens,
-                    reserved_growth_tokens=growth_reserve(outlook, horizon),
-                    priority=spec.priority,
-                    deadline_at=spec.arrival_s + spec.deadline_s if spec.deadline_s else 0.0,
-                    preemptions=sum(flight.preemptions.values()),
-                    recomputable=True,
-                    migratable=migratable,
-                )
-            )
+        # Relief reads its candidates only when a rung needs them (near-done requests at
+        # critical, victims at exhaustion): below that, predicting every running
+        # request's length for them was most of a long run's time.
+        candidates = _OnDemand(functools.partial(self._victim_candidates, sidecar))
         # The room elsewhere, from what the other sidecars last published (the live
         # sidecar reads the same from the control plane).
         peers = [
@@ -851,6 +828,37 @@ class WeirPolicy:
                 self.sim.end(flight, FinishReason.ABORTED, now, "terminated by relief")
         if plan.victims:
             sidecar.account()
+
+    def _victim_candidates(self, sidecar: Sidecar) -> list[VictimCandidate]:
+        horizon = self._policy().kv.growth_horizon_steps
+        # A victim can migrate only to another live endpoint of the same role.
+        migratable = any(
+            other is not sidecar and other.role is sidecar.role and slot.alive
+            for other, slot in zip(self.sidecars, self.sim.engines, strict=True)
+        )
+        candidates = []
+        for held in sidecar.held.values():
+            flight = held.flight
+            if flight.first_token_at < 0 or flight.stage is not Stage.ENGINE:
+                continue
+            spec = flight.spec
+            outlook = sidecar.outlook(flight)
+            candidates.append(
+                VictimCandidate(
+                    rid=flight.rid,
+                    prompt_tokens=held.prompt_tokens,
+                    generated_tokens=flight.generated,
+                    max_new_tokens=spec.max_tokens,
+                    predicted_total_tokens=outlook.predicted_total_tokens,
+                    reserved_growth_tokens=growth_reserve(outlook, horizon),
+                    priority=spec.priority,
+                    deadline_at=spec.arrival_s + spec.deadline_s if spec.deadline_s else 0.0,
+                    preemptions=sum(flight.preemptions.values()),
+                    recomputable=True,
+                    migratable=migratable,
+                )
+            )
+        return candidates
 
     def _release(self, sidecar: Sidecar, flight: Flight) -> None:
         sidecar.held.pop(flight.rid, None)
@@ -913,6 +921,32 @@ class WeirPolicy:
             self._where.pop(flight.rid, None)
             flight.preempted("failover")
             self._hand_back(flight, now, broken=True)
+
+
+class _OnDemand(Sequence[VictimCandidate]):
+    """A sequence built by `build` the first time anything reads it."""
+
+    def __init__(self, build: Callable[[], list[VictimCandidate]]) -> None:
+        self._build: Callable[[], list[VictimCandidate]] | None = build
+        self._items: list[VictimCandidate] = []
+
+    def _all(self) -> list[VictimCandidate]:
+        if self._build is not None:
+            self._items, self._build = self._build(), None
+        return self._items
+
+    @overload
+    def __getitem__(self, index: int) -> VictimCandidate: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[VictimCandidate]: ...
+    def __getitem__(self, index: int | slice) -> VictimCandidate | Sequence[VictimCandidate]:
+        return self._all()[index]
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+    def __iter__(self) -> Iterator[VictimCandidate]:
+        return iter(self._all())
 
 
 def _block_hashes(flight: Flight) -> tuple[int, ...]:
