@@ -15,10 +15,11 @@ probe is kept: they are the load-vs-attainment curve the report shows.
 Attainment is not monotone in load in a simulation: each load draws its own requests,
 and near the knee a handful of them decide. The search keeps two facts: `failed`, the
 lowest load that missed the target, and `met`, the highest load below it that made it;
-the answer is `met` once `failed ≤ met × (1 + tolerance)`. A load that meets the target
-above a failure is recorded but never raises the answer: the capacity is where the curve
-first drops below the target as far as the search has looked, the conservative reading.
-Several seeds per load (pooled into one attainment) lower the noise itself.
+the answer is `met` once `failed ≤ met × (1 + tolerance)`. It never looks above the
+lowest load that failed, so a dip it runs into bounds the answer even where higher loads
+would meet the target again: the capacity is the first crossing the search meets, the
+conservative reading. Several seeds per load (pooled into one attainment) lower the
+noise itself.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ from fleetsim.report.matrix import CellSpec, nominal_rps, ratio, run_cell
 from fleetsim.sim import OraclePolicy, WeirPolicy, is_baseline
 
 # The search's reach, as fractions of the nominal capacity: a policy that meets the SLO
-# at the highest load is reported as at least that (`Limit.ABOVE`), one that misses it at
-# the lowest as below it.
+# at the highest load is reported as at least that ("above"), one that misses it at the
+# lowest as below it ("below").
 START = 1.0
 LOWEST = 1 / 16
 HIGHEST = 8.0
