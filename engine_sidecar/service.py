@@ -56,6 +56,7 @@ from controlplane.contract import (
     encode_json,
 )
 from controlplane.contract import headers as wire
+from controlplane.telemetry.catalog import length_bucket
 from controlplane.trace.middleware import REQUEST_ID
 from controlplane.trace.trail import (
     NO_REQUEST,
@@ -80,7 +81,7 @@ from engine_sidecar.intake import (
     parse_json,
 )
 from engine_sidecar.ledger import COMMITTED, Flight, Ledger, OverloadError
-from engine_sidecar.metrics import SidecarMetrics, length_bucket
+from engine_sidecar.metrics import SidecarMetrics
 from engine_sidecar.policy import (
     H200_LLAMA_8B,
     ReliefCosts,

@@ -50,7 +50,7 @@ from controlplane.contract import (
 from controlplane.contract import headers as wire
 from controlplane.gateway.credits import CREDIT_HEADER, HandoffGate
 from controlplane.gateway.errors import GatewayError, body_refused, refusal_error, unavailable
-from controlplane.gateway.metrics import RouterMetrics, length_bucket
+from controlplane.gateway.metrics import RouterMetrics
 from controlplane.gateway.pool import PoolView
 from controlplane.gateway.quotas import QuotaGate
 from controlplane.gateway.relay import Received, SegmentRelay, Splicer, sse
@@ -71,6 +71,7 @@ from controlplane.routing import (
     profile_from_config,
 )
 from controlplane.routing.dispatch import Event
+from controlplane.telemetry.catalog import length_bucket
 from controlplane.trace.middleware import REQUEST_ID, request_ids
 from controlplane.trace.spans import CLIENT, TRACER, outgoing
 from controlplane.trace.trail import Trail
