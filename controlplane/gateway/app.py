@@ -297,6 +297,9 @@ class Gateway:
         self._background: set[asyncio.Task[None]] = set()
         self._served = self._models_of(view.snapshot)
         self._adapters = _adapters_of(view.snapshot)
+        # Whether the pool's /generate streams carry each event's ids only (SGLang 0.5.5)
+        # or all so far (0.5.23): learnt from the first stream that shows it.
+        self._ids_delta: bool | None = None
         view.on_change(self._snapshot_changed)
         self.guard = RequestGuard(
             config.server.for_context(config.limits.context_length),
@@ -531,7 +534,9 @@ class Gateway:
             return self._refuse(exc, tenant, request[REQUEST_ID])
         except BodyError as exc:
             return self._refuse(body_refused(exc), tenant, request[REQUEST_ID])
-        splicer = Splicer(api, Asks.of(client.body), prompt_tokens=client.prompt_tokens)
+        splicer = Splicer(
+            api, Asks.of(client.body), prompt_tokens=client.prompt_tokens, ids_delta=self._ids_delta
+        )
         ex = _Exchange(client, route, tenant, started, splicer)
         try:
             if self.credits is not None:
@@ -624,6 +629,8 @@ class Gateway:
             self._finish(ex)
             self._release_quota(ex.route.request_id, ex.client.prompt_tokens, ex.splicer.generated)
             self._account(ex)
+            if ex.splicer.ids_delta is not None:
+                self._ids_delta = ex.splicer.ids_delta
 
     def _continuation(self, ex: _Exchange) -> Continuation:
         """What the client holds, as the contract's continuation record."""

@@ -100,11 +100,16 @@ def ask_for_counts(api: EngineAPI, body: dict[str, Any], *, token_ids: bool) -> 
 
 @dataclass(slots=True)
 class Splicer:
+    """One streamed request's output as its client receives it (see the module's
+    docstring): `read` each upstream event, `next_segment` when a resume starts another
+    engine request."""
+
     api: EngineAPI  # the client's
     asks: Asks = Asks()
     incremental_text: bool = False  # SGLang's --incremental-streaming-output
     # Whether /generate events carry their own ids only (SGLang 0.5.5) rather than every
-    # id so far (0.5.23); None: not known yet, learnt from this stream's events.
+    # id so far (0.5.23); None: not known yet, learnt from the events (a hop keeps what
+    # it learnt for its next streams).
     ids_delta: bool | None = None
     # The current segment's engine API, when it is not the client's (a chat request
     # resumed from token ids is served by the completions API).

@@ -60,6 +60,20 @@ def test_a_resumed_generate_stream_continues_cumulative_fields() -> None:
     assert (splicer.generated_text(), splicer.generated, splicer.finish) == ("abcd", 4, "length")
 
 
+def test_ids_sent_event_by_event_are_learnt_and_joined() -> None:
+    """SGLang 0.5.5 sends each event's own ids: the client holds them all, and a resumed
+    segment's events are not given the earlier ones again."""
+    splicer = Splicer(EngineAPI.GENERATE)
+    for n in (1, 2, 3):
+        _read(splicer, _generate("abc"[:n], [96 + n], completion_tokens=n))
+    assert (splicer.ids_delta, splicer.skims, splicer.exact_ids()) == (True, False, [97, 98, 99])
+    splicer.next_segment()
+    resumed = _read(splicer, _generate("d", [100], completion_tokens=1))
+    assert resumed is not None
+    assert (resumed["text"], resumed["output_ids"]) == ("abcd", [100])
+    assert splicer.exact_ids() == [97, 98, 99, 100]
+
+
 def test_a_generate_event_without_counts_is_counted_by_its_ids() -> None:
     splicer = Splicer(EngineAPI.GENERATE)
     assert _read(splicer, {"text": "ab", "output_ids": [97, 98], "meta_info": {}}) is not None
