@@ -13,6 +13,8 @@ from engine_sidecar.ledger import Flight, Ledger
 class LedgerWatch(SegmentWatch):
     """One segment of one streamed request, as the ledger sees it."""
 
+    guarded = True
+
     def __init__(
         self,
         splicer: Splicer,

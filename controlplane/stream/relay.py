@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Awaitable, Callable
+from typing import ClassVar
 
 from controlplane.contract.vocabulary import PREEMPTED_EVENT
 from controlplane.stream.splicer import Splicer
@@ -45,6 +46,10 @@ class Ending(enum.Enum):
 class SegmentWatch:
     """What the hop running a relay adds to it; by default nothing."""
 
+    # Whether `deadline_passed` or `preempting` can ever be true: a watch that sets it
+    # is asked on every read, one that does not (the router's) never.
+    guarded: ClassVar[bool] = False
+
     def deadline_passed(self) -> bool:
         """Whether to stop relaying, for the request's deadline passed."""
         return False
@@ -64,6 +69,7 @@ class Relay:
     def __init__(self, splicer: Splicer, watch: SegmentWatch) -> None:
         self._splicer = splicer
         self._watch = watch
+        self._guarded = watch.guarded
         self._out: DirectWriter | None = None
         self._withheld = False  # this hop's preemption was read: nothing more goes out
         self.ending: Ending | None = None
@@ -91,7 +97,7 @@ class Relay:
         """The events of one upstream read; True stops the push (the segment ended, or the
         task must write or wait)."""
         watch, splicer = self._watch, self._splicer
-        if watch.deadline_passed():
+        if self._guarded and watch.deadline_passed():
             self.ending = Ending.DEADLINE
             return True
         data: list[bytes] = []
@@ -115,7 +121,7 @@ class Relay:
                     data.append(event.raw)  # the read's last event has the totals
                     continue
             forward = splicer.read(event.raw, event.data)
-            if splicer.finish == "abort" and watch.preempting():
+            if splicer.finish == "abort" and self._guarded and watch.preempting():
                 splicer.forget_last()
                 self._withheld = True
                 continue
@@ -136,7 +142,7 @@ class Relay:
         `Splicer.skims`). A pending preemption or a passed deadline declines (None), to
         `feed`."""
         watch, out = self._watch, self._out
-        if watch.preempting() or watch.deadline_passed():
+        if self._guarded and (watch.preempting() or watch.deadline_passed()):
             return None
         assert out is not None  # offered only once the headers are out
         self._splicer.read(last.raw, last.data)

@@ -137,10 +137,12 @@ class Splicer:
     # (tokens, text appended, ids held) before the last event
     _undo: tuple[int, bool, int] = (0, False, 0)
     _preempted: bool = False  # the segment's abort was read: only its ids may follow
+    # A segment after the first (of this hop's, or a continuation's): its events continue
+    # the client's stream.
+    resumed: bool = field(init=False)
 
-    @property
-    def resumed(self) -> bool:
-        return self.offset_tokens > 0 or bool(self.prefix_text)
+    def __post_init__(self) -> None:
+        self.resumed = self.offset_tokens > 0 or bool(self.prefix_text)
 
     @property
     def skims(self) -> bool:
@@ -197,6 +199,7 @@ class Splicer:
         self._seg_ids, self._seg_text_parts = [], []
         self.engine_api = engine_api if engine_api is not self.api else None
         self._preempted = False
+        self.resumed = True
 
     def forget_last(self) -> None:
         """The last event will not reach the client (the abort that ends a preempted
@@ -240,9 +243,9 @@ class Splicer:
         completion = meta.completion_tokens
         if completion is not None and completion > self.seg_tokens:
             self.seg_tokens = completion
-        if not self.client_id:
-            self.client_id = meta.id
-        if not self.resumed:
+        resumed = self.resumed
+        if not resumed and not self.engine_prompt_tokens:  # what the first events say
+            self.client_id = self.client_id or meta.id
             if meta.cached_tokens is not None:
                 self.cached_tokens = meta.cached_tokens
             if meta.prompt_tokens:
@@ -261,10 +264,10 @@ class Splicer:
                 self.seg_tokens = max(self.seg_tokens, len(ids))
         if not self.incremental_text:
             self._last_data = data
-        kind = meta.finish_type
+        kind = meta.finish_type if meta.finish_reason else ""
         if kind:
             self.finish = kind
-        if not self.resumed or kind == "abort":
+        if not resumed or kind == "abort":
             return raw
         # Resumed: the client expects one cumulative stream.
         out = body if body is not None else _decode_any(data)
