@@ -82,11 +82,6 @@ class Choice(msgspec.Struct):
     token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
 
-    @property
-    def content(self) -> str:
-        """The text this chunk adds (a chat delta's content, a completion's text)."""
-        return (self.delta.content or "") if self.delta is not None else (self.text or "")
-
 
 class PromptDetails(msgspec.Struct):
     cached_tokens: int | None = None

@@ -300,23 +300,24 @@ class Splicer:
         choice = event.choices[0] if event.choices else None
         content = finish = ""
         if choice is not None:
-            content, finish = choice.content, choice.finish_reason or ""
+            delta = choice.delta
+            content = (delta.content or "") if delta is not None else (choice.text or "")
+            finish = choice.finish_reason or ""
             if finish:
                 self.finish = finish
         self._undo = (self.seg_tokens, bool(content), len(self._seg_ids))
         usage = event.usage
-        if not self.resumed:
+        resumed = self.resumed
+        if not resumed:
             if not self.client_id:
                 self.client_id, self.client_created = event.id, event.created
-            if usage is not None and usage.prompt_tokens:
-                self.prompt_tokens = self.engine_prompt_tokens = usage.prompt_tokens
-            details = usage.prompt_tokens_details if usage is not None else None
-            if details is not None and details.cached_tokens is not None:
-                self.cached_tokens = details.cached_tokens
-        if choice is not None and choice.token_ids is not None:
-            self._seg_ids.extend(choice.token_ids)
+            if usage is not None and not self.engine_prompt_tokens:  # said once, first
+                self._first_usage(usage)
+        token_ids = choice.token_ids if choice is not None else None
+        if token_ids is not None:
+            self._seg_ids.extend(token_ids)
             self.seg_tokens = len(self._seg_ids)
-            if choice.prompt_token_ids and not self.prompt_ids:
+            if choice is not None and choice.prompt_token_ids and not self.prompt_ids:
                 self.prompt_ids = list(choice.prompt_token_ids)
         elif usage is not None and usage.completion_tokens >= self.seg_tokens:
             self.seg_tokens = usage.completion_tokens
@@ -327,22 +328,34 @@ class Splicer:
             self.seg_tokens += 1
         if content:
             self._seg_text_parts.append(content)
-        if choice is None and event.sglext is not None:  # chat's ids, after the last chunk
-            self._take_sglext(event.sglext)
-            return raw if self.asks.sglext else None
-        if choice is None:  # the usage chunk after the last
-            if not self.asks.usage:
+        if choice is None:
+            if event.sglext is not None:  # chat's ids, after the last chunk
+                self._take_sglext(event.sglext)
+                return raw if self.asks.sglext else None
+            if not self.asks.usage:  # the usage chunk after the last
                 return None
-            if not self.resumed:
+            if not resumed:
                 return raw
-        elif not self.resumed:
-            if not self._strips(choice, usage):
+        elif not resumed:
+            # Fresh: forwarded as it came unless it carries what the client did not ask for.
+            if token_ids is not None or choice.prompt_token_ids:
+                if self.asks.token_ids and (usage is None or self.asks.chunk_usage):
+                    return raw
+            elif usage is None or self.asks.chunk_usage:
                 return raw
-            if choice.token_ids is None and not choice.prompt_token_ids and not self.engine_api:
-                return b"data: " + without_usage(data) + b"\n\n"
+            elif self.engine_api is None:
+                return b"data: %b\n\n" % without_usage(data)
         elif not content and not finish:
             return None  # the resumed segment's role chunk: the client had it
         return self._rewrite(data, choice)
+
+    def _first_usage(self, usage: Usage) -> None:
+        """The prompt's size and prefix-cache hit, from the first segment's usage."""
+        if usage.prompt_tokens:
+            self.prompt_tokens = self.engine_prompt_tokens = usage.prompt_tokens
+        details = usage.prompt_tokens_details
+        if details is not None and details.cached_tokens is not None:
+            self.cached_tokens = details.cached_tokens
 
     def _take_sglext(self, ext: SglExt) -> None:
         if ext.output_ids:
@@ -350,13 +363,6 @@ class Splicer:
             self._seg_ids = list(ext.output_ids[0][: self.seg_tokens])
         if ext.input_ids and not self.prompt_ids:
             self.prompt_ids = list(ext.input_ids)
-
-    def _strips(self, choice: Choice, usage: Usage | None) -> bool:
-        """Whether a chunk carries something asked of the upstream that the client did not
-        ask for."""
-        if choice.token_ids is not None or choice.prompt_token_ids:
-            return not self.asks.token_ids
-        return usage is not None and not self.asks.chunk_usage
 
     def _rewrite(self, data: bytes, choice: Choice | None) -> bytes:
         out = _decode_any(data)

@@ -194,3 +194,13 @@ def test_a_whole_answer_is_read_in_either_shape() -> None:
     assert whole_answer(json.dumps(generate).encode()) == ("length", 2, 4)
     assert whole_answer(json.dumps(openai).encode()) == ("stop", 2, 4)
     assert whole_answer(b"not json") == ("", 0, 0)
+
+
+def test_token_ids_reach_a_client_that_asked_for_them_and_usage_only_if_asked() -> None:
+    splicer = Splicer(EngineAPI.COMPLETIONS, Asks.of({"return_token_ids": True}))
+    chunk = _completion("weir", 1)
+    chunk["choices"][0]["token_ids"] = [7]
+    assert _read(splicer, chunk) == {
+        **_completion("weir", None), "choices": [{**chunk["choices"][0]}],
+    }  # fmt: skip
+    assert splicer.exact_ids() == [7]
