@@ -1,5 +1,7 @@
 """`weir up --engine sglang`: the README's GPU path, run on this machine's CPU with SGLang's
-own server (0.5.23) serving the tiny model, two engines behind sidecars and the router."""
+own server (0.5.23) serving the tiny model, behind its sidecar and the router. One engine:
+two real servers behind one router are the SGLang tier's migration test
+(tests/sglang/test_lifecycle.py); here the command is what is under test."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ VERSION = "0.5.23"
 
 def test_weir_up_with_real_sglang_engines_serves_the_sample_requests() -> None:
     done = subprocess.run(
-        [*WEIR, "up", *weir_sglang_args(VERSION), "--engines", "2", "--smoke",
+        [*WEIR, "up", *weir_sglang_args(VERSION), "--engines", "1", "--smoke",
          "--requests", "2", "--port", "0", "--startup-timeout-s", "300"],
         capture_output=True, text=True, timeout=400, env={**os.environ, **cpu_environment()},
     )  # fmt: skip

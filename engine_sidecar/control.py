@@ -7,6 +7,10 @@ that matters (watermark state, or KV moved by 1 % of capacity), so routers see p
 within one Redis round trip rather than one heartbeat period. Redis being unreachable
 does not stop the sidecar (soft on control): local admission keeps working on its own
 accounting, and the link keeps retrying.
+
+Relief's migrations go through the link too: the peers a continuation may move to, as
+the pool last published them (`peers`), and the reservation of room at the one chosen
+(`reserve`, that peer's `POST /weir/v1/reserve`).
 """
 
 from __future__ import annotations
@@ -18,9 +22,18 @@ import logging
 import time
 from collections.abc import Awaitable
 
+import msgspec
 from redis.exceptions import RedisError
 
-from controlplane.contract import EndpointState, Lifecycle, SchemaError
+from controlplane.contract import (
+    EndpointState,
+    Lifecycle,
+    Role,
+    RoomReservation,
+    SchemaError,
+    decode_json,
+    encode_json,
+)
 from controlplane.store import (
     EndpointLease,
     EndpointRegistry,
@@ -30,12 +43,22 @@ from controlplane.store import (
 )
 from controlplane.store.commands import CommandChannel
 from controlplane.store.quotas import QuotaStore
+from controlplane.transport.http import HTTPClient, TransportError
 from engine_sidecar.ledger import COMMITTED
-from engine_sidecar.policy import peer_room
 from engine_sidecar.quota import KVQuota
-from engine_sidecar.service import SidecarService
+from engine_sidecar.service import RESERVE_PATH, SidecarService
 
 log = logging.getLogger("weir.sidecar.control")
+
+
+class _Refusal(msgspec.Struct):
+    room_tokens: int = 0
+
+
+class _NoRoom(msgspec.Struct):
+    """A target's 409 `no_room`: the room it has."""
+
+    error: _Refusal
 
 
 class ControlLink:
@@ -48,6 +71,7 @@ class ControlLink:
         address: str,
         heartbeat_s: float,
         lease_ttl_s: float,
+        admin_token: str = "",
     ) -> None:
         self.service = service
         self.redis = redis
@@ -68,6 +92,9 @@ class ControlLink:
         self.commands = CommandChannel(redis, pool)
         self._executed: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._room_unknown_until = 0.0  # relief's room reads paused until then (monotonic)
+        # Reservations at migration targets: the pool's sidecars share one admin token.
+        self.admin_token = admin_token
+        self._peers_http = HTTPClient(connect_timeout_s=heartbeat_s, read_timeout_s=heartbeat_s)
         self._heartbeat: asyncio.Task[None] | None = None
         self._commands: asyncio.Task[None] | None = None
         self._closing = False
@@ -88,12 +115,17 @@ class ControlLink:
             address=self.address,
             model=service.limits.model,
             role=service.policy.role,
+            bootstrap_port=service.info.bootstrap_port
+            if service.policy.role is Role.PREFILL
+            else 0,
             lifecycle=Lifecycle.DRAINING if service.draining else Lifecycle.READY,
             watermark=ledger.watermark,
             page_size=service.info.page_size,
             kv_capacity_tokens=ledger.capacity_tokens,
             kv_used_tokens=ledger.used_tokens,
-            kv_reserved_growth_tokens=ledger.reserved,
+            # Room held for migrating continuations is committed like reserved growth:
+            # routers and peers must not count on it.
+            kv_reserved_growth_tokens=ledger.reserved + ledger.held_tokens,
             kv_growth_tokens_per_s=max(0.0, ledger.growth.tokens_per_s),
             waiting_prefill_tokens=ledger.waiting_prefill,
             running_requests=running,
@@ -163,30 +195,58 @@ class ControlLink:
                 log.warning("command channel: %s", exc)
                 await asyncio.sleep(self.heartbeat_s)
 
-    async def migration_room(self) -> int | None:
-        """The largest continuation another endpoint of the pool (lease valid, same
-        role) would admit, from what they last published; None when the control plane
-        cannot say (relief then migrates as if there were room). After a failed read it
-        does not ask again for a few heartbeats: relief under exhaustion must not wait
-        on an unreachable Redis pass after pass."""
+    async def peers(self) -> list[EndpointState]:
+        """The other endpoints of the pool a continuation could migrate to (lease valid,
+        same role), as they last published; none when the control plane cannot say
+        (relief then migrates nothing). After a failed read it does not ask again for a
+        few heartbeats: relief under exhaustion must not wait on an unreachable Redis
+        pass after pass."""
         if time.monotonic() < self._room_unknown_until:
-            return None
+            return []
         try:
             snapshot = await asyncio.wait_for(self.registry.snapshot(), self.heartbeat_s)
         except (RedisError, OSError, SchemaError, TimeoutError) as exc:
             log.info("relief: the pool's room is unknown (%s)", exc)
             self._room_unknown_until = time.monotonic() + 5 * self.heartbeat_s
-            return None
+            return []
         role = self.service.policy.role
         now_ms = snapshot.server_time_ms
-        peers = [
+        return [
             state
             for endpoint_id, state in snapshot.endpoints.items()
             if endpoint_id != self.endpoint_id
             and state.role is role
             and snapshot.lease_expires_ms.get(endpoint_id, 0) > now_ms
         ]
-        return peer_room(peers, self.service.policy.kv)
+
+    async def reserve(
+        self, peer: EndpointState, asked: RoomReservation
+    ) -> tuple[RoomReservation | None, int]:
+        """Ask `peer` to hold room for a continuation (its `POST /weir/v1/reserve`, with
+        this pool's admin token): the grant, or None and the room it says it has (0 when
+        it did not answer, or answered something else)."""
+        headers = {"Content-Type": "application/json"}
+        if self.admin_token:
+            headers["Authorization"] = f"Bearer {self.admin_token}"
+        try:
+            async with await self._peers_http.request(
+                "POST", peer.address + RESERVE_PATH, encode_json(asked), headers
+            ) as reply:
+                body = await reply.read()
+                status = reply.status
+        except TransportError as exc:
+            log.info("relief: %s did not answer a reservation: %s", peer.endpoint_id, exc)
+            return None, 0
+        try:
+            if status == 200:
+                return decode_json(body, RoomReservation), 0
+            if status == 409:
+                return None, msgspec.json.decode(body, type=_NoRoom).error.room_tokens
+        except (SchemaError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.info("relief: %s answered a reservation with %s", peer.endpoint_id, exc)
+            return None, 0
+        log.info("relief: %s answered a reservation with HTTP %d", peer.endpoint_id, status)
+        return None, 0
 
     def start(self) -> None:
         self._heartbeat = asyncio.create_task(self._run(), name="weir-sidecar-heartbeat")
@@ -217,3 +277,4 @@ class ControlLink:
         with contextlib.suppress(RedisError, OSError):
             await self.lease.release()
         await self.redis.aclose()
+        await self._peers_http.close()

@@ -52,6 +52,9 @@ class EngineInfo:
     # GB when given, else --hicache-ratio times the device pool; 0 and 0.0 without one.
     hicache_size_gb: int = 0
     hicache_ratio: float = 0.0
+    # P/D (--disaggregation-mode, --disaggregation-bootstrap-port): "null" on a mixed engine.
+    disaggregation_mode: str = "null"
+    bootstrap_port: int = 0
 
     def host_tier_tokens(self, kv_bytes_per_token: int) -> int:
         """The host pool's capacity in tokens (0: no host tier)."""
@@ -222,6 +225,8 @@ class SGLangEngine:
             max_req_input_len=_int(info.get("max_req_input_len")),
             loads_api="v1_loads" if loads_status == 200 else "get_load",
             incremental_streaming=bool(info.get("incremental_streaming_output", False)),
+            disaggregation_mode=str(info.get("disaggregation_mode") or "null"),
+            bootstrap_port=_int(info.get("disaggregation_bootstrap_port")),
             **_hicache(info),
         )
         return self._info

@@ -9,17 +9,23 @@ pass over every request.
 A request's KV counts from the moment it is admitted (its prompt is committed even before
 the engine starts the prefill) until its engine stream has ended — at finish, cancel or
 preemption — so that admission never counts on capacity the engine has not yet released.
+
+Room held for a continuation migrating here (`reserve`, see
+`engine_sidecar.policy.reservation`) counts as committed from when it is granted until the
+continuation's admission takes it or it expires.
 """
 
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from controlplane.contract import FinishReason, PoolPolicy, WatermarkState
+from controlplane.trace.trail import request_id_of
 from engine_sidecar.intake import Intake
 from engine_sidecar.policy import (
     AdmissionDecision,
@@ -33,12 +39,18 @@ from engine_sidecar.policy import (
     QueuedRequest,
     RequestRecord,
     RequestState,
+    Reservation,
+    Reservations,
     SequenceOutlook,
     VictimCandidate,
+    admits_now,
     classify,
     decide_admission,
     growth_reserve,
+    queue_wait_s,
+    queued_request,
     reconcile_used,
+    reservable_tokens,
     retry_after_s,
     steady_range,
 )
@@ -85,6 +97,10 @@ class Flight:
     first_token_mono: float = 0.0
     cancelled_mono: float = 0.0
     resumed: bool = False  # a continuation from another endpoint: accepted work
+    reservation: str = ""  # the room this endpoint holds for it, if its migration took one
+    # Where relief migrates it, and the room held for it there (its continuation names them).
+    target: str = ""
+    target_reservation: str = ""
     admission: AdmissionDecision | None = None  # the last admission decision, explained
 
     @property
@@ -146,6 +162,11 @@ class Ledger:
         self.changed_at: float | None = None
         self.pressure = asyncio.Event()  # wakes the relief loop
         self._published_used = 0
+        # Room held for continuations migrating here; `on_reservation` hears of each one
+        # taken, refused, consumed or expired (the service counts and traces them).
+        self.reservations = Reservations(secrets.token_hex(4))
+        self.on_reservation: Callable[[str, Reservation], None] = _ignore
+        self._reservations_due: asyncio.TimerHandle | None = None
         sched = policy.scheduling
         self._queue: AdmissionQueue[asyncio.Future[None]] = AdmissionQueue(
             sched.local_queue_size, sched.aging_per_second
@@ -161,8 +182,14 @@ class Ledger:
             self.own_used, self.engine_used, self.engine_sampled_at, self.last_release_at
         )
 
+    @property
+    def held_tokens(self) -> int:
+        """Room held for continuations migrating here."""
+        return self.reservations.held_tokens
+
     def usage(self) -> KVUsage:
-        return KVUsage(self.capacity_tokens, self.used_tokens, self.reserved)
+        """Used KV, and what is committed beside it: growth reserved and room held."""
+        return KVUsage(self.capacity_tokens, self.used_tokens, self.reserved + self.held_tokens)
 
     @property
     def queued(self) -> int:
@@ -246,7 +273,7 @@ class Ledger:
 
     def _reclassify(self, now: float) -> None:
         low, high = self._steady
-        committed = self.used_tokens + self.reserved
+        committed = self.used_tokens + self.reserved + self.held_tokens
         state = self.watermark
         if not low <= committed < high:
             state = classify(self.usage(), self.watermark, self.policy.kv)
@@ -329,7 +356,7 @@ class Ledger:
 
     # -- admission -------------------------------------------------------------------------
 
-    def _decide(self, flight: Flight) -> AdmissionDecision:
+    def _decide(self, flight: Flight, held: bool = False) -> AdmissionDecision:
         rec = flight.record
         if rec.generated_tokens == 0 or flight.predicted_total == 0:
             self.predict(flight)
@@ -342,21 +369,23 @@ class Ledger:
             self.admission_open,
         )
         flight.admission = decide_admission(
-            self._outlook(flight), rec.prompt_tokens + rec.generated_tokens, pool, self.policy.kv
-        )
+            self._outlook(flight), rec.prompt_tokens + rec.generated_tokens, pool, self.policy.kv,
+            held=held,
+        )  # fmt: skip
         return flight.admission
 
     async def admit(self, flight: Flight) -> None:
         """Admit `flight` (new, or preempted and resuming) now or after a bounded wait in
         the local queue (`AdmissionQueue`'s discipline); raises OverloadError. On return
-        its KV is committed."""
+        its KV is committed. A continuation for which room is held here takes that room
+        at once, ahead of anything waiting."""
         sched = self.policy.scheduling
-        decision = self._decide(flight)
+        decision = self._decide(flight, held=self._consume(flight))
         verdict, reason = decision.verdict, decision.reason
         if verdict is AdmissionVerdict.REFUSE:
             raise _never_fits(reason)
         queue = self._queue
-        if verdict is AdmissionVerdict.ADMIT and not len(queue):
+        if admits_now(decision, len(queue)):
             self._commit(flight)
             return
         if verdict is AdmissionVerdict.ADMIT:
@@ -371,31 +400,96 @@ class Ledger:
                 f"local queue is full ({len(queue)} waiting; last reason {reason})",
             )
         now = self.clock()
-        expires = now + sched.local_queue_max_wait_s
-        if rec.deadline_at > 0:
-            expires = min(expires, rec.deadline_at)
+        # One preempted here ages from its first arrival: ahead of newer ones of its class.
+        arrived_at = rec.arrived_at if rec.state is _S.DECODE_PREEMPTED else now
+        queued = queued_request(
+            flight.rid, rec.priority, rec.prompt_tokens, arrived_at=arrived_at, now=now,
+            max_wait_s=queue_wait_s(self.policy, resumed), deadline_at=rec.deadline_at,
+            resumed=resumed,
+        )  # fmt: skip
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        # A preempted request waits as if queued since it first arrived: its aging carries
-        # it ahead of newer arrivals of its class.
-        since = rec.arrived_at if rec.state is _S.DECODE_PREEMPTED else now
-        queue.offer(
-            QueuedRequest(flight.rid, rec.priority, since, expires, rec.prompt_tokens, resumed),
-            future,
-        )
+        queue.offer(queued, future)
         self.changed.set()
         self._pump()  # it may be first in queue order
         try:
-            await asyncio.wait_for(asyncio.shield(future), timeout=max(0.0, expires - now))
+            await asyncio.wait_for(
+                asyncio.shield(future), timeout=max(0.0, queued.expires_at - now)
+            )
         except TimeoutError:
             if not future.done():
-                raise OverloadError(
-                    "queue_timeout",
-                    retry_after_s(len(queue), sched.local_queue_size, sched.local_queue_max_wait_s),
-                    f"no KV capacity within {expires - now:.1f}s (last reason {reason})",
-                ) from None
+                raise self._timed_out(reason) from None
         finally:
             queue.remove(flight.rid)
             self._pump()
+
+    def _timed_out(self, reason: str) -> OverloadError:
+        sched = self.policy.scheduling
+        return OverloadError(
+            "queue_timeout",
+            retry_after_s(len(self._queue), sched.local_queue_size, sched.local_queue_max_wait_s),
+            f"no KV capacity within its wait (last reason {reason})",
+        )
+
+    # -- room held for migrations ------------------------------------------------------------
+
+    def reserve(self, request_id: str, tokens: int, ttl_s: float) -> Reservation | None:
+        """Hold `tokens` for the continuation of `request_id` migrating here, if admission
+        would take it now (`room_tokens`); None when it would not."""
+        now = self.clock()
+        self._expire_reservations(now)
+        if not 0 < tokens <= self.room_tokens():
+            self.on_reservation("refused", Reservation("", request_id, tokens, now))
+            return None
+        reservation = self.reservations.take(request_id, tokens, now, ttl_s)
+        self.on_reservation("taken", reservation)
+        self._held_changed(now)
+        return reservation
+
+    def room_tokens(self) -> int:
+        """The largest continuation a reservation here would be granted now."""
+        return reservable_tokens(self.usage(), self.watermark, self.admission_open, self.policy.kv)
+
+    def _consume(self, flight: Flight) -> bool:
+        """Whether room was held here for `flight` (now released to its admission)."""
+        if not flight.reservation:
+            return False
+        now = self.clock()
+        self._expire_reservations(now)
+        reservation = self.reservations.consume(flight.reservation, request_id_of(flight.rid))
+        flight.reservation = ""
+        if reservation is None:
+            return False
+        self.on_reservation("consumed", reservation)
+        self._held_changed(now)
+        return True
+
+    def _expire_reservations(self, now: float) -> None:
+        expired = self.reservations.expire(now)
+        for reservation in expired:
+            self.on_reservation("expired", reservation)
+        if expired:
+            self._held_changed(now)
+            self._pump()  # the room returned: what waits may fit
+
+    def _held_changed(self, now: float) -> None:
+        """Room held here changed: re-evaluate, publish, and wake up when the next
+        reservation expires. (A consumed reservation's room is its continuation's: no
+        pump before that one is admitted.)"""
+        self._reclassify(now)
+        if self.changed_at is None:
+            self.changed_at = now
+        self.changed.set()
+        if self._reservations_due is not None:
+            self._reservations_due.cancel()
+            self._reservations_due = None
+        due = self.reservations.next_expiry()
+        if due is not None:
+            loop = asyncio.get_running_loop()
+            self._reservations_due = loop.call_later(max(0.0, due - now), self._reservation_due)
+
+    def _reservation_due(self) -> None:
+        self._reservations_due = None
+        self._expire_reservations(self.clock())
 
     def _commit(self, flight: Flight) -> None:
         if flight.record.state is _S.WAITING_ADMISSION:
@@ -405,15 +499,24 @@ class Ledger:
             self.move(flight, _S.DECODE_READY)
 
     def _pump(self) -> None:
-        """Admit queued requests, in queue order, while the head fits."""
+        """End the waits that are over, then admit queued requests in queue order while
+        the head fits."""
         if not len(self._queue):
             return
-        for queued, future, verdict in self._queue.pump(self.clock(), self._verdict):
+        now = self.clock()
+        for queued, future in self._queue.expire(now):
+            self._wait_over(queued, future)
+        for queued, future, verdict in self._queue.pump(now, self._verdict):
             if verdict is AdmissionVerdict.ADMIT:
                 self._commit(self.flights[queued.rid])
                 future.set_result(None)
             else:  # it grew past what the engine could ever hold
                 future.set_exception(_never_fits("too_large"))
+
+    def _wait_over(self, queued: QueuedRequest, waiter: asyncio.Future[None]) -> None:
+        """`queued` waited as long as it may: its admission is refused."""
+        if not waiter.done():
+            waiter.set_exception(self._timed_out("kv_reserve"))
 
     def _verdict(
         self, queued: QueuedRequest, waiter: asyncio.Future[None]
@@ -422,6 +525,10 @@ class Ledger:
         if flight is None or waiter.done():
             return None  # its waiter left
         return self._decide(flight).verdict
+
+
+def _ignore(outcome: str, reservation: Reservation) -> None:
+    pass
 
 
 def _never_fits(reason: str) -> OverloadError:

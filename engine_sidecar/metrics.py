@@ -31,6 +31,7 @@ _KNOWN_LABELS = {
     ),
     "weir_sidecar_kv_quota_charges_total": ("granted", "refused", "unavailable"),
     "weir_sidecar_preemptions_total": tuple(mode.value for mode in PreemptionMode),
+    "weir_sidecar_migration_reservations_total": ("taken", "refused", "consumed", "expired"),
 }
 # Active-sequence series stay (at zero) for the (priority, tenant) pairs seen, up to this
 # many, so a tenant's line drops to zero when it goes idle instead of vanishing.
@@ -70,6 +71,7 @@ class _Gauges(Collector):
         for name, value in (
             ("weir_sidecar_kv_used_tokens", ledger.used_tokens),
             ("weir_sidecar_kv_reserved_growth_tokens", ledger.reserved),
+            ("weir_sidecar_kv_held_for_migrations_tokens", ledger.held_tokens),
             ("weir_sidecar_kv_capacity_tokens", ledger.capacity_tokens),
             ("weir_sidecar_kv_growth_tokens_per_second", ledger.growth.tokens_per_s),
             ("weir_sidecar_waiting_prefill_tokens", ledger.waiting_prefill),

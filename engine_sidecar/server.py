@@ -22,7 +22,7 @@ import msgspec
 import yaml
 from aiohttp import web
 
-from controlplane.contract import PoolPolicy, SchemaError, WatermarkState, decode_json
+from controlplane.contract import PoolPolicy, Role, SchemaError, WatermarkState, decode_json
 from controlplane.contract import headers as wire
 from controlplane.store.connection import RedisSettings, connect
 from controlplane.trace.middleware import request_ids
@@ -120,9 +120,24 @@ async def _relief(service: SidecarService, link: ControlLink | None) -> None:
             await asyncio.wait_for(ledger.pressure.wait(), timeout=0.25)
         ledger.pressure.clear()
         if ledger.watermark is WatermarkState.EXHAUSTED:
-            room = await link.migration_room() if link is not None else None
+            if link is None:
+                await service.relieve()
+                continue
+            peers = await link.peers()
             if ledger.watermark is WatermarkState.EXHAUSTED:
-                service.relieve(room)
+                await service.relieve(peers, link.reserve)
+
+
+def _check_role(policy: PoolPolicy, info: EngineInfo, engine_url: str) -> None:
+    """A P/D pool's engines must serve its half (SGLang's --disaggregation-mode), and a
+    mixed pool's neither: a mismatch would hang or fail every request."""
+    mode = "null" if policy.role is Role.MIXED else policy.role.value
+    if info.disaggregation_mode != mode:
+        raise EngineError(
+            f"pool {policy.pool!r} is a {policy.role.value} pool but {engine_url} runs "
+            f"--disaggregation-mode {info.disaggregation_mode}: launch it with "
+            f"--disaggregation-mode {mode}"
+        )
 
 
 @asynccontextmanager
@@ -137,6 +152,7 @@ async def serve_sidecar(config: SidecarConfig) -> AsyncIterator[RunningSidecar]:
         policy = config.policy or PoolPolicy(pool=config.pool, model=info.model)
         if info.kv_capacity_tokens <= 0:
             raise EngineError(f"{config.engine_url} reports no KV capacity")
+        _check_role(policy, info, config.engine_url)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((config.host, config.port))
@@ -152,8 +168,8 @@ async def serve_sidecar(config: SidecarConfig) -> AsyncIterator[RunningSidecar]:
         )  # fmt: skip
         if not config.admin_token:
             log.warning(
-                "no admin token: /weir/v1/state, /weir/v1/requests, /weir/v1/preempt and "
-                "/weir/v1/drain are "
+                "no admin token: /weir/v1/state, /weir/v1/requests, /weir/v1/preempt, "
+                "/weir/v1/drain and /weir/v1/reserve are "
                 "open to anyone who reaches %s (set --admin-token-file or WEIR_ADMIN_TOKEN)",
                 url,
             )
@@ -189,6 +205,7 @@ async def serve_sidecar(config: SidecarConfig) -> AsyncIterator[RunningSidecar]:
                 config.advertise_url or url,
                 config.heartbeat_s,
                 config.lease_ttl_s,
+                config.admin_token,
             )
             service.on_drain = link.drain
             link.start()  # not awaited: an unreachable Redis must not hold up serving

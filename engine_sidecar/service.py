@@ -12,8 +12,10 @@ Routes:
 - `GET /v1/models`, `GET /health`, `GET /metrics`;
 - admin: `GET /weir/v1/state` (every request and tenant), `POST /weir/v1/preempt`
   `{"rid", "mode"}` and `POST /weir/v1/drain` `{"deadline_s"}` — the same actions the
-  control-plane commands trigger. With an admin token configured they need
-  `Authorization: Bearer TOKEN` (401 otherwise); without one they are open;
+  control-plane commands trigger — and `POST /weir/v1/reserve` (a `RoomReservation`:
+  another sidecar's relief asks this one to hold room for a continuation it is about to
+  migrate here; 409 `no_room` with the room there is). With an admin token configured
+  they need `Authorization: Bearer TOKEN` (401 otherwise); without one they are open;
 - `POST /abort_request` `{"rid"}` — SGLang's: cancels the requests the client sent with
   that `rid` (or with that sidecar rid), as if their clients had left. It and
   `/weir/v1/continue` are the router's: reachable only from the pool's network.
@@ -25,7 +27,9 @@ A streamed request may be preempted at any time: the sidecar aborts its rid in t
 when the engine's stream ends with the abort, the request either resumes in place (its
 prompt plus what the client has received, as a fresh engine request, once admission
 allows) or — when the router marked it migratable (`x-weir-migratable: 1`) — ends this
-response with an SSE `weir.preempted` event carrying the continuation for the router.
+response with an SSE `weir.preempted` event carrying the continuation for the router. A
+resume in place that finds no room here within the local queue's wait is handed back the
+same way when it is migratable (else its stream ends with an `overload` error).
 A client that disconnects is cancelled: the engine request is aborted at once and its KV
 released.
 """
@@ -36,20 +40,24 @@ import asyncio
 import contextlib
 import logging
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+import msgspec
 from aiohttp import web
 
 from controlplane.contract import (
     Command,
     CommandKind,
     Continuation,
+    EndpointState,
     EngineAPI,
     FinishReason,
     PoolPolicy,
     PreemptionMode,
+    Role,
+    RoomReservation,
     SchemaError,
     decode_json,
     encode_json,
@@ -91,12 +99,18 @@ from engine_sidecar.ledger import COMMITTED, Flight, Ledger, OverloadError
 from engine_sidecar.metrics import SidecarMetrics
 from engine_sidecar.policy import (
     H200_LLAMA_8B,
+    RESERVATION_TTL_S,
     ReliefCosts,
     RequestRecord,
     RequestState,
+    Reservation,
+    Rung,
     SequenceOutlook,
+    TargetRooms,
+    VictimChoice,
     engine_priority,
     growth_reserve,
+    peer_rooms,
     plan_relief,
 )
 from engine_sidecar.quota import KVQuota
@@ -110,9 +124,13 @@ TOO_LARGE = "too_large"  # admission's reason for a request that can never fit
 
 
 CONTINUE_PATH = "/weir/v1/continue"
+RESERVE_PATH = "/weir/v1/reserve"
+# Asks `peer` to hold room (a `RoomReservation` without id): the grant, or None and the
+# room the peer says it has (0 when it did not answer).
+Reserve = Callable[[EndpointState, RoomReservation], Awaitable[tuple[RoomReservation | None, int]]]
 
 
-def _error(kind: str, message: str, **extra: str) -> bytes:
+def _error(kind: str, message: str, **extra: str | int) -> bytes:
     """The error body, naming the request being handled, if any."""
     return error_body(kind, message, **{"request_id": handled_request(), **extra})
 
@@ -175,6 +193,7 @@ class SidecarService:
         self.info = info
         self.policy = policy
         self.ledger = Ledger(policy, info.kv_capacity_tokens)
+        self.ledger.on_reservation = self._reservation_event
         self.metrics = SidecarMetrics(self.ledger, pool, endpoint_id)
         self.trail = Trail(f"sidecar/{endpoint_id}")
         self.limits = Limits(
@@ -194,13 +213,18 @@ class SidecarService:
         self._origins: dict[str, _Origin] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         modes = policy.scheduling.preemption_modes
-        self._may_recompute = PreemptionMode.RECOMPUTE in modes
+        # A decode endpoint of a P/D pair resumes nothing in place: its engine takes a
+        # request only with a prefill half, which the router pairs it with again.
+        in_place = policy.role is not Role.DECODE
+        self._may_recompute = in_place and PreemptionMode.RECOMPUTE in modes
         self._may_migrate = PreemptionMode.MIGRATE in modes
         # Offload is a resume in place whose pages wait in the engine's host tier: it
         # needs one, and relief weighs it against recompute and migrate by cost.
         self.costs = H200_LLAMA_8B
         self.host_tier_tokens = info.host_tier_tokens(self.costs.kv_bytes_per_token)
-        self._may_offload = PreemptionMode.OFFLOAD in modes and self.host_tier_tokens > 0
+        self._may_offload = (
+            in_place and PreemptionMode.OFFLOAD in modes and self.host_tier_tokens > 0
+        )
         if not self.host_tier_tokens:
             self.costs = replace(self.costs, host_bytes_per_s=0.0)
         # Whether the engine's /generate streams carry each event's ids only (SGLang
@@ -221,6 +245,7 @@ class SidecarService:
             web.post(CONTINUE_PATH, self.handle_continue),
             web.post("/weir/v1/preempt", self._admin(self.handle_preempt)),
             web.post("/weir/v1/drain", self._admin(self.handle_drain)),
+            web.post(RESERVE_PATH, self._admin(self.handle_reserve)),
             web.post("/abort_request", self.handle_abort),
             web.get("/weir/v1/state", self._admin(self.handle_state)),
             web.get("/weir/v1/requests/{request_id}", self._admin(self.handle_story)),
@@ -270,7 +295,10 @@ class SidecarService:
             cached_tokens=cont.cached_tokens,
         )
         origin = _Origin(dict(cont.body), cont.prompt_ids)
-        return await self._serve(request, intake, origin, reader, cont.preemptions, resumed=True)
+        return await self._serve(
+            request, intake, origin, reader, cont.preemptions, resumed=True,
+            reservation=cont.reservation,
+        )  # fmt: skip
 
     async def handle_models(self, request: web.Request) -> web.Response:
         model = {"id": self.limits.model, "object": "model", "owned_by": "weir"}
@@ -299,6 +327,7 @@ class SidecarService:
                 "reserved_growth_tokens": ledger.reserved,
                 "waiting_prefill_tokens": ledger.waiting_prefill,
                 "queued": ledger.queued,
+                "held_for_migrations_tokens": ledger.held_tokens,
                 "admission_open": ledger.admission_open,
                 "draining": self.draining,
                 "preemptions": ledger.preemptions,
@@ -376,6 +405,39 @@ class SidecarService:
             return body_refused(exc)
         return web.json_response(await self.drain(float(deadline)))
 
+    async def handle_reserve(self, request: web.Request) -> web.Response:
+        """Hold room for a continuation another sidecar is about to migrate here."""
+        try:
+            asked = await self.guard.read(request, _decode_reservation)
+        except SchemaError as exc:
+            return _bad(RequestError(str(exc)))
+        except BodyError as exc:
+            return body_refused(exc)
+        granted = (
+            None
+            if self.draining
+            else self.ledger.reserve(asked.request_id, asked.tokens, asked.ttl_s)
+        )
+        if granted is None:
+            room = 0 if self.draining else self.ledger.room_tokens()
+            message = f"no room for {asked.tokens} tokens here ({room} reservable)"
+            return web.Response(
+                status=409,
+                body=_error("conflict", message, reason="no_room", room_tokens=room),
+                content_type="application/json",
+            )
+        answer = msgspec.structs.replace(asked, reservation_id=granted.reservation_id)
+        return web.Response(body=encode_json(answer), content_type="application/json")
+
+    def _reservation_event(self, outcome: str, reservation: Reservation) -> None:
+        """A reservation here was taken, refused, consumed or expired: counted, and
+        recorded in the request's story."""
+        self.metrics.count("weir_sidecar_migration_reservations_total", outcome)
+        self.trail.record(
+            reservation.request_id, f"reservation_{outcome}", tokens=reservation.tokens,
+            reservation=reservation.reservation_id,
+        )  # fmt: skip
+
     # -- one request ---------------------------------------------------------------------
 
     async def _serve(
@@ -388,6 +450,7 @@ class SidecarService:
         client_rid: str = "",
         *,
         resumed: bool = False,
+        reservation: str = "",
     ) -> web.StreamResponse:
         tenant = request.headers.get(wire.TENANT, "default")
         if not _TENANT.match(tenant):
@@ -406,7 +469,8 @@ class SidecarService:
             tenant=tenant,
             model=intake.model,
             prompt_tokens=intake.prompt_tokens,
-            max_new_tokens=intake.max_new_tokens,
+            # A prefill endpoint computes the first token only: that is all it grows by.
+            max_new_tokens=1 if self.policy.role is Role.PREFILL else intake.max_new_tokens,
             arrived_at=now,
             state_since=now,
             deadline_at=now + deadline_s if deadline_s else 0.0,
@@ -420,7 +484,10 @@ class SidecarService:
             and self._may_migrate
             and request.headers.get(wire.MIGRATABLE) == "1",
         )
-        flight = Flight(intake, record, arrived_mono=now, client_rid=client_rid, resumed=resumed)
+        flight = Flight(
+            intake, record, arrived_mono=now, client_rid=client_rid, resumed=resumed,
+            reservation=reservation,
+        )  # fmt: skip
         flight.task = asyncio.current_task()
         self.ledger.add(flight)
         self._origins[record.rid] = origin
@@ -457,7 +524,10 @@ class SidecarService:
             raise
         except Exception:
             log.exception("request %s failed", record.rid)
-            if not flight.record.state.is_final:
+            if flight.record.state is _S.WAITING_ADMISSION:
+                # Failed before admission (the quota's charge, say): the engine never saw it.
+                self._end(flight, _S.REJECTED, FinishReason.ERROR, "internal_error")
+            elif not flight.record.state.is_final:
                 await asyncio.shield(self._spawn(self._abort_and_end(flight)))
             raise
         finally:
@@ -517,6 +587,8 @@ class SidecarService:
             created=reader.client_created,
             prompt_tokens=reader.prompt_tokens,
             cached_tokens=reader.cached_tokens,
+            target=flight.target,
+            reservation=flight.target_reservation,
         )
 
     async def _prompt_ids(self, flight: Flight, reader: Splicer) -> tuple[int, ...]:
@@ -642,12 +714,7 @@ class SidecarService:
                     return response
             self._preempted(flight, mode)
             if mode == "migrate":
-                cont = await self.continuation(flight, reader)
-                data = encode_json(cont)
-                await response.write_eof(preempted_frame(data))
-                self.metrics.count("weir_sidecar_transferred_bytes_total", amount=len(data))
-                self._note(flight, "handed_back", continuation_bytes=len(data))
-                self._end(flight, _S.FINISHED, FinishReason.PREEMPTED)
+                await self._hand_back(response, flight, await self.continuation(flight, reader))
                 return response
             if mode == "terminate":
                 await self._end_stream(response, flight, "aborted", "terminated by relief policy")
@@ -658,7 +725,13 @@ class SidecarService:
                 await self.ledger.admit(flight)
             except OverloadError as exc:
                 self._note_admission(flight, exc)
-                await self._end_stream(response, flight, "overload", f"could not resume: {exc}")
+                if flight.record.migratable:
+                    # No room here in time: the router, which can place it elsewhere (or
+                    # here again later), takes it back rather than the client losing it.
+                    await self._hand_back(response, flight, resume)
+                else:
+                    message = f"could not resume: {exc}"
+                    await self._end_stream(response, flight, "overload", message)
                 return response
             finally:
                 flight.offloaded = 0  # resumed or ended: its host pages are claimed no more
@@ -670,6 +743,16 @@ class SidecarService:
                 amount=flight.record.prompt_tokens + flight.record.generated_tokens,
             )
             segment += 1
+
+    async def _hand_back(
+        self, response: web.StreamResponse, flight: Flight, cont: Continuation
+    ) -> None:
+        """End this response with the continuation, for the router to resume elsewhere."""
+        data = encode_json(cont)
+        await response.write_eof(preempted_frame(data))
+        self.metrics.count("weir_sidecar_transferred_bytes_total", amount=len(data))
+        self._note(flight, "handed_back", continuation_bytes=len(data))
+        self._end(flight, _S.FINISHED, FinishReason.PREEMPTED)
 
     def _too_large(self, flight: Flight) -> web.Response:
         """400 for a request whose prompt and least growth exceed what this endpoint's KV
@@ -904,34 +987,73 @@ class SidecarService:
         why = "ordered by the control plane"
         return await self.preempt(rid, "migrate", why) or await self.preempt(rid, "recompute", why)
 
-    def relieve(self, migration_room: int | None = None) -> list[str]:
+    async def relieve(
+        self, peers: Sequence[EndpointState] = (), reserve: Reserve | None = None
+    ) -> list[str]:
         """One pass of the relief ladder; starts preemptions and returns explanations.
-        `migration_room`: the largest continuation another endpoint would admit (None:
-        unknown, as without a control plane)."""
+        `peers`: the other endpoints a continuation may migrate to (lease valid, same
+        role), as last published; `reserve` asks one to hold room. Without them (no
+        control plane) nothing migrates. A migrating victim is aborted only once its
+        target holds room for it; when none does, it takes its fallback."""
         ledger = self.ledger
+        rooms = peer_rooms(peers, self.policy.kv) if reserve is not None else {}
         plan = plan_relief(
             ledger.usage(), ledger.watermark, ledger.candidates(), self.policy, ledger.clock(),
-            migration_room, self.relief_costs(),
+            rooms, self.relief_costs(),
         )  # fmt: skip
         notes = []
         chosen = {victim.rid for victim in plan.victims}
         passed_over = [
             f"{rid}: {score.explain()}" for rid, score in plan.ranked if rid not in chosen
         ]
+        targets = TargetRooms(rooms)
+        by_id = {peer.endpoint_id: peer for peer in peers}
         for victim in plan.victims:
-            mode = victim.mode.value
-            notes.append(f"{victim.rid} → {mode}: {victim.score.explain()}")
+            mode: Rung | None = victim.mode
             why = (
                 f"relief at {plan.watermark} needs {plan.needed_tokens} tokens; "
                 f"{victim.score.explain()}; over {len(passed_over)} other(s): "
                 + ("; ".join(passed_over[:3]) or "none")
             )
-            flight = self.begin_preempt(victim.rid, mode, why)
+            held: tuple[str, str] | None = None
+            if mode is Rung.MIGRATE:
+                assert reserve is not None  # no rooms, no migration
+                held = await self._reserve_target(victim, targets, by_id, reserve)
+                if held is None:
+                    mode = victim.fallback
+                    why += f"; no peer held {victim.tokens} tokens for it"
+                else:
+                    why += f"; {held[0]} holds {victim.tokens} tokens for it ({held[1]})"
+            if mode is None:
+                notes.append(f"{victim.rid} left running: {why}")
+                continue
+            notes.append(f"{victim.rid} → {mode.value}: {victim.score.explain()}")
+            flight = self.begin_preempt(victim.rid, mode.value, why)
             if flight is not None:
+                flight.target, flight.target_reservation = held or ("", "")
                 self._spawn(self._abort_engine(flight))
         for note in notes:
             log.info("relief (%s, needs %d tokens): %s", plan.watermark, plan.needed_tokens, note)
         return notes
+
+    async def _reserve_target(
+        self,
+        victim: VictimChoice,
+        targets: TargetRooms,
+        peers: dict[str, EndpointState],
+        reserve: Reserve,
+    ) -> tuple[str, str] | None:
+        """(target, reservation id) of the first peer, in `targets`' order, that holds
+        room for the victim's continuation; None when none does."""
+        asked = RoomReservation(
+            request_id=request_id_of(victim.rid), tokens=victim.tokens, ttl_s=RESERVATION_TTL_S
+        )
+        while (target := targets.pick(victim.tokens)) is not None:
+            granted, room = await reserve(peers[target], asked)
+            targets.answered(target, victim.tokens, granted is not None, room)
+            if granted is not None:
+                return target, granted.reservation_id
+        return None
 
     def relief_costs(self) -> ReliefCosts:
         """The costs relief weighs, with the host room offloads may still claim: the host
@@ -969,6 +1091,10 @@ class SidecarService:
 
 def _decode_continuation(raw: bytes) -> Continuation:
     return decode_json(raw, Continuation)
+
+
+def _decode_reservation(raw: bytes) -> RoomReservation:
+    return decode_json(raw, RoomReservation)
 
 
 def _parse_json_or_empty(raw: bytes) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from controlplane.contract.models import (
     HandoffCredit,
     Lifecycle,
     Role,
+    RoomReservation,
     TenantQuota,
     WatermarkState,
 )
@@ -48,6 +49,7 @@ __all__ = [
     "PoolPolicy",
     "PreemptionMode",
     "Role",
+    "RoomReservation",
     "RoutingPolicy",
     "SchedulingPolicy",
     "SchemaError",

@@ -97,6 +97,9 @@ class EndpointState(msgspec.Struct, frozen=True, kw_only=True):
     model: str
     adapters: tuple[str, ...] = ()
     role: Role = Role.MIXED
+    # A prefill endpoint's engine bootstrap server (SGLang's --disaggregation-bootstrap-
+    # port), on the host of `address`: where decode engines fetch its KV. 0: none.
+    bootstrap_port: int = 0
     cache_schema: int = 1
     security_domain: str = ""
     epoch: int = 0
@@ -192,6 +195,33 @@ class HandoffCredit(msgspec.Struct, frozen=True, kw_only=True):
     expires_at: float
 
 
+# The longest a migration target is asked to hold room (seconds).
+MAX_RESERVATION_TTL_S = 60.0
+
+
+class RoomReservation(msgspec.Struct, frozen=True, kw_only=True):
+    """Room one endpoint holds for one request's continuation, a migration's target.
+
+    A migrating sidecar asks for it (`POST /weir/v1/reserve` on the target, with the
+    admin token) with `request_id`, `tokens` (the continuation's prompt, output so far and
+    growth reserve) and `ttl_s`; the target answers the same record with its
+    `reservation_id`, or 409 `no_room` with the room it has (`room_tokens`)."""
+
+    schema: int = SCHEMA_VERSION
+    request_id: str
+    tokens: int
+    ttl_s: float
+    reservation_id: str = ""
+
+    def __post_init__(self) -> None:
+        if not 0 < len(self.request_id) <= 256:
+            raise ValueError("request_id must be 1 to 256 characters")
+        if not 0 < self.tokens < 2**31:
+            raise ValueError(f"tokens must be a positive number of tokens, got {self.tokens}")
+        if not 0 < self.ttl_s <= MAX_RESERVATION_TTL_S:
+            raise ValueError(f"ttl_s must be in (0, {MAX_RESERVATION_TTL_S:g}], got {self.ttl_s}")
+
+
 class EngineAPI(enum.StrEnum):
     """Which engine surface a request entered through; a continuation resumes on the same."""
 
@@ -235,6 +265,9 @@ class Continuation(msgspec.Struct, frozen=True, kw_only=True):
     A migrating sidecar ends its response stream with an SSE event `weir.preempted` whose
     data is this record as JSON; the router then posts it to another endpoint's
     `/weir/v1/continue` and splices the client's stream. `preempted` is never final.
+    Relief's migrations name the endpoint that holds room for it (`target`) and that
+    room (`reservation`, see `RoomReservation`): the router tries that endpoint first,
+    whose admission takes the held room.
     """
 
     schema: int = SCHEMA_VERSION
@@ -260,6 +293,8 @@ class Continuation(msgspec.Struct, frozen=True, kw_only=True):
     created: int = 0
     prompt_tokens: int = 0
     cached_tokens: int | None = None
+    target: str = ""
+    reservation: str = ""
 
     @property
     def generated(self) -> int:

@@ -59,7 +59,8 @@ class RoutingPolicy(msgspec.Struct, frozen=True, kw_only=True):
     (`queue_capacity_per_band` requests per priority, each waiting at most
     `queue_max_wait_s` for an endpoint with room), the endpoints a request is offered to
     before its first byte (`max_attempts`), and how long a stream handed back mid-answer
-    waits for an endpoint to resume it (`resume_wait_s`)."""
+    waits for an endpoint to resume it (`resume_wait_s`), at the router or, as a resume, in
+    a sidecar's queue."""
 
     prefix_block_tokens: int = 64
     prefix_blocks_for_owner: int = 4

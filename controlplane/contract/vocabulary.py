@@ -35,9 +35,9 @@ def preempted_frame(continuation: bytes) -> bytes:
     return b"event: " + PREEMPTED_EVENT + b"\n" + sse(continuation)
 
 
-def error_body(error_type: str, message: str, **fields: str | None) -> bytes:
+def error_body(error_type: str, message: str, **fields: str | int | None) -> bytes:
     """The error body: `type` and `message`, then Weir's fields (`reason`, `param`,
     `request_id`, ...), those given as None left out."""
-    error = {"type": error_type, "message": message}
+    error: dict[str, str | int] = {"type": error_type, "message": message}
     error.update((key, value) for key, value in fields.items() if value is not None)
     return msgspec.json.encode({"error": error})

@@ -3,7 +3,7 @@
 A request travels: API key → tenant (401; on a gateway without keys, a declared
 `x-weir-tenant` or `default`, 403 for an undeclared one) → validation (400; 404 for a model
 or a `lora_path` adapter that no endpoint serves) → the
-tenant's quota (429, when enforced; 403 for a tenant without one) → a decode handoff credit (prefill pools) → the pool snapshot (503
+tenant's quota (429, when enforced; 403 for a tenant without one) → a decode handoff credit (prefill pools, whose requests are P/D pairs: `controlplane.gateway.pd`) → the pool snapshot (503
 when stale) → a routing decision, or the tenant-fair queue when every candidate is
 saturated (429 `overload` when full or timed out, 504 past its deadline) → the picked
 endpoint. An overload or a
@@ -49,10 +49,11 @@ from controlplane.contract import (
 )
 from controlplane.contract import headers as wire
 from controlplane.contract.vocabulary import DONE_FRAME, error_body, sse
-from controlplane.gateway.credits import CREDIT_HEADER, HandoffGate
+from controlplane.gateway.credits import HandoffGate
 from controlplane.gateway.errors import GatewayError, body_refused, refusal_error, unavailable
 from controlplane.gateway.metrics import RouterMetrics
-from controlplane.gateway.pool import PoolView
+from controlplane.gateway.pd import Pairing
+from controlplane.gateway.pool import PoolView, new_reports
 from controlplane.gateway.quotas import QuotaGate
 from controlplane.gateway.requests import ClientRequest, Limits, decode_body, parse, resume_body
 from controlplane.gateway.tenants import TENANT_HEADER, TenantKeys
@@ -81,6 +82,7 @@ from controlplane.transport import (
     MAX_CONNECTIONS_PER_ORIGIN,
     HTTPClient,
     Response,
+    SSEEvent,
     TransportError,
 )
 from controlplane.transport.admin import admin_only
@@ -181,6 +183,9 @@ class _CountedProfile:
     def decide_resume(self, request: RouteRequest, ctx: RoutingContext) -> Decision:
         return self._observed(self.profile.decide_resume, request, ctx, "route_resume")
 
+    def placed(self, request: RouteRequest, endpoint_id: str, prefix_index: PrefixIndex) -> None:
+        self.profile.placed(request, endpoint_id, prefix_index)
+
     def _observed(
         self,
         decide: Callable[[RouteRequest, RoutingContext], Decision],
@@ -202,7 +207,8 @@ class _CountedProfile:
 
     def _record(self, event: str, request: RouteRequest, decision: Decision) -> None:
         """The decision as the request's trail keeps it: the pick and why, each filter's
-        count of rejected candidates, and with decision logs on every candidate's total."""
+        count of rejected candidates, and with decision logs on every candidate's total
+        and each scorer's weighted term of it."""
         fields: dict[str, Any] = {
             "endpoint": decision.endpoint_id or None,
             "reason": decision.reason if decision.endpoint_id else decision.refusal,
@@ -215,8 +221,14 @@ class _CountedProfile:
         if decision.endpoint_id:
             fields["score"] = round(decision.score, 4)
         if self.trail.detailed:
+            terms = self.profile.terms(decision)
             fields["candidates"] = {
-                view.endpoint_id: round(total, 4)
+                view.endpoint_id: {
+                    "total": round(total, 4),
+                    "terms": {
+                        name: round(term, 4) for name, term in terms[view.endpoint_id].items()
+                    },
+                }
                 for view, total in zip(decision.eligible, decision.totals, strict=True)
             }
         self.trail.record(request.request_id, event, **fields)
@@ -257,7 +269,6 @@ class _Exchange:
     retry_after_s: float = 0.0  # the last upstream refusal's
     upstream_refusal: str = ""  # the last endpoint's reason for refusing it
     placed: asyncio.Future[str] | None = None  # where the dispatch core sends it next
-    credit: str = ""
     continuation: bytes = b""  # a migrating sidecar's continuation, for the next sidecar
 
     @property
@@ -274,12 +285,14 @@ class Gateway:
         clock: Callable[[], float] = time.monotonic,
         quotas: QuotaGate | None = None,
         credits: HandoffGate | None = None,
+        decode_view: PoolView | None = None,
     ) -> None:
+        """A prefill pool's gateway (`credits` on the decode pool, whose endpoints
+        `decode_view` follows) serves every request as a P/D pair."""
         self.config = config
         self.view = view
         self.keys = (keys or TenantKeys()).declaring(t.name for t in config.tenants)
         self.quotas = quotas
-        self.credits = credits
         self.clock = clock
         self.profile = profile_from_config(config.profile or default_config(config.routing))
         self.prefix_index = PrefixIndex()
@@ -295,6 +308,15 @@ class Gateway:
         self._versions: dict[str, int] = {}  # each endpoint's last report seen
         self._http: HTTPClient | None = None
         self._background: set[asyncio.Task[None]] = set()
+        self.pairing: Pairing | None = None
+        if (credits is None) != (decode_view is None):
+            raise ValueError("a P/D gateway needs both handoff credits and the decode pool's view")
+        if credits is not None and decode_view is not None:
+            decide = _CountedProfile(self.profile, self.metrics, decode_view.pool, self.trail)
+            self.pairing = Pairing(
+                credits, decode_view, Dispatcher(decide, config.routing, PrefixIndex()), clock,
+                self.metrics, config.pool, self.trail, self._spawn, config.routing.max_attempts,
+            )  # fmt: skip
         self._served = self._models_of(view.snapshot)
         self._adapters = _adapters_of(view.snapshot)
         # Whether the pool's /generate streams carry each event's ids only (SGLang 0.5.5)
@@ -404,15 +426,18 @@ class Gateway:
             events = self.dispatch.refused(rid, now, snapshot, ex.retry_after_s)
         else:
             broken = outcome == "broken"
+            target = _target_of(ex.continuation) if ex.continuation else ""
             events = self.dispatch.handed_back(
-                rid, ex.splicer.generated, now, snapshot, broken=broken
+                rid, ex.splicer.generated, now, snapshot, broken=broken, target=target
             )
         self._deliver(events)
         return await self._placed(ex, placed, now)
 
     def _finish(self, ex: _Exchange) -> None:
-        """The request is over for the router: its reservation, any wait and its charge
-        are settled, and the room it leaves goes to what waits."""
+        """The request is over for the router: its reservation, any wait, its charge and
+        its handoff credit are settled, and the room it leaves goes to what waits."""
+        if self.pairing is not None:
+            self.pairing.ended(ex)
         now = self.clock()
         self._deliver(
             self.dispatch.finished(
@@ -477,14 +502,11 @@ class Gateway:
         now = self.clock()
         # A new report shows what reached its endpoint before it was taken, which is
         # what was sent up to a moment before it arrived here.
-        versions, shown = self._versions, now - REPORT_LAG_S
-        for view in snapshot.endpoints:
-            if versions.get(view.endpoint_id) != view.state.version:
-                versions[view.endpoint_id] = view.state.version
-                self.dispatch.reported(view.endpoint_id, shown)
+        shown = now - REPORT_LAG_S
+        for endpoint_id in new_reports(self._versions, snapshot, removed):
+            self.dispatch.reported(endpoint_id, shown)
         expired = 0
         for view in removed:
-            versions.pop(view.endpoint_id, None)
             self.prefix_index.forget(view.endpoint_id)
             expired += view.lease_deadline <= now
         if expired:
@@ -539,10 +561,8 @@ class Gateway:
         )
         ex = _Exchange(client, route, tenant, started, splicer)
         try:
-            if self.credits is not None:
-                ex.credit = (
-                    await self.credits.take(route.request_id, client.prompt_tokens)
-                ).credit_id
+            if self.pairing is not None:
+                await self.pairing.admit(ex)
             endpoint_id = await self._admit(ex)
         except BaseException as exc:
             self._finish(ex)  # e.g. a client that left while its request was queued
@@ -612,13 +632,7 @@ class Gateway:
                 try:
                     endpoint_id = await self._redispatch(ex, outcome)
                 except GatewayError as exc:
-                    if ex.response is not None:  # a resume no endpoint took in time
-                        return await self._end_stream(ex, complete=False, refusal=exc)
-                    ex.finish = "overload"  # every endpoint tried refused it
-                    self.metrics.overloads.labels(self.config.pool, exc.reason).inc()
-                    exc.upstream_reason = ex.upstream_refusal or None
-                    self._note_refusal(ex.route.request_id, exc)
-                    return exc.response()
+                    return await self.answer_refusal(ex, exc)
         except (asyncio.CancelledError, _ClientGoneError):
             ex.finish = "cancelled"
             self._abort_upstream(ex)
@@ -631,6 +645,17 @@ class Gateway:
             self._account(ex)
             if ex.splicer.ids_delta is not None:
                 self._ids_delta = ex.splicer.ids_delta
+
+    async def answer_refusal(self, ex: _Exchange, exc: GatewayError) -> web.StreamResponse:
+        """No endpoint took the request: its client is told, in the stream it has (a
+        resume no endpoint took in time) or in the answer."""
+        if ex.response is not None:
+            return await self._end_stream(ex, complete=False, refusal=exc)
+        ex.finish = "overload"  # every endpoint tried refused it
+        self.metrics.overloads.labels(self.config.pool, exc.reason).inc()
+        exc.upstream_reason = ex.upstream_refusal or None
+        self._note_refusal(ex.route.request_id, exc)
+        return exc.response()
 
     def _continuation(self, ex: _Exchange) -> Continuation:
         """What the client holds, as the contract's continuation record."""
@@ -661,21 +686,20 @@ class Gateway:
         ex.endpoint, ex.address = endpoint_id, view.state.address
         ex.upstream_rid = uuid.uuid4().hex
         client = ex.client
+        sent = dict(body)
+        if client.stream:  # counted from the engine's own counts (`controlplane.stream`)
+            ask_for_counts(client.api, sent, token_ids=False)
         if ex.continuation:  # a sidecar's continuation: its next sidecar resumes it
             payload, path = ex.continuation, CONTINUE_PATH
         else:
-            sent = {**body, "rid": ex.upstream_rid, "stream": client.stream}
-            if client.stream:  # counted from the engine's own counts (`controlplane.stream`)
-                ask_for_counts(client.api, sent, token_ids=False)
-            payload, path = msgspec.json.encode(sent), _API_PATHS[client.api]
+            payload = msgspec.json.encode({**sent, "rid": ex.upstream_rid, "stream": client.stream})
+            path = _API_PATHS[client.api]
         headers = {
             "Content-Type": "application/json",
             TENANT_HEADER: ex.tenant,
             wire.REQUEST_ID: ex.route.request_id,
             wire.PRIORITY: str(client.priority),
         }
-        if ex.credit:
-            headers[CREDIT_HEADER] = ex.credit
         if client.stream:  # the router can resume it: a sidecar may migrate it away
             headers[wire.MIGRATABLE] = "1"
         if client.deadline_s:
@@ -686,7 +710,14 @@ class Gateway:
             "weir.router.attempt", kind=CLIENT,
             attributes={"weir.endpoint": endpoint_id, "http.route": path},
         ):  # fmt: skip
-            outcome = await self._call(request, ex, endpoint_id, url, payload, outgoing(headers))
+            if self.pairing is not None:  # a P/D pair: this endpoint prefills
+                outcome = await self.pairing.attempt(
+                    self, request, ex, view, sent, outgoing(headers), path
+                )
+            else:
+                outcome = await self._call(
+                    request, ex, endpoint_id, url, payload, outgoing(headers)
+                )
         self.trail.record(
             ex.route.request_id, "attempt", endpoint=endpoint_id, outcome=outcome[0],
             upstream_rid=ex.upstream_rid, **({"refusal": ex.upstream_refusal}
@@ -718,22 +749,13 @@ class Gateway:
                     ex.upstream_refusal = f"{endpoint_id}: {_refusal_reason(await upstream.read())}"
                     self.metrics.retries.labels(pool, f"upstream_{upstream.status}").inc()
                     return "refused", None
-                if ex.route.block_hashes:
-                    # Indexed once this task next waits: a long prompt's blocks are not
-                    # worth delaying its first byte for.
-                    asyncio.get_running_loop().call_soon(
-                        self.prefix_index.record, endpoint_id, ex.route.block_hashes
-                    )
+                # The profile's hooks learn it once this task next waits: indexing a long
+                # prompt's blocks is not worth delaying its first byte for.
+                asyncio.get_running_loop().call_soon(self.dispatch.reached, ex.route, endpoint_id)
                 if not client.stream:
                     raw = await upstream.read()
-                    ex.finish = "error"
-                    if upstream.status == 200:  # a whole answer names no finish: "stop"
-                        ex.finish = ex.splicer.take_answer(raw) or "stop"
-                    return "done", web.Response(
-                        status=upstream.status,
-                        body=raw,
-                        content_type=upstream.content_type,
-                        headers={wire.ENDPOINT: endpoint_id},
+                    return "done", self.unary_answer(
+                        ex, endpoint_id, raw, upstream.status, upstream.content_type
                     )
                 if upstream.status != 200:
                     if ex.response is not None:
@@ -759,8 +781,35 @@ class Gateway:
                 return "refused", None
             return "broken", None
 
+    def upstream(self) -> HTTPClient:
+        """The client of the endpoints (the app has started)."""
+        assert self._http is not None
+        return self._http
+
+    def unary_answer(
+        self, ex: _Exchange, endpoint_id: str, raw: bytes, status: int, content_type: str
+    ) -> web.Response:
+        """An endpoint's whole answer, counted and passed on."""
+        ex.finish = "error"
+        if status == 200:  # a whole answer that names no finish: "stop"
+            ex.finish = ex.splicer.take_answer(raw) or "stop"
+        return web.Response(
+            status=status, body=raw, content_type=content_type,
+            headers={wire.ENDPOINT: endpoint_id},
+        )  # fmt: skip
+
+    async def relay(
+        self, request: web.Request, ex: _Exchange, upstream: Response, first: list[SSEEvent]
+    ) -> tuple[str, web.StreamResponse | None]:
+        """A stream's relay whose first events were read already (a P/D decode leg's)."""
+        return await self._relay(request, ex, upstream, first)
+
     async def _relay(
-        self, request: web.Request, ex: _Exchange, upstream: Response
+        self,
+        request: web.Request,
+        ex: _Exchange,
+        upstream: Response,
+        first: list[SSEEvent] | None = None,
     ) -> tuple[str, web.StreamResponse | None]:
         if ex.out is None:
             ex.out = await DirectWriter.open(
@@ -769,7 +818,7 @@ class Gateway:
         out = ex.out
         relay = Relay(ex.splicer, _FirstToken(ex, self.clock))
         try:
-            ending = await relay.run(upstream.push_events, out)
+            ending = await relay.run(upstream.push_events, out, first)
             if ending is Ending.DONE:
                 splicer = ex.splicer
                 ex.finish = splicer.finish or ("error" if splicer.failed else "stop")
@@ -918,13 +967,19 @@ class Gateway:
                 f"no record of request {request_id!r} here (unknown, or forgotten: the "
                 f"router keeps its last {self.trail.max_requests} requests)",
             ).response()  # fmt: skip
-        endpoints = sorted({e["endpoint"] for e in story["events"] if e["event"] == "attempt"})
+        events = story["events"]
+        endpoints = sorted(
+            {e["endpoint"] for e in events if e["event"] == "attempt"}
+            | {e["decode"] for e in events if e["event"] == "pair"}  # a P/D pair's decode legs
+        )
         stories = await asyncio.gather(*(self._endpoint_story(e, request_id) for e in endpoints))
         return web.json_response({**story, "endpoints": dict(zip(endpoints, stories, strict=True))})
 
     async def _endpoint_story(self, endpoint_id: str, request_id: str) -> Any:
         """What `endpoint_id`'s sidecar recorded about the request, or why it cannot say."""
         view = self.view.snapshot.by_id.get(endpoint_id)
+        if view is None and self.pairing is not None:
+            view = self.pairing.view.snapshot.by_id.get(endpoint_id)
         if view is None or self._http is None:
             return {"unavailable": "the endpoint has left the pool"}
         headers = dict(_JSON)
@@ -950,39 +1005,66 @@ class Gateway:
         `endpoint_id`, `address`, `lifecycle`, `watermark`, `kv_used_tokens`,
         `kv_reserved_growth_tokens`, `kv_capacity_tokens`, `running_requests`,
         `queued_requests` (as last reported), `router_inflight` (sent by this router since
-        that report) and `lease_left_s` (null for a fixed `--endpoint`)."""
+        that report) and `lease_left_s` (null for a fixed `--endpoint`). A prefill pool's
+        router adds `decode`: its decode pool (`pool`, `stale`, `endpoints`) as it sees it."""
         now = self.clock()
-        snapshot = self.view.snapshot
-        endpoints = [
-            {
-                "endpoint_id": e.endpoint_id,
-                "address": e.state.address,
-                "lifecycle": e.state.lifecycle.value,
-                "watermark": e.state.watermark.value,
-                "kv_used_tokens": e.state.kv_used_tokens,
-                "kv_reserved_growth_tokens": e.state.kv_reserved_growth_tokens,
-                "kv_capacity_tokens": e.state.kv_capacity_tokens,
-                "running_requests": e.state.running_requests,
-                "queued_requests": e.state.queued_requests,
-                "router_inflight": self.dispatch.inflight.count(e.endpoint_id),
-                "lease_left_s": None
-                if e.lease_deadline == float("inf")
-                else round(e.lease_deadline - now, 3),
+        status = {
+            "pool": self.config.pool,
+            "version": self.view.snapshot.version,
+            "ring_version": self.view.snapshot.ring_version,
+            "snapshot_age_s": round(now - self.view.confirmed_at, 3),
+            "stale": self.view.is_stale(now),
+            "error": self.view.error,
+            "queued": len(self.dispatch.queue),
+            "endpoints": _endpoint_rows(self.view.snapshot, self.dispatch, now),
+        }
+        if self.pairing is not None:
+            decode = self.pairing.view
+            status["decode"] = {
+                "pool": decode.pool,
+                "stale": decode.is_stale(now),
+                "endpoints": _endpoint_rows(decode.snapshot, self.pairing.dispatch, now),
             }
-            for e in snapshot.endpoints
-        ]
-        return web.json_response(
-            {
-                "pool": self.config.pool,
-                "version": snapshot.version,
-                "ring_version": snapshot.ring_version,
-                "snapshot_age_s": round(now - self.view.confirmed_at, 3),
-                "stale": self.view.is_stale(now),
-                "error": self.view.error,
-                "queued": len(self.dispatch.queue),
-                "endpoints": endpoints,
-            }
-        )
+        return web.json_response(status)
+
+
+def _endpoint_rows(
+    snapshot: PoolSnapshot, dispatch: Dispatcher[_Exchange], now: float
+) -> list[dict[str, Any]]:
+    """Each endpoint of a snapshot, for `GET /weir/v1/pool`."""
+    return [
+        {
+            "endpoint_id": e.endpoint_id,
+            "address": e.state.address,
+            "lifecycle": e.state.lifecycle.value,
+            "watermark": e.state.watermark.value,
+            "kv_used_tokens": e.state.kv_used_tokens,
+            "kv_reserved_growth_tokens": e.state.kv_reserved_growth_tokens,
+            "kv_capacity_tokens": e.state.kv_capacity_tokens,
+            "running_requests": e.state.running_requests,
+            "queued_requests": e.state.queued_requests,
+            "router_inflight": dispatch.inflight.count(e.endpoint_id),
+            "lease_left_s": None
+            if e.lease_deadline == float("inf")
+            else round(e.lease_deadline - now, 3),
+        }
+        for e in snapshot.endpoints
+    ]
+
+
+class _Held(msgspec.Struct):
+    """Of a sidecar's continuation, only where room is held for it."""
+
+    target: str = ""
+
+
+def _target_of(continuation: bytes) -> str:
+    """The endpoint that holds room for a sidecar's continuation ("" when none, or when
+    the record is not one: the resume is then placed as any other)."""
+    try:
+        return msgspec.json.decode(continuation, type=_Held).target
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return ""
 
 
 def _adapters_of(snapshot: PoolSnapshot) -> frozenset[tuple[str, str]]:

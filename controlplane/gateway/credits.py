@@ -1,13 +1,15 @@
 """Prefill→decode handoff credits: a prefill pool admits a request only with decode
 capacity promised for it.
 
-Before a prefill is sent, the router takes a credit for the prompt's KV bytes on the
-decode pool's class from the control plane (idempotent under the request id); the credit
-id travels upstream in `x-weir-handoff-credit` for the decode side to consume. A credit
-nobody consumes expires by Redis server time and its bytes return to the budget, so a
-lost prefill never strands decode capacity. No credit: 429 `overload`, reason
-`decode_credit`, with the time until the next credit expires (or until the budget is
-published again) as Retry-After; a decode class with no budget at all: 503.
+Before a P/D pair starts, the router takes a credit for the prompt's KV bytes on the
+decode pool's class from the control plane (idempotent under its name); when the handoff
+lands on the decode side the router consumes it, and when the request ends before, it
+releases it (`settle`): either way its bytes return to the budget at once, while the
+decode pool's next published budget counts the KV that landed. A credit nobody settles
+(a router that died) expires by Redis server time, so a lost prefill never strands
+decode capacity. No credit: 429 `overload`, reason `decode_credit`, with the time until
+the next credit expires (or until the budget is published again) as Retry-After; a
+decode class with no budget at all: 503.
 
 The budget is the decode pool's: its router publishes, every `BUDGET_PERIOD_S`, what its
 routable endpoints' sidecars would admit now (`credit_rules.decode_budget`) — the class
@@ -23,15 +25,12 @@ from collections.abc import Callable
 from redis.exceptions import RedisError
 
 from controlplane.contract import HandoffCredit, KVPolicy
-from controlplane.contract import headers as wire
 from controlplane.contract.credit_rules import BUDGET_PERIOD_S, credit_refusal, decode_budget
 from controlplane.gateway.errors import overload, unavailable
 from controlplane.gateway.pool import PoolView
 from controlplane.store import CreditRefusal, CreditStore
 
 log = logging.getLogger(__name__)
-
-CREDIT_HEADER = wire.HANDOFF_CREDIT
 
 
 class HandoffGate:
@@ -63,6 +62,20 @@ class HandoffGate:
             f"({got.reason})",
             retry_after_s,
         )
+
+    async def settle(self, credit_id: str, *, landed: bool) -> str:
+        """Consume a credit (its handoff `landed`) or release it (it never will): its
+        bytes go back to the budget now. Returns the outcome: "consumed", "released",
+        "expired" (it lapsed first: its bytes went back then) or "unreachable" (the
+        control plane was; the credit expires on its own)."""
+        try:
+            got = await self.store.consume(credit_id)
+        except (RedisError, OSError) as exc:
+            log.warning("credit %s not settled (it will expire): %s", credit_id, exc)
+            return "unreachable"
+        if isinstance(got, CreditRefusal):
+            return "expired"
+        return "consumed" if landed else "released"
 
 
 async def publish_budget(

@@ -67,6 +67,7 @@ class RouterMetrics:
         self.ring_version = f["weir_router_ring_version"]
         self.snapshot_age = f["weir_router_snapshot_age_seconds"]
         self.lease_expiries = f["weir_router_lease_expiries_total"]
+        self.handoff_credits = f["weir_router_handoff_credits_total"]
         for family, reasons in (
             (self.retries, RETRY_REASONS),
             (self.resumes, RESUME_REASONS),

@@ -98,6 +98,21 @@ class PoolView:
         return self._snapshot
 
 
+def new_reports(
+    versions: dict[str, int], snapshot: PoolSnapshot, removed: Sequence[EndpointView]
+) -> list[str]:
+    """The endpoints whose report is new since `versions` last saw them (updated here);
+    the endpoints that left are forgotten."""
+    fresh = []
+    for view in snapshot.endpoints:
+        if versions.get(view.endpoint_id) != view.state.version:
+            versions[view.endpoint_id] = view.state.version
+            fresh.append(view.endpoint_id)
+    for view in removed:
+        versions.pop(view.endpoint_id, None)
+    return fresh
+
+
 def static_endpoints(
     pool: str, model: str, urls: Sequence[str], *, kv_capacity_tokens: int = 1 << 20
 ) -> list[EndpointView]:

@@ -63,6 +63,8 @@ async def serve_gateway(
     quotas: QuotaGate | None = None
     tasks: list[asyncio.Task[None]] = []
     credits: HandoffGate | None = None
+    decode_view: PoolView | None = None
+    decode_feed: StoreFeed | None = None
     if (config.enforce_quotas or config.role is Role.PREFILL) and not redis_url:
         raise ValueError("quotas and handoff credits live in the control plane: give redis_url")
     if config.role is Role.PREFILL and not config.decode_pool:
@@ -73,21 +75,25 @@ async def serve_gateway(
     else:
         view = PoolView(config.pool, config.routing.snapshot_staleness_s)
         redis = connect(RedisSettings.from_url(redis_url, client_name="weir-router"))
-        registry = EndpointRegistry(redis, config.pool)
-        follower = PoolFollower(registry)
         owners = RingOwners(config.routing.virtual_nodes)
-        feed = StoreFeed(follower, view, clock, owners_for=owners)
+        feed = StoreFeed(PoolFollower(EndpointRegistry(redis, config.pool)), view, clock,
+                         owners_for=owners)  # fmt: skip
         if config.enforce_quotas:
             quotas = QuotaGate(QuotaStore(redis, config.pool), config.tenants)
             await quotas.publish()
             await quotas.store.renew_holder(quotas.holder, quotas.lease_ttl_s)
         if config.role is Role.PREFILL:
-            # The decode pool keeps the budget; its name is the credit class.
+            # The decode pool keeps the budget; its name is the credit class. Its
+            # endpoints are this router's too: each request's decode leg goes to one.
             credits = HandoffGate(
                 CreditStore(redis, config.decode_pool), config.decode_pool,
                 config.kv_bytes_per_token, config.credit_ttl_s,
             )  # fmt: skip
-    gateway = Gateway(config, view, keys, clock, quotas, credits)
+            decode_view = PoolView(config.decode_pool, config.routing.snapshot_staleness_s)
+            decode_feed = StoreFeed(
+                PoolFollower(EndpointRegistry(redis, config.decode_pool)), decode_view, clock
+            )
+    gateway = Gateway(config, view, keys, clock, quotas, credits, decode_view)
     runner = web.AppRunner(
         gateway.app(),
         handler_cancellation=True,
@@ -103,6 +109,8 @@ async def serve_gateway(
         # Any number of reapers may run; each router's keeps leases honest without an
         # operator (a local fleet), and the feed then reports the removals.
         tasks.append(loop.create_task(reap_forever(feed.follower.registry, 1.0)))
+    if decode_feed is not None:
+        tasks.append(loop.create_task(decode_feed.run()))
     if quotas is not None:
         tasks.append(loop.create_task(quotas.keep_lease()))
     if redis is not None and config.role is Role.DECODE:

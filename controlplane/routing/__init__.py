@@ -4,10 +4,12 @@ Pure over immutable snapshots with an injected clock, so the gateway runs it liv
 fleet simulator runs it in virtual time:
 
 - `snapshot`: `PoolSnapshot`, `EndpointView`, `RouteRequest`, `RoutingContext`;
-- `framework`: the `Filter` / `Scorer` / `Picker` protocols and the `Profile` pipeline
-  (filters → weighted scorers → picker) that returns a `Decision`;
+- `framework`: the `Filter` / `Scorer` / `Picker` protocols, the `PlacementHook` a
+  plugin keeps its own state with, and the `Decision`;
 - `filters`, `scorers`, `pickers`: the built-in plugins; `cost`: the cost model the
-  scorers are made of; `registry`: plugins by name and profiles from configuration;
+  scorers are made of;
+- `profile`: the `Profile` pipeline (filters → weighted scorers → picker) that runs them;
+  `registry`: plugins by name and profiles from configuration;
 - `prefix_index`: the approximate per-endpoint block index;
 - `fair_queue`: the bounded, tenant-fair admission queue;
 - `inflight`: what a router sent that its snapshot does not show yet;
@@ -31,18 +33,18 @@ from controlplane.routing.fair_queue import (
     service_estimate,
 )
 from controlplane.routing.framework import (
-    SATURATION,
     Cycle,
     Decision,
     DecisionReason,
     Filter,
     Picker,
-    Profile,
+    PlacementHook,
     Scorer,
     WeightedScorer,
 )
 from controlplane.routing.inflight import InFlight
 from controlplane.routing.prefix_index import PrefixIndex
+from controlplane.routing.profile import SATURATION, Profile
 from controlplane.routing.registry import (
     PluginKind,
     ProfileError,
@@ -73,6 +75,7 @@ __all__ = [
     "InFlight",
     "Picker",
     "Placed",
+    "PlacementHook",
     "PluginKind",
     "PoolSnapshot",
     "PrefixIndex",

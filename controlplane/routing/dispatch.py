@@ -14,7 +14,7 @@ A request's life here:
 - **Arrival.** Placed at once unless something of its class or above waits (nobody
   jumps the queue of their own class). Placed means reserved (`InFlight`) and its
   tenant charged `service_estimate` in the fair queue's counters, once per request.
-  When only saturation stood in the way (`SATURATION`) it waits in the `FairQueue`
+  When only saturation stood in the way (`Decision.saturated`) it waits in the `FairQueue`
   (full: 429 `queue_full`); any other refusal means nothing could serve it: 503 named by
   the filter that removed the most candidates.
 - **Waiting.** Room that returns (an end, a release, a report) is pumped fairest first,
@@ -32,7 +32,13 @@ A request's life here:
   backoff that doubles with each refusal (50 ms to 1 s), then asked again. A resume
   waits ahead of new work of its class, without holding the line for anything (it can
   only wait for want of a routable endpoint), for up to `resume_wait_s` from when it was
-  handed back (then 503 `resume_failed`).
+  handed back (then 503 `resume_failed`). A migration whose sidecar took room for it at
+  a target (`target`) goes there first, if the filters a resume passes allow it: a
+  preference, tried once; a target that refuses or is gone leaves the resume to
+  `decide_resume`.
+- **Reached.** Once the endpoint it was placed at has it, the caller says so (`reached`):
+  the profile's post-decision hooks learn where it went (the prefix plugin records its
+  prompt's blocks there, for the next decisions to find).
 - **End.** Its reservation released, its charge settled (`service_correction`), the
   freed room pumped.
 
@@ -51,9 +57,10 @@ from controlplane.routing.fair_queue import (
     service_correction,
     service_estimate,
 )
-from controlplane.routing.framework import SATURATION, Decision
+from controlplane.routing.framework import Decision
 from controlplane.routing.inflight import InFlight
-from controlplane.routing.snapshot import PoolSnapshot, PrefixLookup, RouteRequest, RoutingContext
+from controlplane.routing.prefix_index import PrefixIndex
+from controlplane.routing.snapshot import PoolSnapshot, RouteRequest, RoutingContext
 
 P = TypeVar("P")
 
@@ -88,10 +95,12 @@ class Refusal:
 
 @dataclass(frozen=True, slots=True)
 class Placed(Generic[P]):
-    """Send `payload` to `endpoint_id` (reserved for it until it ends or comes back)."""
+    """Send `payload` to `endpoint_id` (reserved for it until it ends or comes back);
+    `route` is the request as it arrived, for `Dispatcher.reached`."""
 
     payload: P
     endpoint_id: str
+    route: RouteRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +121,10 @@ class Decider(Protocol):
 
     def decide_resume(self, request: RouteRequest, ctx: RoutingContext) -> Decision: ...
 
+    def placed(
+        self, request: RouteRequest, endpoint_id: str, prefix_index: PrefixIndex
+    ) -> None: ...
+
 
 @dataclass(slots=True, eq=False)
 class _Request(Generic[P]):
@@ -128,6 +141,7 @@ class _Request(Generic[P]):
     refusals: int = 0  # of this resume, for the backoff
     generated: int = 0  # tokens the client holds: a resume's prompt grows by them
     retry_after_s: float = 0.0
+    target: str = ""  # where room is held for its resume: tried first, once
 
 
 class Dispatcher(Generic[P]):
@@ -135,7 +149,7 @@ class Dispatcher(Generic[P]):
         self,
         decider: Decider,
         policy: RoutingPolicy,
-        prefix_index: PrefixLookup | None = None,
+        prefix_index: PrefixIndex | None = None,
     ) -> None:
         self.decider = decider
         self.policy = policy
@@ -178,7 +192,7 @@ class Dispatcher(Generic[P]):
                 self.queue.charge(route.tenant, _estimate(route))
                 request.charged = True
                 self._reserve(request, decision, now, events)
-            elif decision.refusal in SATURATION:
+            elif decision.saturated:
                 self._enqueue(request, now, events)
             else:
                 message = (
@@ -248,11 +262,14 @@ class Dispatcher(Generic[P]):
         snapshot: PoolSnapshot | None,
         *,
         broken: bool,
+        target: str = "",
     ) -> list[Event[P]]:
         """Its stream stopped after bytes reached the client (`generated_tokens` of them
         in all) and before the request ended: the endpoint broke it (`broken`: never
-        offered it again) or migrated it away (avoided a while). It resumes elsewhere."""
+        offered it again) or migrated it away (avoided a while), perhaps to a `target`
+        that holds room for it. It resumes elsewhere."""
         request = self._requests[request_id]
+        request.target = target
         endpoint = self._release(request)
         if broken:
             request.failed.add(endpoint)
@@ -287,6 +304,14 @@ class Dispatcher(Generic[P]):
                 route.tenant, service_correction(route.max_new_tokens, generated_tokens)
             )
         return self.pump(now, snapshot)
+
+    def reached(self, route: RouteRequest, endpoint_id: str) -> None:
+        """The request `route` reached `endpoint_id`, which has it now (the gateway: it
+        answered without refusing it; the simulator: its sidecar was offered it): the
+        profile's post-decision hooks learn where it went. Without a prefix index there
+        is no state for them to keep."""
+        if self.prefix_index is not None:
+            self.decider.placed(route, endpoint_id, self.prefix_index)
 
     def reported(self, endpoint_id: str, taken_at: float) -> None:
         """The endpoint reported at `taken_at`: what was sent to it before is in the
@@ -376,7 +401,16 @@ class Dispatcher(Generic[P]):
         self, request: _Request[P], now: float, snapshot: PoolSnapshot, events: list[Event[P]]
     ) -> None:
         exclude = frozenset(request.failed.union(request.avoided))
-        decision = self._decide(request, now, snapshot, resume=True, exclude=exclude)
+        decision = None
+        target, request.target = request.target, ""
+        if target and target not in exclude and target in snapshot.by_id:
+            # The target alone: it stands as the only owner, every other endpoint excluded.
+            others = frozenset(snapshot.by_id).difference((target,))
+            decision = self._decide(
+                request, now, snapshot, resume=True, exclude=others, owners=(target,)
+            )
+        if decision is None or not decision.endpoint_id:
+            decision = self._decide(request, now, snapshot, resume=True, exclude=exclude)
         if decision.endpoint_id:
             del self._resuming[request.route.request_id]
             self._reserve(request, decision, now, events)
@@ -389,6 +423,7 @@ class Dispatcher(Generic[P]):
         *,
         resume: bool = False,
         exclude: frozenset[str] = frozenset(),
+        owners: tuple[str, ...] | None = None,
     ) -> Decision:
         route = request.route
         if now != request.arrived_at or resume:  # a new arrival routes as it came
@@ -400,6 +435,7 @@ class Dispatcher(Generic[P]):
                 deadline_s=self._deadline_left(request, now),
                 waited_s=now - request.waiting_since,
                 exclude=exclude,
+                owners=route.owners if owners is None else owners,
             )
         inflight = self.inflight
         ctx = RoutingContext(snapshot, now, inflight.counts, inflight.total, self.prefix_index)
@@ -426,7 +462,7 @@ class Dispatcher(Generic[P]):
             request.decision = decision
         request.endpoint = endpoint
         self.inflight.add(endpoint, request.route.request_id, now)
-        events.append(Placed(request.payload, endpoint))
+        events.append(Placed(request.payload, endpoint, request.route))
 
     def _release(self, request: _Request[P]) -> str:
         endpoint, request.endpoint = request.endpoint, ""

@@ -4,7 +4,7 @@ When every candidate is saturated a request waits here instead of being sent int
 overloaded engine. Bands are served strictly by priority, highest first. Inside a band,
 tenants share by cost in the spirit of the virtual token counter (Sheng et al., "Fairness
 in Serving Large Language Models"): each tenant has a counter of the service it received
-(tokens plus KV token-seconds, divided by its weight), the tenant with the smallest
+(tokens: its prompt plus its output, divided by its weight; see `service_estimate`), the tenant with the smallest
 counter goes next, and a tenant that becomes active is lifted to the smallest active
 counter so idle time cannot be banked into a burst later.
 
@@ -157,7 +157,7 @@ class FairQueue(Generic[T]):
 
     def charge(self, tenant: str, cost: float) -> None:
         """Add service to a tenant's counter (dispatch, or a correction once the real
-        tokens and KV token-seconds are known)."""
+        output is known)."""
         weight = self.weights.get(tenant, 1.0)
         self._counters[tenant] = self._counters.get(tenant, 0.0) + cost / max(weight, 1e-9)
 

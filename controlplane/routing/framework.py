@@ -2,51 +2,26 @@
 
 Shaped after the endpoint-picker framework of llm-d's router (pkg/epp): one small
 protocol per extension point, scores in [0, 1] with higher meaning better, a weight that
-wraps a scorer so the scorer never knows it, and plugins registered by name so a profile
-is configuration (`controlplane.routing.registry`). Every method is synchronous and pure
+wraps a scorer so the scorer never knows it, a post-decision hook for a plugin that keeps
+state of its own (llm-d's PreRequest), and plugins registered by name so a profile is
+configuration (`controlplane.routing.registry`). Every method is synchronous and pure
 over the `Cycle` it is given; whatever needs I/O (owners, block hashes, quotas) happens
-before the pipeline runs.
-
-A decision over a large pool never scans it: the candidates are the request's owners,
-the endpoints that probably hold its prefix, and a request-dependent window of the
-snapshot's least pressured endpoints (power of k choices over a presorted list).
-
-Near-ties can be spread (`Profile.tie_band`, off by default). Several routers serving one pool share one
-snapshot, and each counts only its own dispatches until the endpoints report them. Where
-candidates score alike (an idle pool; equally loaded endpoints whose KV differs by a
-percent or so) the picker's deterministic choice, the first of the highest, sends every
-router's next request to the same endpoint: R requests where one router sends one and
-spreads the rest. Among the candidates within `tie_band` of the picked one's total and
-credited with the same cached prefix, a hash of the request id chooses instead
-(randomized tie-breaking, as in Envoy's and llm-d's pickers). The routers' picks
-decorrelate; at light load a router's own dispatch (about 0.2 of queue score) still takes
-an endpoint out of the band, so one router never doubles up on it while an equal one is
-free; no pick trades cached tokens for balance, and a pick of the prefix's primary owner
-stands. It does not spread what is not a tie: an endpoint one reported request below the
-others still gets one request from every router (docs/architecture.md, "Several routers
-per pool"). Pure: a request decides the same way everywhere, the simulator included.
+before the pipeline runs. `controlplane.routing.profile` runs the pipeline.
 """
 
 from __future__ import annotations
 
 import math
-import zlib
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, fields, replace
-from operator import mul
+from dataclasses import dataclass, field, fields
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from controlplane.routing.snapshot import (
-    EndpointView,
-    PoolSnapshot,
-    RouteRequest,
-    RoutingContext,
-)
+from controlplane.routing.snapshot import EndpointView, RouteRequest, RoutingContext
 
 if TYPE_CHECKING:
     from controlplane.routing.cost import CostModel
-    from controlplane.routing.fused import FusedPipeline
+    from controlplane.routing.prefix_index import PrefixIndex
 
 
 @dataclass(slots=True)
@@ -76,7 +51,9 @@ class Cycle:
 
 
 class Filter(Protocol):
-    """Keeps the candidates a request may go to at all."""
+    """Keeps the candidates a request may go to at all. `name` is the instance's (a
+    profile may hold two of one kind, e.g. bounded loads of two factors): rejections are
+    counted by it."""
 
     name: str
 
@@ -84,7 +61,9 @@ class Filter(Protocol):
 
 
 class Scorer(Protocol):
-    """Scores every candidate in [0, 1]; higher is better. One value per candidate."""
+    """Scores every candidate in [0, 1]; higher is better. One value per candidate; the
+    profile clamps what falls outside (NaN to 0), so one scorer's bad input cannot
+    outweigh the others. `name` is the instance's, as for filters."""
 
     name: str
 
@@ -105,14 +84,28 @@ class Picker(Protocol):
     ) -> int: ...
 
 
+@runtime_checkable
+class PlacementHook(Protocol):
+    """A plugin that learns where a request went once that endpoint has it, to keep state
+    of its own the next decisions read: the prefix plugin records the prompt's blocks as
+    probably cached there. Called by whoever drives the decisions
+    (`controlplane.routing.Dispatcher.reached`), never during one."""
+
+    def placed(
+        self, request: RouteRequest, endpoint_id: str, prefix_index: PrefixIndex
+    ) -> None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class WeightedScorer:
     scorer: Scorer
     weight: float
 
     def __post_init__(self) -> None:
-        if not self.weight >= 0.0:  # also rejects NaN
-            raise ValueError(f"scorer {self.scorer.name}: weight must be >= 0, got {self.weight}")
+        if not (math.isfinite(self.weight) and self.weight >= 0.0):
+            raise ValueError(
+                f"scorer {self.scorer.name}: weight must be a finite number >= 0, got {self.weight}"
+            )
 
 
 class DecisionReason:
@@ -124,7 +117,6 @@ class DecisionReason:
     NO_CANDIDATE = "no_candidate"
 
 
-_NO_HOLDERS: Mapping[str, int] = MappingProxyType({})
 _NO_REJECTIONS: Mapping[str, int] = MappingProxyType({})
 
 
@@ -132,19 +124,25 @@ _NO_REJECTIONS: Mapping[str, int] = MappingProxyType({})
 class Decision:
     """The picked endpoint (empty when none is eligible) and the fallbacks in retry
     order: the secondary owner first, then the others by score. `rejected` counts how
-    many candidates each filter removed, which names the refusal when none is left.
+    many candidates each filter removed (by the filter's instance name), which names the
+    refusal when none is left; `saturated` says that refusal was a saturation filter's
+    (room may come back, so the request may wait for it).
 
-    A decision keeps the eligible candidates and their totals as computed and ranks the
-    fallbacks when first read: the simulator and most live requests never retry, so a
-    decision does not pay for the ranking up front."""
+    A decision keeps the eligible candidates, their totals and each scorer's column of
+    scores as computed, and ranks the fallbacks when first read: the simulator and most
+    live requests never retry, so a decision does not pay for the ranking up front, nor
+    for an explanation nobody asked for (`Profile.terms`)."""
 
     endpoint_id: str
     reason: str
     owner_hit: bool
     score: float = 0.0
     rejected: Mapping[str, int] = field(default_factory=lambda: _NO_REJECTIONS)
+    saturated: bool = False
     eligible: Sequence[EndpointView] = field(default=(), repr=False, compare=False)
     totals: Sequence[float] = field(default=(), repr=False, compare=False)
+    # One column per scorer, in the profile's order, one score per eligible candidate.
+    scores: Sequence[Sequence[float]] = field(default=(), repr=False, compare=False)
     chosen: int = field(default=0, repr=False)
     secondary_owner: str = field(default="", repr=False)
 
@@ -154,6 +152,7 @@ class Decision:
         request: RouteRequest,
         eligible: Sequence[EndpointView],
         totals: Sequence[float],
+        scores: Sequence[Sequence[float]],
         chosen: int,
         rejected: Mapping[str, int] | None,
     ) -> Decision:
@@ -167,22 +166,35 @@ class Decision:
         else:
             reason = DecisionReason.LEAST_COST
         # A frozen dataclass's __init__ sets each field through object.__setattr__ (about
-        # 2 µs for these nine); one decision is built per request, so its slots are set
+        # 2 µs for these eleven); one decision is built per request, so its slots are set
         # through their descriptors instead, a third of that. Still frozen to its readers.
         decision = _new(cls)
-        s_id, s_reason, s_hit, s_score, s_rejected, s_eligible, s_totals, s_chosen, s_second = (
-            _DECISION_SLOTS
-        )
+        (
+            s_id, s_reason, s_hit, s_score, s_rejected, s_saturated, s_eligible, s_totals,
+            s_scores, s_chosen, s_second,
+        ) = _DECISION_SLOTS  # fmt: skip
         s_id(decision, picked)
         s_reason(decision, reason)
         s_hit(decision, reason is DecisionReason.PRIMARY_OWNER)
         s_score(decision, totals[chosen])
         s_rejected(decision, rejected or _NO_REJECTIONS)
+        s_saturated(decision, False)
         s_eligible(decision, eligible)
         s_totals(decision, totals)
+        s_scores(decision, scores)
         s_chosen(decision, chosen)
         s_second(decision, owners[1] if len(owners) > 1 else "")
         return decision
+
+    @classmethod
+    def refused(cls, rejected: Mapping[str, int] | None, saturation: frozenset[str]) -> Decision:
+        """No candidate was left: `rejected` names why, and `saturation` (the names of
+        the profile's saturation filters) whether the request may wait."""
+        rejected = rejected or _NO_REJECTIONS
+        return cls(
+            "", DecisionReason.NO_CANDIDATE, False, rejected=rejected,
+            saturated=_refusal(rejected) in saturation,
+        )  # fmt: skip
 
     @property
     def fallbacks(self) -> tuple[str, ...]:
@@ -201,211 +213,17 @@ class Decision:
     @property
     def refusal(self) -> str:
         """The filter that removed the most candidates: why nothing could be picked."""
-        if not self.rejected:
-            return "no_endpoint"
-        return max(self.rejected.items(), key=lambda item: item[1])[0]
+        return _refusal(self.rejected)
 
 
-def spread_ties(
-    request: RouteRequest,
-    candidates: Sequence[EndpointView],
-    totals: Sequence[float],
-    affinity: Sequence[float] | None,
-    chosen: int,
-    band: float,
-) -> int:
-    """Among the candidates whose total is within `band` of `totals[chosen]` and whose
-    prefix-affinity score (when the profile has one) equals the chosen one's, the one a
-    hash of the request id names; `chosen` itself when it has no such peer, or when it is
-    the request's primary owner: the one endpoint every router sends the prefix to stays
-    its home, even where a short prompt credits the secondary as fully cached too."""
-    if candidates[chosen].endpoint_id == request.primary_owner:
-        return chosen
-    floor = totals[chosen] - band
-    if affinity is None:
-        ties = [i for i, total in enumerate(totals) if total >= floor]
-    else:
-        credit = affinity[chosen]
-        ties = [i for i, total in enumerate(totals) if total >= floor and affinity[i] == credit]
-    if len(ties) == 1:
-        return chosen
-    # CRC-32 is linear: ids that differ in one character (a simulator's r1, r2, ...) have
-    # related low bits. A multiplicative mix spreads them over the high bits, which pick;
-    # the candidate window's rotation uses the low ones.
-    mixed = (zlib.crc32(request.request_id.encode()) * _GOLDEN) & 0xFFFFFFFF
-    return ties[mixed * len(ties) >> 32]
+def _refusal(rejected: Mapping[str, int]) -> str:
+    if not rejected:
+        return "no_endpoint"
+    return max(rejected.items(), key=lambda item: item[1])[0]
 
 
-_GOLDEN = 0x9E3779B1  # 2^32 / the golden ratio, Knuth's multiplicative hash
-_AFFINITY = "prefix-affinity"  # the scorer whose equal scores mean equal cached prefixes
 _new = object.__new__
 # Each field's slot descriptor setter, in field order (see `Decision.of`).
 _DECISION_SLOTS: tuple[Callable[[Decision, object], None], ...] = tuple(
     getattr(Decision, f.name).__set__ for f in fields(Decision)
 )
-
-
-# Filters that keep new work off a full endpoint. A resume continues a stream already
-# accepted: for it they are preferences, not vetoes (`Profile.decide_resume`).
-SATURATION = frozenset({"bounded-load", "watermark-below-critical"})
-
-
-@dataclass(frozen=True, slots=True)
-class Profile:
-    """A fixed pipeline. A decision looks at a shortlist, never the whole pool: the
-    request's owners, up to `max_prefix_holders` endpoints that probably hold its
-    prefix, and `candidates` endpoints from a request-dependent window of the snapshot's
-    least pressured ones (power of k choices over a list ranked once per snapshot)."""
-
-    name: str
-    filters: tuple[Filter, ...]
-    scorers: tuple[WeightedScorer, ...]
-    picker: Picker
-    candidates: int = 4
-    max_prefix_holders: int = 4
-    # Near-ties within this much total score are spread by the request's hash (0: the
-    # picker's pick stands); see the module's docstring.
-    tie_band: float = 0.0
-    # Bound methods and weights, looked up once per profile instead of per decision.
-    _filter_fns: tuple[tuple[str, FilterFn], ...] = field(init=False, repr=False, compare=False)
-    _score_fns: tuple[ScoreFn, ...] = field(init=False, repr=False, compare=False)
-    _weights: tuple[float, ...] = field(init=False, repr=False, compare=False)
-    # Where the prefix-affinity scorer's column is among the scores (-1: none).
-    _affinity_at: int = field(init=False, repr=False, compare=False)
-    # The plugins fused into one loop when they are all built-ins it reproduces.
-    _fused: FusedPipeline | None = field(init=False, repr=False, compare=False)
-    # This profile without its saturation filters, for resumes (itself if it has none).
-    _for_resumes: Profile = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        if not self.scorers:
-            raise ValueError(f"profile {self.name}: a profile needs at least one scorer")
-        if not (math.isfinite(self.tie_band) and self.tie_band >= 0.0):
-            raise ValueError(
-                f"profile {self.name}: tie_band must be a number >= 0, got {self.tie_band}"
-            )
-        # Imported here: the fused pipeline is built from the plugins, which import this module.
-        from controlplane.routing.fused import fuse
-
-        setattr_ = object.__setattr__
-        setattr_(self, "_filter_fns", tuple((f.name, f.filter) for f in self.filters))
-        setattr_(self, "_score_fns", tuple(ws.scorer.score for ws in self.scorers))
-        setattr_(self, "_weights", tuple(ws.weight for ws in self.scorers))
-        names = [ws.scorer.name for ws in self.scorers]
-        setattr_(self, "_affinity_at", names.index(_AFFINITY) if _AFFINITY in names else -1)
-        setattr_(self, "_fused", fuse(self.filters, self.scorers, self.picker, self.tie_band))
-        kept = tuple(f for f in self.filters if f.name not in SATURATION)
-        relaxed = self if kept == self.filters else replace(self, filters=kept)
-        setattr_(self, "_for_resumes", relaxed)
-
-    @property
-    def fused(self) -> bool:
-        """Whether decisions run the fused loop rather than the plugins one by one."""
-        return self._fused is not None
-
-    def decide(self, request: RouteRequest, ctx: RoutingContext) -> Decision:
-        holders = _NO_HOLDERS
-        if ctx.prefix_index is not None and request.block_hashes:
-            holders = ctx.prefix_index.holders(request.block_hashes)
-        snapshot = ctx.snapshot
-        mean_load = (snapshot.total_load + ctx.inflight_total) / (len(snapshot.preferred) or 1)
-        shortlist = self._candidates(request, snapshot, holders)
-        fused = self._fused
-        if fused is not None:
-            return fused.decide(request, ctx, holders, mean_load, shortlist)
-        return self._run_plugins(Cycle(request, ctx, holders, mean_load, {}), shortlist)
-
-    def decide_resume(self, request: RouteRequest, ctx: RoutingContext) -> Decision:
-        """Where a resume goes: the usual decision, or, when only saturation stood in its
-        way, the best endpoint the other filters allow. The stream was accepted already;
-        refusing it there loses it, while the endpoint's own admission can still queue it
-        or recompute elsewhere."""
-        decision = self.decide(request, ctx)
-        if decision.endpoint_id or not SATURATION.intersection(decision.rejected):
-            return decision
-        return self._for_resumes.decide(request, ctx)
-
-    def decide_with_plugins(self, request: RouteRequest, ctx: RoutingContext) -> Decision:
-        """The same decision by running each plugin in turn, fused or not: the reference
-        the fused loop is checked against."""
-        holders = _NO_HOLDERS
-        if ctx.prefix_index is not None and request.block_hashes:
-            holders = ctx.prefix_index.holders(request.block_hashes)
-        snapshot = ctx.snapshot
-        mean_load = (snapshot.total_load + ctx.inflight_total) / (len(snapshot.preferred) or 1)
-        cycle = Cycle(request, ctx, holders, mean_load, {})
-        return self._run_plugins(cycle, self._candidates(request, snapshot, holders))
-
-    def _run_plugins(self, cycle: Cycle, candidates: list[EndpointView]) -> Decision:
-        rejected: dict[str, int] | None = None
-        for name, keep in self._filter_fns:
-            before = len(candidates)
-            candidates = keep(cycle, candidates)
-            if len(candidates) < before:
-                if rejected is None:
-                    rejected = {}
-                rejected[name] = before - len(candidates)
-        if not candidates:
-            return Decision(
-                "", DecisionReason.NO_CANDIDATE, False, rejected=rejected or _NO_REJECTIONS
-            )
-
-        # One weighted sum per candidate over the scorers' columns, in C (map/sum), rather
-        # than one pass over the candidates per scorer.
-        weights = self._weights
-        scores = [score(cycle, candidates) for score in self._score_fns]
-        totals = [sum(map(mul, weights, column)) for column in zip(*scores, strict=True)]
-        chosen = self.picker.pick(cycle, candidates, totals)
-        if self.tie_band and len(candidates) > 1:
-            at = self._affinity_at
-            chosen = spread_ties(
-                cycle.request, candidates, totals, scores[at] if at >= 0 else None, chosen,
-                self.tie_band,
-            )  # fmt: skip
-        return Decision.of(cycle.request, candidates, totals, chosen, rejected)
-
-    def _candidates(
-        self, request: RouteRequest, snapshot: PoolSnapshot, holders: Mapping[str, int]
-    ) -> list[EndpointView]:
-        exclude, owners = request.exclude, request.owners
-        by_id = snapshot.by_id
-        if len(snapshot.endpoints) <= self.candidates + len(owners):
-            chosen = [by_id[o] for o in owners if o in by_id and o not in exclude]
-            chosen += [
-                e
-                for e in snapshot.endpoints
-                if e.endpoint_id not in owners and e.endpoint_id not in exclude
-            ]
-            return chosen
-
-        seen = set(exclude)
-        chosen = []
-        for endpoint_id in owners:
-            if endpoint_id not in seen and (view := by_id.get(endpoint_id)) is not None:
-                seen.add(endpoint_id)
-                chosen.append(view)
-        if holders:
-            # Usually one endpoint holds the prefix: nothing to rank.
-            most = self.max_prefix_holders
-            best = (
-                list(holders)[:most]
-                if len(holders) == 1
-                else sorted(holders, key=holders.__getitem__, reverse=True)[:most]
-            )
-            for endpoint_id in best:
-                if endpoint_id not in seen and (view := by_id.get(endpoint_id)) is not None:
-                    seen.add(endpoint_id)
-                    chosen.append(view)
-        preferred = snapshot.preferred
-        window = min(len(preferred), 2 * self.candidates)
-        if not window:
-            return chosen
-        start = zlib.crc32(request.request_id.encode()) % window
-        wanted = len(chosen) + self.candidates
-        for i in range(start, start + window):  # the window, rotated to start
-            view = preferred[i % window]
-            if view.endpoint_id not in seen:
-                chosen.append(view)
-                if len(chosen) == wanted:
-                    break
-        return chosen

@@ -4,14 +4,18 @@ A profile is plain data (JSON, YAML, a ConfigMap):
 
     {"name": "default", "candidates": 4, "tie_band": 0.005,
      "cost": {"prefill_tokens_per_s": 20000},
-     "filters": ["lease-valid", "not-draining", {"name": "bounded-load", "factor": 1.25}],
+     "filters": ["lease-valid", "not-draining", {"name": "bounded-load", "factor": 1.25},
+                 {"type": "bounded-load", "name": "hard-load-cap", "factor": 2.0}],
      "scorers": [{"name": "prefix-affinity", "weight": 2, "block_tokens": 64}],
      "picker": "max-score"}
 
-Every scorer receives the profile's `CostModel` as `cost`; other keys are passed to the
-plugin's constructor, which validates them. `tie_band` (default 0: off) spreads
-near-ties by the request's hash (`controlplane.routing.framework`). Unknown names or
-parameters raise `ProfileError` naming the offending entry.
+An entry's `type` is the registered plugin and its `name` the instance's, by which its
+rejections and scores are reported; either one alone gives both (a name alone is the
+type, as above), so two instances of one type need a `name` each. Every scorer receives
+the profile's `CostModel` as `cost`; other keys are passed to the plugin's constructor,
+which validates them. `tie_band` (default 0: off) spreads near-ties by the request's
+hash (`controlplane.routing.profile`). Unknown types or parameters, and two filters or
+two scorers of one name, raise `ProfileError` naming the offending entry.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from typing import Any
 from controlplane.contract import RoutingPolicy
 from controlplane.routing import filters, pickers, scorers
 from controlplane.routing.cost import CostModel
-from controlplane.routing.framework import Filter, Picker, Profile, Scorer, WeightedScorer
+from controlplane.routing.framework import Filter, Picker, Scorer, WeightedScorer
+from controlplane.routing.profile import Profile
 
 
 class PluginKind(enum.StrEnum):
@@ -41,7 +46,9 @@ _PLUGINS: dict[PluginKind, dict[str, Callable[..., Any]]] = {kind: {} for kind i
 
 
 def register(kind: PluginKind, name: str, factory: Callable[..., Any]) -> None:
-    """Make a plugin available to profiles under `name` (e.g. from an extension)."""
+    """Make a plugin type available to profiles under `name` (e.g. from an extension).
+    `factory` takes the entry's parameters as keywords, the instance's `name` among
+    them."""
     if name in _PLUGINS[kind]:
         raise ProfileError(f"{kind} {name!r} is already registered")
     _PLUGINS[kind][name] = factory
@@ -74,7 +81,7 @@ register(PluginKind.PICKER, "max-score", pickers.MaxScore)
 
 
 def default_config(policy: RoutingPolicy | None = None) -> dict[str, Any]:
-    """The cost model of ARCHITECTURE.md as a profile: every term one weighted scorer,
+    """The cost model of docs/architecture.md as a profile: every term one weighted scorer,
     affinity one term among them. Near-ties are not spread (`tie_band` 0): in the
     simulator's matrix a band of 0.005 cost long_long 11 % of its goodput while several
     routers' live figures did not move with it (docs/benchmarks.md); a pool with several
@@ -144,14 +151,17 @@ def profile_from_config(config: Mapping[str, Any]) -> Profile:
         and band >= 0
     ):
         raise ProfileError(f"profile 'tie_band' must be a number >= 0, got {band!r}")
-    return Profile(
-        name=str(config.get("name", "default")),
-        filters=tuple(filter_list),
-        scorers=tuple(scorer_list),
-        picker=picker,
-        candidates=candidates,
-        tie_band=float(band),
-    )
+    try:
+        return Profile(
+            name=str(config.get("name", "default")),
+            filters=tuple(filter_list),
+            scorers=tuple(scorer_list),
+            picker=picker,
+            candidates=candidates,
+            tie_band=float(band),
+        )
+    except ValueError as exc:  # e.g. two filters of one name
+        raise ProfileError(str(exc)) from exc
 
 
 def _entries(config: Mapping[str, Any], key: str) -> list[Any]:
@@ -164,18 +174,25 @@ def _entries(config: Mapping[str, Any], key: str) -> list[Any]:
 def _as_mapping(entry: Any) -> Mapping[str, Any]:
     if isinstance(entry, str):
         return {"name": entry}
-    if isinstance(entry, Mapping) and isinstance(entry.get("name"), str):
-        return entry
-    raise ProfileError(f"a plugin entry must be a name or a mapping with 'name', got {entry!r}")
+    if isinstance(entry, Mapping):
+        plugin_type, name = entry.get("type", ""), entry.get("name", "")
+        if isinstance(plugin_type, str) and isinstance(name, str) and (plugin_type or name):
+            return entry
+    raise ProfileError(
+        f"a plugin entry must be a type name or a mapping with 'type' or 'name', got {entry!r}"
+    )
 
 
 def _build(kind: PluginKind, entry: Any, extra: Mapping[str, Any]) -> Any:
     params = dict(_as_mapping(entry))
-    name = params.pop("name")
-    factory = _PLUGINS[kind].get(name)
+    name = params.pop("name", "") or params["type"]
+    plugin_type = params.pop("type", "") or name
+    factory = _PLUGINS[kind].get(plugin_type)
     if factory is None:
-        raise ProfileError(f"unknown {kind} {name!r}; registered: {', '.join(registered(kind))}")
+        raise ProfileError(
+            f"unknown {kind} {plugin_type!r}; registered: {', '.join(registered(kind))}"
+        )
     try:
-        return factory(**params, **extra)
+        return factory(**params, **extra, name=name)
     except (TypeError, ValueError) as exc:
         raise ProfileError(f"{kind} {name!r}: {exc}") from exc

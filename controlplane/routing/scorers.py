@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from controlplane.contract import Role
 from controlplane.routing.cost import CostModel
 from controlplane.routing.framework import Cycle
-from controlplane.routing.snapshot import EndpointView
+from controlplane.routing.prefix_index import PrefixIndex
+from controlplane.routing.snapshot import EndpointView, RouteRequest
 
 
 def _check_half(name: str, half_at_s: float) -> None:
@@ -30,6 +31,9 @@ class PrefixAffinity:
 
     Anti-hotspot: an endpoint whose queue alone is longer than `max_wait_s` gets no cache
     credit, so affinity never keeps a hot owner busy past the max wait.
+
+    The index is this plugin's state: its post-decision hook (`placed`) fills it with
+    where each prompt's blocks went.
     """
 
     cost: CostModel = field(default_factory=CostModel)
@@ -63,6 +67,11 @@ class PrefixAffinity:
         queue = cycle.queue_s(self.cost, candidates)
         cached = [0 if q > max_wait else c for c, q in zip(cached, queue, strict=True)]
         return [half / (half + c) for c in self.cost.uncached_prefill_s(request, cached)]
+
+    def placed(self, request: RouteRequest, endpoint_id: str, prefix_index: PrefixIndex) -> None:
+        """The prompt's blocks are probably cached at `endpoint_id` from now on."""
+        if request.block_hashes:
+            prefix_index.record(endpoint_id, request.block_hashes)
 
 
 @dataclass(frozen=True, slots=True)

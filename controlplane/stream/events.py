@@ -131,6 +131,29 @@ def without_usage(data: bytes) -> bytes:
     return msgspec.json.encode(chunk)
 
 
+class _Opening(msgspec.Struct):
+    error: Any = None
+    meta_info: GenerateMeta | None = None
+    choices: list[Choice] = []
+
+
+_opening_decode = msgspec.json.Decoder(_Opening).decode
+
+
+def opens_answer(data: bytes) -> bool:
+    """Whether a stream's first event begins an answer (its first token, or a chat's role)
+    rather than saying it failed or was aborted, in either API."""
+    try:
+        event = _opening_decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return False
+    if event.error is not None:
+        return False
+    if event.meta_info is not None and event.meta_info.finish_type == "abort":
+        return False
+    return not (event.choices and event.choices[0].finish_reason == "abort")
+
+
 class Answer(NamedTuple):
     """A whole (non-streamed) answer's finish type ('' when it names none) and counts."""
 

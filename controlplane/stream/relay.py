@@ -76,13 +76,20 @@ class Relay:
         self.continuation = b""  # what a `weir.preempted` event carried
         self.pending = bytearray()  # bytes for the task to write (the first, with headers)
 
-    async def run(self, push: Push, out: DirectWriter) -> Ending:
-        """Relay the segment to `out` until it ends."""
+    async def run(
+        self, push: Push, out: DirectWriter, first: list[SSEEvent] | None = None
+    ) -> Ending:
+        """Relay the segment to `out` until it ends; `first`: events read before the relay
+        began (a P/D decode leg's first read), fed as if just read."""
         self._out = out
         splicer = self._splicer
         while True:
-            cut_through = splicer.skims and out.direct and out.chunked
-            body_ended = await push(self.feed, self.feed_wire if cut_through else None)
+            if first:
+                self.feed(first)
+                first, body_ended = None, False
+            else:
+                cut_through = splicer.skims and out.direct and out.chunked
+                body_ended = await push(self.feed, self.feed_wire if cut_through else None)
             if self.pending:
                 data, self.pending = bytes(self.pending), bytearray()
                 await out.write_first(data)

@@ -1,4 +1,4 @@
-"""Metric families, by component. See ARCHITECTURE.md, Observability."""
+"""Metric families, by component (docs/metrics.md lists them for users)."""
 
 from __future__ import annotations
 
@@ -121,6 +121,21 @@ SIDECAR: tuple[MetricSpec, ...] = (
         _EP,
     ),
     MetricSpec(
+        "weir_sidecar_migration_reservations_total",
+        _C,
+        "Room held here for continuations other sidecars migrate here, by outcome: taken, "
+        "refused (no room), consumed (the continuation arrived and took it), expired (it "
+        "did not arrive in time; the room returned).",
+        (*_EP, "outcome"),
+    ),
+    MetricSpec(
+        "weir_sidecar_kv_held_for_migrations_tokens",
+        _G,
+        "KV tokens held for continuations migrating here (committed until they arrive or "
+        "their reservation expires).",
+        _EP,
+    ),
+    MetricSpec(
         "weir_sidecar_transferred_bytes_total",
         _C,
         "KV or continuation bytes moved to another endpoint.",
@@ -210,8 +225,9 @@ ROUTER: tuple[MetricSpec, ...] = (
         "weir_router_retries_total",
         _C,
         "Requests retried on another endpoint before the first byte, by reason: the "
-        "endpoint's 429 or 503, or how the call failed (connect_error, connect_timeout, "
-        "pool_timeout, read_timeout, protocol_error, connection_closed).",
+        "endpoint's 429 or 503, how the call failed (connect_error, connect_timeout, "
+        "pool_timeout, read_timeout, protocol_error, connection_closed), or which leg of a "
+        "P/D pair failed (prefill_failed, decode_failed).",
         ("pool", "reason"),
     ),
     MetricSpec(
@@ -301,6 +317,14 @@ ROUTER: tuple[MetricSpec, ...] = (
         _C,
         "Endpoints removed from routing because their lease expired.",
         ("pool",),
+    ),
+    MetricSpec(
+        "weir_router_handoff_credits_total",
+        _C,
+        "A prefill pool's decode handoff credits: taken before a P/D pair starts, "
+        "consumed when its KV lands on the decode side, released when the pair fails or "
+        "its client leaves first, expired when consumed too late.",
+        ("pool", "outcome"),
     ),
 )
 

@@ -58,6 +58,9 @@ import httptools
 from controlplane.transport.sse import SSEEvent, SSEFramer, one_data_event
 
 _MAX_HEAD = 64 * 1024  # a response head; also the most bytes with no element completed
+# The most a whole (not streamed) response may hold: it is kept in memory at once. A reply
+# of an engine, a sidecar or a status route is kilobytes; a peer past this is broken.
+MAX_WHOLE_BODY = 64 * 1024 * 1024
 _PAUSE_AT = 1 << 20  # unread body bytes at which reading from the socket pauses
 _END_GRACE_S = 1.0  # how long a finished reader's connection waits for its body's end
 # What a client opens to one origin by default: the router's own connection budget
@@ -511,8 +514,16 @@ class Response:
     def content_type(self) -> str:
         return self.headers.get("content-type", "application/octet-stream").split(";")[0]
 
-    async def read(self) -> bytes:
-        parts = [chunk async for chunk in self.chunks()]
+    async def read(self, limit: int = MAX_WHOLE_BODY) -> bytes:
+        """The whole body; a `ProtocolError` past `limit` bytes (the connection is then
+        dropped with the response, never reused)."""
+        parts: list[bytes] = []
+        size = 0
+        async for chunk in self.chunks():
+            size += len(chunk)
+            if size > limit:
+                raise ProtocolError(f"response body over {limit} bytes")
+            parts.append(chunk)
         return b"".join(parts)
 
     async def chunks(self) -> AsyncIterator[bytes]:

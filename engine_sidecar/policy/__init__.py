@@ -5,6 +5,7 @@ exactly this code on a virtual clock, and the live sidecar drives it on the real
 """
 
 from engine_sidecar.policy.admission import (
+    RESERVED,
     AdmissionDecision,
     AdmissionVerdict,
     PoolOutlook,
@@ -23,10 +24,13 @@ from engine_sidecar.policy.prediction import LengthKey, OutputLengthPredictor
 from engine_sidecar.policy.queue import (
     AdmissionQueue,
     QueuedRequest,
+    admits_now,
     effective_priority,
     engine_priority,
     expired,
     queue_order,
+    queue_wait_s,
+    queued_request,
     retry_after_s,
 )
 from engine_sidecar.policy.relief import (
@@ -35,12 +39,20 @@ from engine_sidecar.policy.relief import (
     ReliefCosts,
     ReliefPlan,
     Rung,
+    TargetRooms,
     VictimCandidate,
     VictimChoice,
     VictimScore,
-    peer_room,
+    peer_rooms,
     plan_relief,
     score_victim,
+)
+from engine_sidecar.policy.reservation import (
+    RESERVATION_TTL_S,
+    Reservation,
+    Reservations,
+    pick_target,
+    reservable_tokens,
 )
 from engine_sidecar.policy.watermark import (
     GrowthRate,
@@ -52,6 +64,8 @@ from engine_sidecar.policy.watermark import (
 
 __all__ = [
     "H200_LLAMA_8B",
+    "RESERVATION_TTL_S",
+    "RESERVED",
     "TRANSITIONS",
     "AdmissionDecision",
     "AdmissionQueue",
@@ -68,21 +82,29 @@ __all__ = [
     "ReliefPlan",
     "RequestRecord",
     "RequestState",
+    "Reservation",
+    "Reservations",
     "Rung",
     "SequenceOutlook",
+    "TargetRooms",
     "VictimCandidate",
     "VictimChoice",
     "VictimScore",
+    "admits_now",
     "classify",
     "decide_admission",
     "effective_priority",
     "engine_priority",
     "expired",
     "growth_reserve",
-    "peer_room",
+    "peer_rooms",
+    "pick_target",
     "plan_relief",
     "queue_order",
+    "queue_wait_s",
+    "queued_request",
     "reconcile_used",
+    "reservable_tokens",
     "retry_after_s",
     "score_victim",
     "steady_range",

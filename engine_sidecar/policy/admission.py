@@ -8,7 +8,9 @@ tokens left always reserves at least one.
 
 The safety margin is the emergency band above `emergency_watermark` plus the policy's
 absolute `headroom_tokens`. When the watermark is already critical or worse the sidecar
-admits nothing new (the relief ladder's second rung) whatever the arithmetic says.
+admits nothing new (the relief ladder's second rung) whatever the arithmetic says — except
+a continuation for which it held room (a migration's reservation, `RESERVED`): that room
+was counted as committed when it was granted, so taking it changes no watermark.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ def total_growth_reserve(sequences: Iterable[SequenceOutlook], horizon_steps: in
 class AdmissionVerdict(enum.StrEnum):
     ADMIT = "admit"
     WAIT = "wait"  # fits in principle, not now: queue it
-    REFUSE = "refuse"  # can never fit, or admission is closed
+    REFUSE = "refuse"  # can never fit (too_large), however long it waits
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +56,10 @@ class AdmissionDecision:
     reason: str
     needed_tokens: int
     available_tokens: int
+
+
+# The reason of an admission into room held for the request (a consumed reservation).
+RESERVED = "reserved"
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,9 +74,16 @@ class PoolOutlook:
 
 
 def decide_admission(
-    candidate: SequenceOutlook, prompt_tokens: int, pool: PoolOutlook, policy: KVPolicy
+    candidate: SequenceOutlook,
+    prompt_tokens: int,
+    pool: PoolOutlook,
+    policy: KVPolicy,
+    *,
+    held: bool = False,
 ) -> AdmissionDecision:
-    """Whether a request with `prompt_tokens` and growth prospects `candidate` fits now."""
+    """Whether a request with `prompt_tokens` and growth prospects `candidate` fits now.
+    `held`: this endpoint held room for it until now (a reservation just consumed, no
+    longer counted in `pool`): only the arithmetic decides, not the watermark or a pause."""
     needed = prompt_tokens + growth_reserve(candidate, policy.growth_horizon_steps)
     safety = policy.safety_tokens(pool.capacity_tokens)
     available = max(
@@ -80,6 +93,8 @@ def decide_admission(
         return AdmissionDecision(AdmissionVerdict.WAIT, "capacity_unknown", needed, 0)
     if needed > pool.capacity_tokens - safety:
         return AdmissionDecision(AdmissionVerdict.REFUSE, "too_large", needed, available)
+    if held and needed <= available:
+        return AdmissionDecision(AdmissionVerdict.ADMIT, RESERVED, needed, available)
     if not pool.admission_open:
         return AdmissionDecision(AdmissionVerdict.WAIT, "admission_paused", needed, available)
     if pool.watermark.rank >= WatermarkState.CRITICAL.rank:

@@ -57,10 +57,12 @@ class OutputLengthPredictor:
         if generated >= max_new_tokens:
             return max_new_tokens
         ordered = self._sorted.get(key) or self._sorted.get(LengthKey("", key.model)) or []
-        longer = ordered[bisect.bisect_right(ordered, generated) :]
+        # The lengths longer than `generated` are ordered[first:] (indexed, not copied:
+        # the sidecar asks for every running request at every relief pass).
+        first = bisect.bisect_right(ordered, generated)
+        longer = len(ordered) - first
         if longer:
-            index = min(len(longer) - 1, max(0, math.ceil(quantile * len(longer)) - 1))
-            total = longer[index]
+            total = ordered[first + min(longer - 1, max(0, math.ceil(quantile * longer) - 1))]
         elif ordered:
             # Already longer than anything seen: expect it to run as long again.
             total = 2 * generated

@@ -6,7 +6,8 @@ wait. Order is by effective priority, which rises with time waited (`aging_per_s
 that a low-priority request is delayed, never starved. A resume (a preempted request, or a
 continuation migrated here) is work the fleet already accepted: it waits as if it were one
 class higher (`RESUME_LEAD`), so it comes back before new arrivals of its class, and a full
-queue does not refuse it (the streams already running bound how many there can be).
+queue does not refuse it (the streams already running bound how many there can be); it
+waits as long as the pool lets a resume wait (`queue_wait_s`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from engine_sidecar.policy.admission import AdmissionVerdict
+from controlplane.contract import PoolPolicy
+from engine_sidecar.policy.admission import RESERVED, AdmissionDecision, AdmissionVerdict
 
 T = TypeVar("T")
 
@@ -32,6 +34,46 @@ class QueuedRequest:
 
 # How far ahead of new work of its class a resume waits, in priority classes.
 RESUME_LEAD = 1.0
+
+
+def queue_wait_s(policy: PoolPolicy, resumed: bool) -> float:
+    """How long a request may wait in the local queue: new work the pool's local wait
+    (`scheduling.local_queue_max_wait_s`); a resume, work the fleet already accepted and
+    holding the line here, as long as the pool lets a resume wait anywhere
+    (`routing.resume_wait_s`, the router's bound too)."""
+    if resumed:
+        return policy.routing.resume_wait_s
+    return policy.scheduling.local_queue_max_wait_s
+
+
+def queued_request(
+    rid: str,
+    priority: int,
+    prompt_tokens: int,
+    *,
+    arrived_at: float,
+    now: float,
+    max_wait_s: float,
+    deadline_at: float = 0.0,
+    resumed: bool = False,
+) -> QueuedRequest:
+    """A request joining the queue at `now`. Its wait runs `max_wait_s` from now
+    (`queue_wait_s`), cut short by its deadline: a continuation's from when it was
+    handed back, not from its client's first arrival (it was streaming since). It ages from `arrived_at`: `now` for a request that just came, its first
+    arrival for one preempted here, which keeps the place among its class that its time
+    here earned."""
+    expires_at = now + max_wait_s
+    if deadline_at > 0:
+        expires_at = min(expires_at, deadline_at)
+    return QueuedRequest(rid, priority, arrived_at, expires_at, prompt_tokens, resumed)
+
+
+def admits_now(decision: AdmissionDecision, waiting: int) -> bool:
+    """Whether a request that fits goes in at once rather than through the queue: when
+    nothing waits, or when the room was held for it (`RESERVED`: never anyone else's)."""
+    return decision.verdict is AdmissionVerdict.ADMIT and (
+        not waiting or decision.reason == RESERVED
+    )
 
 
 def effective_priority(priority: int, waited_s: float, aging_per_second: float) -> float:

@@ -25,14 +25,22 @@ the victim produces again, and the cheapest possible mode wins. Resuming in plac
 a migration waits for none but recomputes on the target. Recompute time grows with the
 square of the context (attention), a host round trip linearly: offload wins as contexts
 grow and loses as host bandwidth falls. Without known costs the order is the ladder's.
+
+A migration goes to a named peer (`VictimChoice.target`: the one with the most room that
+fits the continuation, from what the peers last published) and only once that peer holds
+room for it (`engine_sidecar.policy.reservation`). Published room can be stale and two
+sidecars can plan on the same room: a target that refuses is corrected in `TargetRooms`
+and the next one tried; with none left the victim takes its `fallback` (resumed in place,
+or left running).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from controlplane.contract import (
     EndpointState,
@@ -44,6 +52,7 @@ from controlplane.contract import (
 )
 from controlplane.contract.credit_rules import endpoint_headroom_tokens
 from engine_sidecar.policy.admission import SequenceOutlook, growth_reserve
+from engine_sidecar.policy.reservation import pick_target
 from engine_sidecar.policy.watermark import KVUsage
 
 
@@ -187,9 +196,16 @@ class VictimScore:
 
 @dataclass(frozen=True, slots=True)
 class VictimChoice:
+    """A victim and how it is relieved. A migration names its `target` and the room it
+    asks there (`tokens`, its continuation), and the mode it takes instead if no peer
+    holds that room after all (`fallback`; None: it is left running)."""
+
     rid: str
     mode: Rung
     score: VictimScore
+    target: str = ""
+    tokens: int = 0
+    fallback: Rung | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,6 +225,7 @@ class ReliefPlan:
 
 # Deadline slack under which a request is treated as urgent and spared.
 _URGENT_SLACK_S = 30.0
+_NO_PEERS: Mapping[str, int] = MappingProxyType({})
 
 
 def score_victim(
@@ -256,13 +273,13 @@ def _mode(
     cand: VictimCandidate,
     policy: PoolPolicy,
     capacity_tokens: int,
-    room: int | None,
+    room: int,
     costs: ModeCosts | None = None,
 ) -> Rung | None:
     """How a victim is relieved: the cheapest possible mode when its `costs` are known;
     else migrated where it can move and some endpoint has room for its continuation
-    (`room`: the most any other endpoint would admit, None when unknown), else recomputed
-    in place; failing all, terminated where the pool allows it."""
+    (`room`: the most any other endpoint would admit), else recomputed in place; failing
+    all, terminated where the pool allows it."""
     if costs is not None:
         mode = costs.cheapest()
     else:
@@ -274,7 +291,7 @@ def _mode(
 
 
 def _possible(
-    cand: VictimCandidate, policy: PoolPolicy, capacity_tokens: int, room: int | None
+    cand: VictimCandidate, policy: PoolPolicy, capacity_tokens: int, room: int
 ) -> set[Rung]:
     """The resuming modes the pool allows for this victim (offload: as far as the policy
     and the request can tell; the host tier is the costs' to judge)."""
@@ -282,7 +299,7 @@ def _possible(
     if not resumable_anywhere(cand, capacity_tokens, policy.kv):
         return set()
     possible = set()
-    has_room = room is None or continuation_tokens(cand, policy.kv) <= room
+    has_room = continuation_tokens(cand, policy.kv) <= room
     if has_room and cand.migratable and PreemptionMode.MIGRATE in modes:
         possible.add(Rung.MIGRATE)
     if cand.recomputable and PreemptionMode.RECOMPUTE in modes:
@@ -350,21 +367,35 @@ def resumable_anywhere(cand: VictimCandidate, capacity_tokens: int, kv: KVPolicy
     return continuation_tokens(cand, kv) <= capacity_tokens - kv.safety_tokens(capacity_tokens)
 
 
-def peer_room(peers: Iterable[EndpointState], kv: KVPolicy) -> int:
-    """The largest continuation another endpoint of the pool would admit now, from what
-    they last published (`endpoint_headroom_tokens`); `peers`: the others the router may
-    send to (lease valid, same role), of which the ready ones count."""
-    return max(
-        (
-            endpoint_headroom_tokens(
-                s.kv_capacity_tokens, s.kv_used_tokens + s.kv_reserved_growth_tokens,
-                s.watermark, kv,
-            )
-            for s in peers
-            if s.lifecycle is Lifecycle.READY
-        ),
-        default=0,
-    )  # fmt: skip
+def peer_rooms(peers: Iterable[EndpointState], kv: KVPolicy) -> dict[str, int]:
+    """The largest continuation each other endpoint of the pool would admit now, by id,
+    from what they last published (`endpoint_headroom_tokens`); `peers`: the others the
+    router may send to (lease valid, same role), of which the ready ones count."""
+    return {
+        s.endpoint_id: endpoint_headroom_tokens(
+            s.kv_capacity_tokens, s.kv_used_tokens + s.kv_reserved_growth_tokens, s.watermark, kv
+        )
+        for s in peers
+        if s.lifecycle is Lifecycle.READY
+    }
+
+
+class TargetRooms:
+    """The room a relief pass counts on at each peer, corrected as targets answer: a grant
+    takes the continuation's tokens, a refusal leaves what the target said it has. The
+    live sidecar and the simulator walk a plan's migrations through it alike: pick the
+    target (`pick`), ask it to hold the room, tell the answer (`answered`), and on a
+    refusal pick again, until one grants or none fits (the victim's `fallback`)."""
+
+    def __init__(self, rooms: Mapping[str, int]) -> None:
+        self._rooms = dict(rooms)
+
+    def pick(self, tokens: int) -> str | None:
+        return pick_target(tokens, self._rooms)
+
+    def answered(self, target: str, tokens: int, granted: bool, room: int) -> None:
+        """`target` granted `tokens` or refused them, saying it has `room` (0: unknown)."""
+        self._rooms[target] = self._rooms[target] - tokens if granted else min(room, tokens - 1)
 
 
 def plan_relief(
@@ -373,16 +404,17 @@ def plan_relief(
     candidates: Sequence[VictimCandidate],
     policy: PoolPolicy,
     now: float,
-    migration_room: int | None = None,
+    rooms: Mapping[str, int] = _NO_PEERS,
     costs: ReliefCosts | None = None,
 ) -> ReliefPlan:
     """The rungs to apply and, when exhausted, the victims to preempt, best victim first.
     A candidate whose continuation no endpoint could admit is never migrated, offloaded
     or recomputed (only terminated, where the pool allows that). A victim migrates only
-    while another endpoint has room for its continuation (`migration_room`, see
-    `peer_room`; each migration planned takes its share of it): a move to a full
-    endpoint would only wait there. With `costs`, each victim takes its cheapest
-    possible mode (`mode_costs`), each offload taking its share of the host room."""
+    to a peer with room for its continuation (`rooms`, see `peer_rooms`; none known: no
+    migration), which it names (`pick_target`), each migration planned taking its share
+    of that peer's room: a move to a full endpoint would only wait there. With `costs`,
+    each victim takes its cheapest possible mode (`mode_costs`), each offload taking its
+    share of the host room."""
     kv = policy.kv
     near_done_tokens = max(1, kv.growth_horizon_steps // 8)
     rungs: list[Rung] = []
@@ -390,10 +422,11 @@ def plan_relief(
         rungs.append(Rung.STOP_ROUTING)
     if watermark.rank >= WatermarkState.CRITICAL.rank:
         rungs += [Rung.PAUSE_ADMISSION, Rung.FAVOUR_NEAR_DONE]
-    favoured = tuple(
-        c.rid
-        for c in candidates
-        if Rung.FAVOUR_NEAR_DONE in rungs and c.predicted_remaining <= near_done_tokens
+    # Candidates are read only where a rung needs them (a caller may build them lazily).
+    favoured = (
+        tuple(c.rid for c in candidates if c.predicted_remaining <= near_done_tokens)
+        if Rung.FAVOUR_NEAR_DONE in rungs
+        else ()
     )
     target = int(kv.high_watermark * usage.capacity_tokens)
     needed = usage.committed_tokens - target if watermark is WatermarkState.EXHAUSTED else 0
@@ -413,23 +446,32 @@ def plan_relief(
     victims: list[VictimChoice] = []
     freed = 0
     host_room = 0 if costs is None else costs.host_room_tokens
+    targets = TargetRooms(rooms)
+    capacity = usage.capacity_tokens
     for score, cand in scored:
         if freed >= needed:
             break
+        tokens = continuation_tokens(cand, kv)
+        peer = targets.pick(tokens) or ""
+        room = tokens if peer else 0  # what _possible needs to know: whether one fits
         priced = None
         if costs is not None:
-            possible = _possible(cand, policy, usage.capacity_tokens, migration_room)
+            possible = _possible(cand, policy, capacity, room)
             wait = wait_here_s(cand, candidates, kv, costs.decode_step_s)
             priced = mode_costs(cand, possible, costs, wait, host_room)
             score = dataclasses.replace(score, costs=priced)
-        mode = _mode(cand, policy, usage.capacity_tokens, migration_room, priced)
+        mode = _mode(cand, policy, capacity, room, priced)
         if mode is None:
             continue
-        if mode is Rung.MIGRATE and migration_room is not None:
-            migration_room -= continuation_tokens(cand, kv)
+        choice = VictimChoice(cand.rid, mode, score)
+        if mode is Rung.MIGRATE:
+            targets.answered(peer, tokens, True, 0)
+            in_place = None if priced is None else dataclasses.replace(priced, migrate_s=None)
+            fallback = _mode(cand, policy, capacity, 0, in_place)
+            choice = dataclasses.replace(choice, target=peer, tokens=tokens, fallback=fallback)
         if mode is Rung.OFFLOAD:
             host_room -= cand.kv_tokens
-        victims.append(VictimChoice(cand.rid, mode, score))
+        victims.append(choice)
         freed += score.kv_freed_tokens
     ordered = [
         r

@@ -15,6 +15,10 @@ from fleetsim.engine.tokens import DEFAULT_EOS_PER_MILLE
 CLIP_MAX_NEW_TOKENS = 4096
 
 SGLangVersion = Literal["0.5.5", "0.5.23"]
+DisaggregationMode = Literal["null", "prefill", "decode"]
+# SGLang's --disaggregation-transfer-backend choices; the reference engine moves KV over
+# loopback HTTP whichever is named, and reports the name.
+TRANSFER_BACKENDS = ("mooncake", "mooncake_tcp", "nixl", "ascend", "fake", "mori")
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +77,17 @@ class EngineConfig:
     # text and ids instead of everything so far.
     incremental_streaming_output: bool = False
     enable_metrics: bool = True
+    # P/D disaggregation (SGLang's --disaggregation-*): a prefill engine computes prompts
+    # and first tokens and ships their KV from its bootstrap server; a decode engine
+    # preallocates pages for a prompt, waits for its KV and decodes. The transfer takes
+    # the KV's bytes over `kv_link_bytes_per_s` (None: the hardware profile's link).
+    disaggregation_mode: DisaggregationMode = "null"
+    disaggregation_bootstrap_port: int = 8998
+    disaggregation_transfer_backend: str = "mooncake"
+    num_reserved_decode_tokens: int = 512
+    kv_link_bytes_per_s: float | None = None
+    # SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT: how long either side waits for its peer.
+    bootstrap_timeout_s: float = 300.0
     timing: TimingModel = field(default_factory=TimingModel)
     speed_factor: float = 1.0
     # Seconds (real time) the server reports "starting" (/health 503) after it listens,
@@ -108,6 +123,8 @@ class EngineConfig:
             problems.append("prefill_max_yields must not be negative")
         if self.enable_hierarchical_cache:
             problems += self._hicache_problems()
+        if self.disaggregation_mode != "null":
+            problems += self._disaggregation_problems()
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -123,6 +140,32 @@ class EngineConfig:
             problems.append("hicache_ratio must be positive")
         if self.hicache_size < 0:
             problems.append("hicache_size must not be negative")
+        return problems
+
+    def _disaggregation_problems(self) -> list[str]:
+        problems = []
+        if self.disaggregation_mode not in ("prefill", "decode"):
+            problems.append(
+                f"disaggregation_mode must be null, prefill or decode, got "
+                f"{self.disaggregation_mode!r}"
+            )
+        if self.disaggregation_transfer_backend not in TRANSFER_BACKENDS:
+            problems.append(
+                f"disaggregation_transfer_backend must be one of {', '.join(TRANSFER_BACKENDS)}"
+            )
+        if self.disaggregation_mode == "prefill" and self.disaggregation_transfer_backend == "fake":
+            # As SGLang: the fake backend is a decode-only benchmark harness.
+            problems.append("Prefill server does not support 'fake' as the transfer backend")
+        if not 0 <= self.disaggregation_bootstrap_port < 65536:
+            problems.append("disaggregation_bootstrap_port must be a TCP port (0: a free one)")
+        if self.num_reserved_decode_tokens < 0:
+            problems.append("num_reserved_decode_tokens must not be negative")
+        if self.kv_link_bytes_per_s is not None and not self.kv_link_bytes_per_s > 0:
+            problems.append("kv_link_bytes_per_s must be positive")
+        if not self.bootstrap_timeout_s > 0:
+            problems.append("bootstrap_timeout_s must be positive")
+        if self.enable_hierarchical_cache and self.disaggregation_mode == "decode":
+            problems.append("the hierarchical cache is not modelled on a decode engine")
         return problems
 
     # -- resolved values ---------------------------------------------------------------

@@ -18,6 +18,14 @@ from fleetsim.engine.tokens import decode
 
 class Phase(enum.Enum):
     WAITING = "waiting"  # queued, holds no KV
+    # P/D decode side: waiting for pages to receive its prompt's KV into, then holding
+    # them while the KV is on its way from the prefill engine.
+    PREALLOC = "prealloc"
+    TRANSFER = "transfer"
+    # P/D prefill side: waiting for its decode peer to have pages for the KV (the
+    # bootstrap queue), then holding its KV while the transfer runs (the inflight queue).
+    BOOTSTRAP = "bootstrap"
+    INFLIGHT = "inflight"
     PREFILL = "prefill"  # admitted, computing its history in chunks
     DECODE = "decode"  # generating one token per decode iteration
     FINISHED = "finished"
@@ -85,6 +93,9 @@ class EngineRequest:
     prefill_yields: int = 0
     prefill_end: int = 0  # where this iteration's chunk of its history ends (admission's plan)
     admitted_at: float = -1.0
+    # P/D prefill side: after its first token the request keeps its KV until the
+    # transfer to its decode peer is done, then ends with SGLang's `length 0`.
+    kv_export: bool = False
     # Leading history tokens whose KV arrives by transfer from a prefill engine (P/D):
     # the scheduler allocates their pages without computing them. A retraction drops it.
     kv_imported: int = 0

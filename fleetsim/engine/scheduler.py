@@ -26,6 +26,20 @@ scheduler.py) and `PrefillAdder` (schedule_policy.py, mem_cache/prefill_budget.p
    first — until they do: their KV is freed without entering the prefix cache, they
    rejoin the tail of the queue, and the new-token ratio is re-estimated from what the
    requests kept have decoded.
+
+P/D decode side (SGLang's `DecodePreallocQueue` and `DecodeTransferQueue`,
+sglang/srt/disaggregation/decode.py): a handed-off request (`submit_handoff`) waits, first
+come first served, until `preallocate` finds the pool can receive its prompt's KV without
+overcommitting the requests already there, takes pages for it and holds them while the
+KV travels; `kv_arrived` gives it the prefill's first token, and it joins the running
+requests with its prompt's KV placed, not computed. A prefill engine needs nothing here:
+its requests ask for one token.
+
+P/D prefill side (SGLang's `PrefillBootstrapQueue` and inflight queue, prefill.py): a
+request to export (`submit_prefill`) waits until its decode peer has pages for its KV
+(`peer_ready`), queues and prefills as any request, and after its first token holds its
+KV while the transfer runs (`StepResult.exported`); `transfer_done` then finishes it
+with SGLang's `length 0` and its pages go to the prefix cache.
 """
 
 from __future__ import annotations
@@ -81,6 +95,8 @@ class StepResult:
     emitted: list[EngineRequest] = field(default_factory=list)
     finished: list[EngineRequest] = field(default_factory=list)
     retracted: list[EngineRequest] = field(default_factory=list)
+    # P/D prefill side: computed their first token (in `emitted` too); their KV ships now.
+    exported: list[EngineRequest] = field(default_factory=list)
 
     @property
     def idle(self) -> bool:
@@ -104,6 +120,12 @@ class Loads:
     new_token_ratio: float
     num_retracted_reqs: int
     paused: bool
+    # P/D decode side: waiting for pages, holding pages while the KV travels.
+    num_prealloc_reqs: int = 0
+    num_transfer_reqs: int = 0
+    # P/D prefill side: waiting for their decode peer, holding KV while it ships.
+    num_bootstrap_reqs: int = 0
+    num_inflight_reqs: int = 0
 
 
 @dataclass(slots=True)
@@ -207,6 +229,10 @@ class EngineModel:
         self._firsts: list[EngineRequest] = []
         # Requests a submit ended (evicted from a full queue), reported by the next step.
         self._ended: list[EngineRequest] = []
+        self.prealloc: list[EngineRequest] = []
+        self.transferring: list[EngineRequest] = []
+        self.bootstrapping: list[EngineRequest] = []
+        self.inflight: list[EngineRequest] = []
         self._host_copied = 0  # host tier tokens copied, as of the last iteration
 
     # -- requests in -----------------------------------------------------------------
@@ -312,6 +338,117 @@ class EngineModel:
             self._ended.append(victim)
         return True
 
+    def submit_prefill(self, req: EngineRequest, now: float) -> None:
+        """P/D prefill side: a request whose KV goes to a decode engine. It waits for
+        `peer_ready` before it queues; after its first token it keeps its KV until
+        `transfer_done`."""
+        if req.rid in self.requests:
+            raise RequestError(f"Duplicate request ID detected: {req.rid}")
+        req.arrival = req.queued_at = now
+        req.kv_export = True
+        req.phase = Phase.BOOTSTRAP
+        self.requests[req.rid] = req
+        self.bootstrapping.append(req)
+
+    def peer_ready(self, req: EngineRequest, now: float) -> bool:
+        """Its decode peer has pages for the KV: the request queues for prefill. False
+        when a full queue refused it (it is then finished with the 503 abort)."""
+        if req.phase is not Phase.BOOTSTRAP:
+            raise RequestError(f"request {req.rid} is not waiting for its peer ({req.phase.value})")
+        self.bootstrapping.remove(req)
+        del self.requests[req.rid]
+        arrival = req.arrival
+        queued = self.submit(req, now)
+        req.arrival = arrival  # its latency counts from its arrival, not from its peer's
+        return queued
+
+    def transfer_done(self, req: EngineRequest, now: float) -> None:
+        """Its KV has reached the decode engine: the request ends (SGLang's `length 0`)
+        and its pages go to the prefix cache."""
+        if req.phase is not Phase.INFLIGHT:
+            raise RequestError(f"request {req.rid} is not transferring ({req.phase.value})")
+        self._finish(req, Finish("length", length=0), now)
+
+    def submit_handoff(self, req: EngineRequest, now: float) -> None:
+        """P/D decode side: a request whose prompt's KV and first token a prefill engine
+        computes. It waits for `preallocate` to give it pages, then for `kv_arrived`."""
+        if req.rid in self.requests:
+            raise RequestError(f"Duplicate request ID detected: {req.rid}")
+        req.arrival = req.queued_at = now
+        req.kv_imported = len(req.input_ids)
+        req.hash_state = prefix_hash(req.input_ids)
+        req.phase = Phase.PREALLOC
+        self.requests[req.rid] = req
+        self.requests_total += 1
+        self.prompt_tokens_total += len(req.input_ids)
+        self.prealloc.append(req)
+
+    def preallocate(self) -> list[EngineRequest]:
+        """Give waiting handed-off requests pages for their prompts' KV, first come first
+        served, while the pool can take each without overcommitting (SGLang's
+        `pop_preallocated`): what may be allocated is what is available less, for every
+        request there, `num_reserved_decode_tokens` of decode room (or the largest running
+        request's remaining need, if more), and a request needs its prompt's pages plus
+        that reserve, or its prompt and clipped max-new-tokens less what the running
+        requests could give back, whichever is more. Returns the requests now waiting for
+        their KV."""
+        moved: list[EngineRequest] = []
+        if self.paused:
+            return moved
+        kv, ps = self.kv, self.page_size
+        reserve = self.config.num_reserved_decode_tokens
+        retractable = sum(r.total_len for r in self.decoding)
+        largest_need = max(
+            (
+                min(r.max_new_tokens, CLIP_MAX_NEW_TOKENS) + r.prompt_tokens - retractable
+                for r in self.decoding
+            ),
+            default=0,
+        )
+        while self.prealloc:
+            req = self.prealloc[0]
+            active = (
+                len(self.decoding) + len(self.prefilling) + len(self.waiting)
+                + len(self.transferring)
+            )  # fmt: skip
+            allocatable = kv.available_pages * ps - max(reserve * active, largest_need)
+            pages = -(-req.kv_imported // ps)
+            required = max(
+                pages * ps + reserve,
+                req.kv_imported + min(req.max_new_tokens, CLIP_MAX_NEW_TOKENS) - retractable,
+            )
+            got = kv.allocate(pages) if required <= allocatable else None
+            if got is None:
+                break
+            req.pages = got
+            req.phase = Phase.TRANSFER
+            self.prealloc.pop(0)
+            self.transferring.append(req)
+            moved.append(req)
+        return moved
+
+    def kv_arrived(
+        self, req: EngineRequest, output_id: int, cached_tokens: int, now: float
+    ) -> None:
+        """The prompt's KV has landed in the pages `preallocate` gave the request, with the
+        prefill engine's first token: that token is its first output, and it joins the
+        running requests to compute the next (SGLang's prebuilt batch), unless the token
+        already ends it (then it is finished)."""
+        if req.phase is not Phase.TRANSFER:
+            raise RequestError(f"request {req.rid} is not waiting for its KV ({req.phase.value})")
+        req.cached_tokens = cached_tokens
+        req.first_token_at = now
+        req.output_ids.append(output_id)
+        req.hash_state = _crc32(TOKEN_BYTES[output_id], req.hash_state)
+        self.generation_tokens_total += 1
+        if self._check_finish(req, output_id, now):
+            return
+        self.transferring.remove(req)
+        req.phase = Phase.PREFILL
+        req.prefill_end = req.total_len
+        req.admitted_at = now
+        self.prefilling.append(req)
+
     def _enqueue(self, req: EngineRequest, now: float) -> EngineRequest | None:
         """Put a request at the tail of the queue (SGLang's _add_request_to_queue). Over
         `max_queued_requests`, one request is finished with a 503 abort and returned: the
@@ -360,12 +497,17 @@ class EngineModel:
         return victims
 
     def abort_request(
-        self, req: EngineRequest, now: float, message: str = "Aborted"
+        self,
+        req: EngineRequest,
+        now: float,
+        message: str = "Aborted",
+        status_code: int | None = None,
     ) -> list[EngineRequest]:
-        """Abort exactly this request (a client that went away); [] if already over."""
+        """Abort exactly this request (a client that went away, or a failed P/D handoff
+        with its status); [] if already over."""
         if req.finish is not None or self.requests.get(req.rid) is not req:
             return []
-        self._finish(req, aborted(message), now)
+        self._finish(req, aborted(message, status_code), now)
         self.aborted_total += 1
         return [req]
 
@@ -429,16 +571,24 @@ class EngineModel:
             new_token_ratio=self.new_token_ratio,
             num_retracted_reqs=self._last_retracted,
             paused=self.paused,
+            num_prealloc_reqs=len(self.prealloc),
+            num_transfer_reqs=len(self.transferring),
+            num_bootstrap_reqs=len(self.bootstrapping),
+            num_inflight_reqs=len(self.inflight),
         )
 
     def check(self) -> None:
         """Assert the pool's invariants against the live requests (tests call this)."""
-        holders = [(r.node, r.pages) for r in self.prefilling + self.decoding]
-        for req in self.waiting:
+        computing = self.prefilling + self.decoding + self.inflight
+        holders = [(r.node, r.pages) for r in computing + self.transferring]
+        for req in self.waiting + self.prealloc + self.bootstrapping:
             if req.node is not None or req.pages or req.computed:
                 raise AssertionError(f"waiting request {req.rid} holds KV")
         ps = self.page_size
-        for req in self.prefilling + self.decoding:
+        for req in self.transferring:
+            if len(req.pages) != -(-req.kv_imported // ps) or req.computed:
+                raise AssertionError(f"request {req.rid} holds pages that do not fit its prompt")
+        for req in computing:
             held = req.tree_len + len(req.pages) * ps
             if held != -(-req.computed // ps) * ps:
                 raise AssertionError(
@@ -862,6 +1012,15 @@ class EngineModel:
         if req.first_token_at < 0:
             self._firsts.append(req)
         self.prefilling.remove(req)
+        if req.kv_export:
+            # The handoff token goes with the KV; stop conditions are the decode side's.
+            req.output_ids.append(token)
+            req.hash_state = _crc32(TOKEN_BYTES[token], req.hash_state)
+            req.phase = Phase.INFLIGHT
+            self.inflight.append(req)
+            result.emitted.append(req)
+            result.exported.append(req)
+            return
         req.phase = Phase.DECODE
         self.decoding.append(req)
         self._append(req, token, now, result)
@@ -1039,12 +1198,21 @@ class EngineModel:
             return
         phase = req.phase
         req.finished_at = now
-        self._release(req, cache=phase is not Phase.WAITING)
+        holds_no_kv = (Phase.WAITING, Phase.PREALLOC, Phase.TRANSFER, Phase.BOOTSTRAP)
+        self._release(req, cache=phase not in holds_no_kv)
         req.finish = finish
         req.phase = Phase.FINISHED
         self.requests.pop(req.rid, None)
         if phase is Phase.WAITING:
             self.waiting.remove(req)
+        elif phase is Phase.PREALLOC:
+            self.prealloc.remove(req)
+        elif phase is Phase.TRANSFER:
+            self.transferring.remove(req)
+        elif phase is Phase.BOOTSTRAP:
+            self.bootstrapping.remove(req)
+        elif phase is Phase.INFLIGHT:
+            self.inflight.remove(req)
         elif phase is Phase.PREFILL:
             self.prefilling.remove(req)
             self.batch_is_full = False

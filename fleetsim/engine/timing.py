@@ -35,6 +35,11 @@ class HardwareProfile:
     mem_fraction_static: float = 0.88
     # Device-host copies (HiCache): PCIe Gen5 x16 as achieved, of its 64 GB/s.
     host_bytes_per_s: float = 50e9
+    # Prefill->decode KV transfer for one request (P/D): one 400 Gb/s NDR InfiniBand or
+    # RoCE NIC per H200 (a DGX/HGX H200 node has eight ConnectX-7 for eight GPUs), what
+    # Mooncake's transfer engine and NIXL move between nodes. A 20K-token prompt of the
+    # 70B model (6.6 GB of KV) takes about 0.13 s.
+    kv_link_bytes_per_s: float = 50e9
 
 
 # Llama-3.1-8B: 32 layers, 8 KV heads of 128 dims, bf16 K and V.
@@ -69,6 +74,12 @@ class TimingModel:
             - 4e9
         )
         return max(1, int(budget // self.model.kv_bytes_per_token))
+
+    def kv_transfer_s(self, tokens: int, link_bytes_per_s: float | None = None) -> float:
+        """Seconds to ship `tokens` tokens of KV from a prefill engine to a decode engine
+        (P/D) over the hardware's link, or one of `link_bytes_per_s`."""
+        link = link_bytes_per_s or self.hardware.kv_link_bytes_per_s
+        return tokens * self.model.kv_bytes_per_token / link
 
     def host_transfer_s(self, tokens: int) -> float:
         """Seconds to copy `tokens` tokens of KV between device and host memory."""

@@ -1,4 +1,6 @@
-"""The report as markdown: one table per scenario, the goals, the load sweep."""
+"""The report as markdown: one table per scenario, the goals, the load sweep, and each
+policy's capacity at SLO with the load-vs-attainment curve its search measured. Every row
+that gives goodput gives the requests refused beside it."""
 
 from __future__ import annotations
 
@@ -7,15 +9,16 @@ from collections.abc import Sequence
 from typing import Any
 
 from fleetsim.report.matrix import Cell
+from fleetsim.report.slo_capacity import LOWEST, TARGET, Capacity, capacity_rows
 
 _COLUMNS = (
     ("policy", lambda s: s["policy"]),
     ("offered rps", lambda s: _f(s["offered_rps"])),
+    ("goodput req/s", lambda s: _f(s["goodput_rps"])),
+    ("refused", lambda s: _refused(s["rejected"], s["rejected_share"])),
     ("accepted", lambda s: str(s["accepted"])),
-    ("rejected", lambda s: str(s["rejected"])),
     ("lost", lambda s: str(s["lost"])),
     ("open at end", lambda s: str(s["open_at_end"])),
-    ("goodput req/s", lambda s: _f(s["goodput_rps"])),
     ("goodput tok/s", lambda s: _f(s["goodput_tokens_per_s"])),
     ("weighted", lambda s: _f(s["goodput_weighted"])),
     ("SLO met", lambda s: _pct(s["slo_attainment"])),
@@ -48,14 +51,16 @@ def scenario_table(cells: Sequence[Cell]) -> str:
 
 def goals_table(rows: Sequence[dict[str, Any]]) -> str:
     lines = [
-        "| scenario | load | goodput ×best (≥1.5) | short TTFT p99 ×best (≤0.5) "
+        "| scenario | load | goodput ×best (≥1.5) | refused (Weir / best) "
+        "| short TTFT p99 ×best (≤0.5) "
         "| KV exhaustion (0) | low-pri in max wait (100%) | lost (0) |",
-        "|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['scenario']} | {r['load']:.2f} "
             f"| {_f(r['goodput_ratio'])} vs {r['goodput_best_baseline']} {_ok(r['goodput_goal_met'])} "
+            f"| {r['rejected']} / {r['best_baseline_rejected']} "
             f"| {_f(r['short_ttft_p99_ratio'])} vs {r['short_ttft_best_baseline']} "
             f"{_ok(r['short_ttft_goal_met'])} "
             f"| {r['kv_exhaustion_events']} {_ok(r['kv_exhaustion_events'] == 0)} "
@@ -65,20 +70,63 @@ def goals_table(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def sweep_table(cells: Sequence[Cell], saturation: dict[str, float]) -> str:
+def sweep_table(cells: Sequence[Cell]) -> str:
     loads = sorted({c.spec.load for c in cells})
     policies = sorted({c.spec.policy for c in cells})
     by = {(c.spec.policy, c.spec.load): c.summary for c in cells}
-    head = "| policy | " + " | ".join(f"{x:.0%} goodput req/s (SLO met)" for x in loads)
-    lines = [head + " | saturation |", "|---" * (len(loads) + 2) + "|"]
+    head = "| policy | " + " | ".join(f"{x:.0%} goodput req/s (SLO met, refused)" for x in loads)
+    lines = [head + " |", "|---" * (len(loads) + 1) + "|"]
     for p in policies:
         cells_text = []
         for x in loads:
             s = by.get((p, x))
             cells_text.append(
-                "" if s is None else f"{_f(s['goodput_rps'])} ({_pct(s['slo_attainment'])})"
+                ""
+                if s is None
+                else f"{_f(s['goodput_rps'])} ({_pct(s['slo_attainment'])}, {s['rejected']})"
             )
-        lines.append(f"| {p} | " + " | ".join(cells_text) + f" | {saturation.get(p, 0):.0%} |")
+        lines.append(f"| {p} | " + " | ".join(cells_text) + " |")
+    return "\n".join(lines)
+
+
+def capacity_table(capacities: Sequence[Capacity]) -> str:
+    """Per scenario, each policy's capacity at SLO as a share of the nominal load and, in
+    brackets, as a fraction of the oracle's; Weir against the best baseline."""
+    policies = list(dict.fromkeys(c.policy for c in capacities))
+    head = "| scenario | " + " | ".join(policies) + " | Weir ×best baseline (≥1.5) |"
+    lines = [head, "|---" * (len(policies) + 2) + "|"]
+    for row in capacity_rows(capacities):
+        cells = []
+        for p in policies:
+            c = row["policies"].get(p)
+            cells.append(
+                ""
+                if c is None
+                else f"{_load(c['capacity'], c['limit'])} ({_f(c['oracle_fraction'])})"
+            )
+        versus = row["weir_vs_best"]
+        best = (
+            f"{_f(versus)} vs {row['best_baseline']} {_ok(versus >= 1.5)}"
+            if row["best_baseline"]
+            else "–"
+        )
+        lines.append(f"| {row['scenario']} | " + " | ".join(cells) + f" | {best} |")
+    return "\n".join(lines)
+
+
+def capacity_curves(capacities: Sequence[Capacity]) -> str:
+    """Every load each search ran: SLO attainment, goodput and requests refused."""
+    lines = [
+        "| scenario | policy | capacity (req/s) | load: SLO met · goodput req/s · refused |",
+        "|---|---|---|---|",
+    ]
+    for c in capacities:
+        probes = "; ".join(
+            f"{p.load:.0%}: {_pct(p.attainment)} · {_f(p.goodput_rps)} · {p.rejected}"
+            for p in c.search.probes
+        )
+        found = f"{_load(c.search.capacity, c.search.limit)} ({_f(c.capacity_rps)})"
+        lines.append(f"| {c.scenario} | {c.policy} | {found} | {probes} |")
     return "\n".join(lines)
 
 
@@ -90,6 +138,17 @@ def _f(value: float) -> str:
     if abs(value) >= 100:
         return f"{value:,.0f}"
     return f"{value:.2f}" if abs(value) >= 1 else f"{value:.3f}"
+
+
+def _load(load: float, limit: str) -> str:
+    """A capacity as a share of nominal load; at the search's edges, the bound it is."""
+    if limit == "below":
+        return "<" + f"{LOWEST:.0%}"
+    return ("≥" if limit == "above" else "") + f"{load:.0%}"
+
+
+def _refused(count: int, share: float) -> str:
+    return f"{count} ({_pct(share)})" if count else "0"
 
 
 def _pct(value: float) -> str:
@@ -126,10 +185,11 @@ def document(
     cells: Sequence[Cell],
     goal_rows: Sequence[dict[str, Any]],
     sweep_cells: Sequence[Cell],
-    points: dict[str, float],
+    capacities: Sequence[Capacity],
     params: dict[str, Any],
 ) -> str:
-    """The whole report: parameters, goals, one table per scenario, the sweep."""
+    """The whole report: parameters, goals, capacity at SLO, one table per scenario, the
+    sweep."""
     lines = [
         "# Fleet simulation report",
         "",
@@ -140,6 +200,22 @@ def document(
         goals_table(goal_rows),
         "",
     ]
+    if capacities:
+        lines += [
+            "## Capacity at SLO",
+            "",
+            "The highest offered load (share of the scenario's nominal capacity) at which "
+            f"at least {params.get('capacity_target', TARGET):.0%} of requests met their "
+            "SLOs, found by bisection; in brackets, as a fraction of the oracle's "
+            "(Weir's orchestration knowing every answer's length and every engine's state).",
+            "",
+            capacity_table(capacities),
+            "",
+            "### Load-vs-attainment curves (every load the searches ran)",
+            "",
+            capacity_curves(capacities),
+            "",
+        ]
     for name in dict.fromkeys(c.spec.scenario for c in cells):
         chosen = [c for c in cells if c.spec.scenario == name]
         lines += [f"## {name}", "", scenario_table(chosen), ""]
@@ -147,9 +223,7 @@ def document(
         lines += [
             f"## Load sweep ({sweep_cells[0].spec.scenario})",
             "",
-            "Saturation: the highest load at which at least 90% of requests met their SLOs.",
-            "",
-            sweep_table(sweep_cells, points),
+            sweep_table(sweep_cells),
             "",
         ]
     return "\n".join(lines)

@@ -17,9 +17,9 @@ from typing import Any
 import msgspec
 
 from fleetsim.report.metrics import summarize
-from fleetsim.sim import FleetConfig, Simulation, engine_config_for, policies
+from fleetsim.sim import FleetConfig, Simulation, engine_config_for, is_baseline, policies
 from fleetsim.sim.capacity import nominal_capacity_rps
-from fleetsim.workloads import RequestSpec, read_trace, scenario
+from fleetsim.workloads import RequestSpec, Scenario, read_trace, scenario
 
 TRACE = "trace"
 
@@ -48,8 +48,8 @@ class Cell:
 
 
 def fleet_config(spec: CellSpec) -> FleetConfig:
-    """The fleet of a cell: a scenario's P/D split and its tenant quotas in Weir's pool
-    policy (a trace runs on a colocated fleet without quotas)."""
+    """The fleet of a cell: a scenario's P/D split, its engines' KV and its tenant quotas
+    in Weir's pool policy (a trace runs on a colocated fleet without quotas)."""
     config = FleetConfig(engines=spec.engines, kv_scale=spec.kv_scale, drain_s=spec.drain_s)
     if spec.scenario == TRACE:
         return config
@@ -57,6 +57,7 @@ def fleet_config(spec: CellSpec) -> FleetConfig:
     prefill = round(spec.engines * s.prefill_share) if s.prefill_share else 0
     return replace(
         config,
+        kv_scale=spec.kv_scale * s.kv_factor,
         prefill_engines=min(spec.engines - 1, max(1, prefill)) if prefill else 0,
         decode_kv_factor=s.decode_kv_factor,
         policy=msgspec.structs.replace(config.policy, tenants=s.tenant_quotas),
@@ -65,16 +66,29 @@ def fleet_config(spec: CellSpec) -> FleetConfig:
 
 def workload(spec: CellSpec, config: FleetConfig) -> tuple[list[RequestSpec], float, Any]:
     """The requests of a cell, the fleet's nominal capacity for them, and fleet events."""
-    engine = engine_config_for(config)
     if spec.scenario == TRACE:
         specs = read_trace(spec.trace, speedup=spec.speedup)
+        engine = engine_config_for(replace(config, kv_scale=spec.kv_scale))
         return specs, nominal_capacity_rps(specs, engine, spec.engines), ()
     s = scenario(spec.scenario).with_duration(spec.duration_s)
-    # Capacity from a large sample of the same mix (a different seed: the estimate must
-    # not depend on the run's own draw).
-    sample = s.with_duration(200.0).generate(20.0, seed=10_000 + spec.seed)
-    capacity = nominal_capacity_rps(sample, engine, spec.engines)
+    capacity = _nominal(s, spec, config)
     return s.generate(capacity * spec.load, spec.seed), capacity, s.failures
+
+
+def nominal_rps(spec: CellSpec) -> float:
+    """The nominal capacity (requests per second) a scenario cell's load is a fraction of."""
+    return _nominal(
+        scenario(spec.scenario).with_duration(spec.duration_s), spec, fleet_config(spec)
+    )
+
+
+def _nominal(s: Scenario, spec: CellSpec, config: FleetConfig) -> float:
+    # From a large sample of the same mix (a different seed: the estimate must not depend
+    # on the run's own draw), with the KV of the cell, not a scenario's small-KV engines:
+    # their load is the full fleet's.
+    sample = s.with_duration(200.0).generate(20.0, seed=10_000 + spec.seed)
+    engine = engine_config_for(replace(config, kv_scale=spec.kv_scale))
+    return nominal_capacity_rps(sample, engine, spec.engines)
 
 
 def run_cell(spec: CellSpec) -> Cell:
@@ -103,7 +117,8 @@ def run_cells(cells: Sequence[CellSpec], jobs: int = 1) -> list[Cell]:
 
 
 def goals(cells: Sequence[Cell]) -> list[dict[str, Any]]:
-    """The issue's goals, per scenario and seed, for Weir against the best baseline."""
+    """The issue's goals, per scenario and seed, for Weir against the best baseline (the
+    oracle is a limit, not a baseline); refusals beside goodput for both."""
     by_key: dict[tuple[str, float, int], dict[str, dict[str, Any]]] = {}
     for cell in cells:
         key = (cell.spec.scenario, cell.spec.load, cell.spec.seed)
@@ -111,7 +126,7 @@ def goals(cells: Sequence[Cell]) -> list[dict[str, Any]]:
     rows = []
     for (name, load, seed), summaries in sorted(by_key.items()):
         weir = summaries.get("weir")
-        baselines = {p: s for p, s in summaries.items() if p != "weir"}
+        baselines = {p: s for p, s in summaries.items() if is_baseline(p)}
         if weir is None or not baselines:
             continue
         best_goodput = max(baselines.items(), key=lambda item: item[1]["goodput_rps"])
@@ -119,17 +134,19 @@ def goals(cells: Sequence[Cell]) -> list[dict[str, Any]]:
             baselines.items(),
             key=lambda item: _nan_last(item[1]["short_ttft_s"]["p99"]),
         )
-        ratio = _ratio(weir["goodput_rps"], best_goodput[1]["goodput_rps"])
-        ttft_ratio = _ratio(weir["short_ttft_s"]["p99"], best_ttft[1]["short_ttft_s"]["p99"])
+        goodput_ratio = ratio(weir["goodput_rps"], best_goodput[1]["goodput_rps"])
+        ttft_ratio = ratio(weir["short_ttft_s"]["p99"], best_ttft[1]["short_ttft_s"]["p99"])
         starve = weir["starvation"]["within_max_wait_share"]
         rows.append(
             {
                 "scenario": name,
                 "load": load,
                 "seed": seed,
-                "goodput_ratio": ratio,
+                "goodput_ratio": goodput_ratio,
                 "goodput_best_baseline": best_goodput[0],
-                "goodput_goal_met": ratio >= 1.5,
+                "rejected": weir["rejected"],
+                "best_baseline_rejected": best_goodput[1]["rejected"],
+                "goodput_goal_met": goodput_ratio >= 1.5,
                 "short_ttft_p99_ratio": ttft_ratio,
                 "short_ttft_best_baseline": best_ttft[0],
                 "short_ttft_goal_met": ttft_ratio <= 0.5,
@@ -142,19 +159,8 @@ def goals(cells: Sequence[Cell]) -> list[dict[str, Any]]:
     return rows
 
 
-def saturation(cells: Sequence[Cell], attainment: float = 0.9) -> dict[str, float]:
-    """Per policy, the highest swept load at which at least `attainment` of requests met
-    their SLOs (0 when none did)."""
-    best: dict[str, float] = {}
-    for cell in cells:
-        policy = cell.spec.policy
-        best.setdefault(policy, 0.0)
-        if cell.summary["slo_attainment"] >= attainment:
-            best[policy] = max(best[policy], cell.spec.load)
-    return dict(sorted(best.items()))
-
-
-def _ratio(a: float, b: float) -> float:
+def ratio(a: float, b: float) -> float:
+    """a / b, NaN when either is unknown or both are 0, infinite for a > 0 over 0."""
     if math.isnan(a) or math.isnan(b):
         return math.nan
     if b == 0:

@@ -9,7 +9,15 @@ Definitions (the report and docs/fleet-simulation.md use exactly these):
   open: still running when the run stopped (the simulator drains for a bounded time).
 - goodput: completed requests meeting all three SLOs (TTFT, TPOT, E2E; see `SLO`) per
   second of offered traffic — counted per request, per output token, and weighted by
-  priority (weight = priority + 1).
+  priority (weight = priority + 1). Refusals are reported beside it: a request refused is
+  one that did not meet its SLO, not one the policy was excused from serving.
+- SLO attainment: the share of requests that met their SLOs among those that can be
+  judged. A request its client withdrew (cancelled, or its deadline passed) while it was
+  still within its objectives, or one still running within them when the run stopped,
+  is not judged (`unjudged`): nothing shows it would have missed. One that had already
+  missed an objective by then (no first token by its TTFT objective, or fewer tokens
+  streamed than its E2E objective asks for by then) counts as a miss, as does every
+  refusal and loss.
 - KV high water: engine-seconds spent with the engine's KV at or above the policy's high
   watermark; exhaustion events: iterations in which an engine had to retract running
   requests because decode found no free page.
@@ -67,6 +75,24 @@ def meets_slo(flight: Flight, slo: SLO) -> bool:
     )
 
 
+def slo_verdict(flight: Flight, slo: SLO, end_s: float) -> bool | None:
+    """Whether the request met its SLOs; None when its client withdrew it, or the run
+    ended at `end_s`, while it was still within them."""
+    if flight.completed:
+        return meets_slo(flight, slo)
+    if flight.done and flight.reason not in CLIENT_ENDINGS:
+        return False
+    inp = flight.spec.input_tokens
+    waited = (flight.finished_at if flight.done else end_s) - flight.spec.arrival_s
+    if flight.first_token_at < 0:
+        on_track = waited <= slo.ttft_for(inp)
+    else:
+        on_track = flight.ttft_s <= slo.ttft_for(inp) and waited <= slo.e2e_for(
+            inp, flight.generated
+        )
+    return None if on_track else False
+
+
 def is_rejected(flight: Flight) -> bool:
     return flight.reason is FinishReason.OVERLOAD or (
         flight.reason is FinishReason.ERROR and not flight.accepted
@@ -87,6 +113,8 @@ def summarize(result: SimResult, slo: SLO, prefill_s_per_token: float) -> dict[s
     span = max(result.duration_s, 1e-9)
     completed = [f for f in flights if f.completed]
     good = [f for f in completed if meets_slo(f, slo)]
+    unjudged = sum(slo_verdict(f, slo, result.end_s) is None for f in flights)
+    judged = len(flights) - unjudged
     rejected = [f for f in flights if is_rejected(f)]
     lost = [f for f in flights if is_lost(f)]
     short = [f for f in completed if not f.spec.is_long]
@@ -107,15 +135,18 @@ def summarize(result: SimResult, slo: SLO, prefill_s_per_token: float) -> dict[s
         "offered_rps": len(flights) / span,
         "accepted": sum(f.accepted and not is_rejected(f) for f in flights),
         "rejected": len(rejected),
+        "rejected_share": len(rejected) / len(flights) if flights else math.nan,
         "completed": len(completed),
         "cancelled": sum(f.reason is FinishReason.CANCELLED for f in flights),
         "deadline": sum(f.reason is FinishReason.DEADLINE for f in flights),
         "lost": len(lost),
+        "unjudged": unjudged,
         "open_at_end": sum(not f.done for f in flights),
         "goodput_rps": len(good) / span,
+        "slo_met": len(good),
         "goodput_tokens_per_s": sum(f.generated for f in good) / span,
         "goodput_weighted": sum(f.spec.priority + 1 for f in good) / span,
-        "slo_attainment": len(good) / len(flights) if flights else math.nan,
+        "slo_attainment": len(good) / judged if judged else math.nan,
         "ttft_s": quantiles(f.ttft_s for f in completed),
         "tpot_s": quantiles(f.tpot_s for f in completed if f.generated > 1),
         "e2e_s": quantiles(f.e2e_s for f in completed),

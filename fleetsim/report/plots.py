@@ -1,5 +1,6 @@
 """PNG plots with matplotlib's Agg backend (no display): goodput against offered load,
-short-request TTFT CDFs, and the fullest engine's KV over time."""
+short-request TTFT CDFs, the fullest engine's KV over time, and SLO attainment against
+offered load as the capacity searches measured it."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from fleetsim.report.matrix import Cell
+from fleetsim.report.slo_capacity import Capacity
 
 
 def sweep_plot(cells: Sequence[Cell], path: Path) -> Path:
@@ -33,19 +35,23 @@ def sweep_plot(cells: Sequence[Cell], path: Path) -> Path:
     return _save(fig, path)
 
 
-def _grid(cells: Sequence[Cell]) -> tuple[list[str], Any, list[Any]]:
-    scenarios = list(dict.fromkeys(c.spec.scenario for c in cells))
+def _grid(scenarios: list[str]) -> tuple[Any, list[Any]]:
     cols = min(5, max(1, len(scenarios)))
     rows = -(-len(scenarios) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3.2 * rows), squeeze=False)
     flat = [ax for row in axes for ax in row]
     for ax in flat[len(scenarios) :]:
         ax.set_visible(False)
-    return scenarios, fig, flat
+    return fig, flat
+
+
+def _scenarios(cells: Sequence[Cell]) -> list[str]:
+    return list(dict.fromkeys(c.spec.scenario for c in cells))
 
 
 def ttft_cdf_plot(cells: Sequence[Cell], path: Path) -> Path:
-    scenarios, fig, axes = _grid(cells)
+    scenarios = _scenarios(cells)
+    fig, axes = _grid(scenarios)
     for name, ax in zip(scenarios, axes, strict=False):
         for cell in (c for c in cells if c.spec.scenario == name):
             values = cell.short_ttft
@@ -59,7 +65,8 @@ def ttft_cdf_plot(cells: Sequence[Cell], path: Path) -> Path:
 
 
 def kv_plot(cells: Sequence[Cell], path: Path) -> Path:
-    scenarios, fig, axes = _grid(cells)
+    scenarios = _scenarios(cells)
+    fig, axes = _grid(scenarios)
     for name, ax in zip(scenarios, axes, strict=False):
         for cell in (c for c in cells if c.spec.scenario == name):
             if cell.kv_max:
@@ -70,6 +77,27 @@ def kv_plot(cells: Sequence[Cell], path: Path) -> Path:
                     lw=0.8,
                 )
         ax.set(title=name, xlabel="time, s", ylabel="fullest engine's KV", ylim=(0, 1.02))
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    return _save(fig, path)
+
+
+def capacity_plot(capacities: Sequence[Capacity], target: float, path: Path) -> Path:
+    scenarios = list(dict.fromkeys(c.scenario for c in capacities))
+    fig, axes = _grid(scenarios)
+    for name, ax in zip(scenarios, axes, strict=False):
+        for c in (c for c in capacities if c.scenario == name):
+            probes = c.search.probes
+            ax.plot(
+                [100 * p.load for p in probes],
+                [p.attainment for p in probes],
+                marker="o",
+                ms=3,
+                lw=0.8,
+                label=c.policy,
+            )
+        ax.axhline(target, color="grey", ls=":", lw=0.8)
+        ax.set(title=name, xlabel="offered load, % of nominal", ylabel="SLO met", ylim=(0, 1.02))
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     return _save(fig, path)

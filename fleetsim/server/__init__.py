@@ -21,6 +21,7 @@ from aiohttp import web
 from fleetsim.engine import EngineConfig, EngineModel
 from fleetsim.engine.backends import TokenBackend
 from fleetsim.server.app import API_VERSIONS, EngineServer
+from fleetsim.server.disaggregation import PrefillSide
 from fleetsim.server.driver import EngineDriver
 from fleetsim.server.metrics import EngineMetrics
 
@@ -42,8 +43,7 @@ class RunningEngine:
     def __init__(
         self,
         server: EngineServer,
-        runner: web.AppRunner,
-        site: web.TCPSite,
+        listeners: list[tuple[web.AppRunner, web.TCPSite]],
         url: str,
     ) -> None:
         self.server = server
@@ -52,8 +52,8 @@ class RunningEngine:
         self.driver = server.driver
         self.api_version = server.api_version
         self.url = url
-        self._runner = runner
-        self._site = site
+        # The HTTP server, and a prefill engine's bootstrap server.
+        self._listeners = listeners
         self._closed = False
 
     async def kill(self) -> None:
@@ -66,14 +66,18 @@ class RunningEngine:
         # accepted while the engine dies. One accepted just before gets its transport in
         # one loop iteration and registers its handler in the next; without these pauses
         # it would escape the reset and linger as an unclosed socket.
-        await self._site.stop()
-        http = self._runner.server
+        for _, site in self._listeners:
+            await site.stop()
+        servers = [runner.server for runner, _ in self._listeners]
         for _ in range(3):
             await asyncio.sleep(0)
-        self._reset_connections(http)
+        for http in servers:
+            self._reset_connections(http)
         await self.driver.stop()
-        await self._runner.cleanup()
-        self._reset_connections(http)
+        for runner, _ in self._listeners:
+            await runner.cleanup()
+        for http in servers:
+            self._reset_connections(http)
         await asyncio.sleep(0)  # aborted transports close their sockets on the next turn
 
     @staticmethod
@@ -89,7 +93,8 @@ class RunningEngine:
         self._closed = True
         self.driver.abort("", abort_all=True)
         await self.driver.stop()
-        await self._runner.cleanup()
+        for runner, _ in reversed(self._listeners):
+            await runner.cleanup()
 
 
 @asynccontextmanager
@@ -113,19 +118,35 @@ async def start_engine(
 ) -> RunningEngine:
     if api_version not in API_VERSIONS:
         raise ValueError(f"api_version must be one of {API_VERSIONS}, got {api_version!r}")
-    # The scheduler follows the version whose surface is served.
+    # The scheduler follows the version whose surface is served; a decode engine runs
+    # without a prefix cache, as SGLang's does unless asked (its KV arrives by transfer).
     config = config.replace(sglang_version=api_version)
+    if config.disaggregation_mode == "decode":
+        config = config.replace(disable_radix_cache=True)
     model = EngineModel(config, make_backend(config))
     metrics = EngineMetrics(model, api_version)
     driver = EngineDriver(model, metrics, config.speed_factor)
     server = EngineServer(model, driver, metrics, api_version)
-    runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
+    listeners = [await _listen(server.app(), host, port)]
+    server.host, server.port = host, _bound(listeners[0][0], port)
+    if isinstance(server.handoffs, PrefillSide):
+        # SGLang's bootstrap server, where decode engines ask for the KV (0: a free port).
+        boot = config.disaggregation_bootstrap_port
+        listeners.append(await _listen(server.handoffs.app(), host, boot))
+        server.bootstrap_port = _bound(listeners[1][0], boot)
+    driver.start()
+    await asyncio.sleep(0)
+    return RunningEngine(server, listeners, f"http://{host}:{server.port}")
+
+
+async def _listen(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, web.TCPSite]:
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
+    return runner, site
+
+
+def _bound(runner: web.AppRunner, port: int) -> int:
     sockets = runner.addresses
-    bound = sockets[0][1] if sockets else port
-    server.host, server.port = host, bound
-    driver.start()
-    await asyncio.sleep(0)
-    return RunningEngine(server, runner, site, f"http://{host}:{bound}")
+    return int(sockets[0][1]) if sockets else port

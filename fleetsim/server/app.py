@@ -29,10 +29,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from controlplane.transport.event_stream import EventStreamResponse
 from fleetsim.engine import EngineConfig, EngineModel, EngineRequest, RequestError, decode
+from fleetsim.server.disaggregation import DecodeSide, PrefillSide, handoff_side
 from fleetsim.server.driver import EngineDriver, Stream
 from fleetsim.server.metrics import EngineMetrics, exposition
 from fleetsim.server.protocol import (
     BadRequestError,
+    Bootstrap,
     GenerateSpec,
     parse_chat,
     parse_completion,
@@ -48,12 +50,6 @@ _HEALTH_POLL_S = 1.0  # SGLang's /health checks for output once a second
 # token only from such an intermediate output (scheduler_output_processor_mixin.py).
 _FORCE_STREAM_INTERVAL = 50
 _WEIGHT_VERSION = "default"
-_NO_DISAGGREGATION = {
-    "mode": "null", "prefill_bootstrap_queue_reqs": 0, "prefill_inflight_queue_reqs": 0,
-    "decode_prealloc_queue_reqs": 0, "decode_transfer_queue_reqs": 0,
-    "decode_retracted_queue_reqs": 0, "kv_transfer_speed_gb_s": 0.0,
-    "kv_transfer_latency_ms": 0.0,
-}  # fmt: skip
 # Priorities an unprioritised request gets under priority scheduling: last in line.
 _LAST_PRIORITY = {True: 2**63 - 1, False: -(2**63)}
 
@@ -139,6 +135,9 @@ class EngineServer:
         self.health_timeout_s = 20.0
         self.started = time.time()
         self._clock_offset = time.time() - driver.now()  # the driver's clock to epoch
+        # This engine's half of a P/D pair (None: a mixed engine).
+        self.handoffs: PrefillSide | DecodeSide | None = handoff_side(model, driver, metrics.pd)
+        self.bootstrap_port = self.config.disaggregation_bootstrap_port
 
     @property
     def new_api(self) -> bool:
@@ -167,16 +166,52 @@ class EngineServer:
             r.add_get("/v1/loads", self.v1_loads)
         else:
             r.add_get("/get_load", self.get_load)
+        if isinstance(self.handoffs, DecodeSide):
+            decode = self.handoffs
+
+            async def close_handoffs(_app: web.Application) -> None:
+                await decode.close()
+
+            app.on_cleanup.append(close_handoffs)
         return app
 
     def _wall(self, t: float) -> float:
         return t + self._clock_offset
 
     # -- shared request path ------------------------------------------------------------
+    def _peer(self, spec: GenerateSpec) -> Bootstrap | None:
+        """The request's P/D peer, when it is half of a handoff here. A P/D engine serves a
+        request without one only with SGLang's fake bootstrap host or transfer backend."""
+        cfg = self.config
+        peer = spec.bootstrap
+        if self.handoffs is None or cfg.disaggregation_transfer_backend == "fake":
+            return None
+        if peer is None:
+            raise RequestError(
+                f"This is a P/D {cfg.disaggregation_mode} server: a request needs "
+                "bootstrap_host, bootstrap_port and bootstrap_room."
+            )
+        if peer.fake:
+            return None
+        if isinstance(self.handoffs, PrefillSide) and self.handoffs.taken(peer.room):
+            raise RequestError(f"bootstrap_room {peer.room} is already in use.")
+        return peer
+
+    def _submit(self, spec: GenerateSpec, req: EngineRequest, streaming: bool) -> Stream:
+        """Queue the request, or its half of a handoff (`spec.bootstrap`, which `_request`
+        kept only when this engine serves it as one)."""
+        peer = spec.bootstrap
+        if self.handoffs is None or peer is None:
+            return self.driver.submit(req, streaming)
+        return self.handoffs.submit(peer, req, streaming)
+
     def _request(self, spec: GenerateSpec) -> EngineRequest:
-        """The engine's request for a parsed body (RequestError when it refuses it)."""
+        """The engine's request for a parsed body (RequestError when it refuses it). A
+        prefill engine's half of a handoff asks for the first token only."""
         if spec.rid in self.model.requests or any(s.req.rid == spec.rid for s in self.driver.held):
             raise RequestError(f"Duplicate request ID detected: {spec.rid}")
+        spec.bootstrap = self._peer(spec)
+        exported = isinstance(self.handoffs, PrefillSide) and spec.bootstrap is not None
         cfg = self.config
         if not cfg.enable_priority_scheduling:
             priority = 0
@@ -187,7 +222,7 @@ class EngineServer:
         return self.model.make_request(
             spec.rid,
             spec.input_ids,
-            spec.max_new_tokens,
+            1 if exported else spec.max_new_tokens,
             ignore_eos=spec.ignore_eos,
             min_new_tokens=spec.min_new_tokens,
             stop=spec.stop,
@@ -214,13 +249,17 @@ class EngineServer:
                 self.driver.cancel(stream.req)
 
     async def _stream(
-        self, request: web.Request, req: EngineRequest, chunks: Chunks
+        self, request: web.Request, spec: GenerateSpec, req: EngineRequest, chunks: Chunks
     ) -> web.StreamResponse:
-        response = EventStreamResponse(headers=_SSE_HEADERS)  # as a real server's first write
+        # Headers leave with the first event, as a real server's first write; a decode
+        # half sends them at once, as SGLang does while its KV is on its way.
+        waits_for_kv = isinstance(self.handoffs, DecodeSide) and spec.bootstrap is not None
+        kind = web.StreamResponse if waits_for_kv else EventStreamResponse
+        response = kind(headers=_SSE_HEADERS)
         await response.prepare(request)
         # Queued only now, with nothing left to wait for before following it: the first
         # token cannot be published before this handler listens.
-        stream = self.driver.submit(req, streaming=True)
+        stream = self._submit(spec, req, streaming=True)
         try:
             async for last in self._follow(stream):
                 for chunk in chunks(stream, last):
@@ -381,8 +420,8 @@ class EngineServer:
             message = str(exc)
         else:
             if spec.stream:
-                return await self._stream(request, req, self._native_chunk)
-            stream = self.driver.submit(req, streaming=False)
+                return await self._stream(request, spec, req, self._native_chunk)
+            stream = self._submit(spec, req, streaming=False)
             await self._complete(stream)
             refused = self._aborted_with_status(stream.req)
             if refused is not None:
@@ -506,8 +545,8 @@ class EngineServer:
         except RequestError as exc:
             return _openai_error(str(exc))
         if spec.stream:
-            return await self._stream(request, req, self._openai_chunks(spec, chat))
-        stream = self.driver.submit(req, streaming=False)
+            return await self._stream(request, spec, req, self._openai_chunks(spec, chat))
+        stream = self._submit(spec, req, streaming=False)
         await self._complete(stream)
         refused = self._aborted_with_status(req)
         if refused is not None:
@@ -594,6 +633,10 @@ class EngineServer:
             "decode_log_interval": cfg.decode_log_interval,
             "tp_size": 1,
             "dp_size": 1,
+            "disaggregation_mode": cfg.disaggregation_mode,
+            "disaggregation_transfer_backend": cfg.disaggregation_transfer_backend,
+            "disaggregation_bootstrap_port": self.bootstrap_port,
+            "num_reserved_decode_tokens": cfg.num_reserved_decode_tokens,
         }
         if self.new_api:
             args.update(
@@ -667,7 +710,7 @@ class EngineServer:
                 load_format="auto",
                 reasoning_parser=None,
                 tool_call_parser=None,
-                disaggregation_mode="null",
+                disaggregation_mode=self.config.disaggregation_mode,
                 has_image_understanding=False,
                 has_audio_understanding=False,
                 model_type="llama",
@@ -690,16 +733,33 @@ class EngineServer:
             ]
         )
 
+    def _disaggregation(self) -> dict[str, object]:
+        """`/v1/loads`' per-rank P/D block, as SGLang's load inquirer fills it."""
+        loads, pd = self.model.loads(), self.metrics.pd
+        return {
+            "mode": self.config.disaggregation_mode,
+            "prefill_bootstrap_queue_reqs": loads.num_bootstrap_reqs,
+            "prefill_inflight_queue_reqs": loads.num_inflight_reqs,
+            "decode_prealloc_queue_reqs": loads.num_prealloc_reqs,
+            "decode_transfer_queue_reqs": loads.num_transfer_reqs,
+            "decode_retracted_queue_reqs": 0,
+            "kv_transfer_speed_gb_s": round(pd.last_speed_gb_s, 3) if pd else 0.0,
+            "kv_transfer_latency_ms": round(pd.last_latency_ms, 3) if pd else 0.0,
+        }
+
     async def v1_loads(self, request: web.Request) -> web.Response:
         model, loads = self.model, self.model.loads()
         now = time.time()
         waiting = sum(r.total_len for r in model.waiting)
         memory = self._memory_usage()
+        # SGLang counts its P/D queues as waiting: bootstrap (prefill), prealloc and
+        # transfer (decode).
+        handoffs = loads.num_bootstrap_reqs + loads.num_prealloc_reqs + loads.num_transfer_reqs
         rank = {
             "timestamp": now,
             "dp_rank": 0,
             "num_running_reqs": loads.num_running_reqs,
-            "num_waiting_reqs": loads.num_waiting_reqs,
+            "num_waiting_reqs": loads.num_waiting_reqs + handoffs,
             "num_waiting_uncached_tokens": loads.num_waiting_uncached_tokens,
             "num_used_tokens": loads.num_used_tokens,
             "num_total_tokens": loads.num_used_tokens + waiting,
@@ -720,7 +780,7 @@ class EngineServer:
                 "graph_gb": 0.0,
                 "token_capacity": loads.max_total_num_tokens,
             },
-            "disaggregation": _NO_DISAGGREGATION,
+            "disaggregation": self._disaggregation(),
             "queues": {
                 "waiting": loads.num_waiting_reqs,
                 "grammar": 0,

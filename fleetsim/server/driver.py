@@ -11,6 +11,12 @@ than the engine writes, as SGLang's tokenizer manager does.
 
 While paused, new requests wait here rather than in the model's queue: SGLang holds them
 in its tokenizer manager until /continue_generation.
+
+P/D: the driver moves a prefill export or a decode handoff through the model's phases on
+the server's word (`peer_ready`, `kv_arrived`, `transfer_done`, `handoff_failed`) and
+tells the server when the model moved one itself: `on_exported` when an export's first
+token is computed (its KV ships now), `on_preallocated` when a handoff got its pages
+(its KV may be fetched now), `on_ended` whenever a request ended.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from fleetsim.engine import EngineModel, EngineRequest, StepResult, decode
 from fleetsim.server.metrics import EngineMetrics
@@ -94,6 +100,9 @@ class EngineDriver:
         self._loop = asyncio.get_running_loop()
         self.ready_at = self._loop.time() + model.config.startup_s
         self.crashed: BaseException | None = None
+        self.on_exported: Callable[[EngineRequest], None] | None = None
+        self.on_preallocated: Callable[[EngineRequest], None] | None = None
+        self.on_ended: Callable[[EngineRequest], None] | None = None
 
     def now(self) -> float:
         return self._loop.time()
@@ -127,6 +136,69 @@ class EngineDriver:
         else:
             self._queue(stream)
         return stream
+
+    def submit_prefill(self, req: EngineRequest, streaming: bool) -> Stream:
+        """P/D prefill side: the export waits for `peer_ready`."""
+        stream = Stream(req, streaming)
+        self.streams[id(req)] = stream
+        self.model.submit_prefill(req, self.now())
+        return stream
+
+    def peer_ready(self, req: EngineRequest) -> None:
+        if req.finish is not None:
+            return
+        if self.model.peer_ready(req, self.now()):
+            self._wake.set()
+        else:
+            self._ended([req])
+
+    def transfer_done(self, req: EngineRequest) -> None:
+        """The export's KV has shipped: it ends, and its first token goes out."""
+        if req.finish is not None:
+            return
+        now = self.now()
+        self.model.transfer_done(req, now)
+        self.last_output_at = now
+        stream = self.streams.get(id(req))
+        if stream is not None and stream.measured:
+            self.metrics.first_token(req, stream.streaming, now)
+        self._ended([req])
+
+    def submit_handoff(self, req: EngineRequest, streaming: bool) -> Stream:
+        """P/D decode side: the handoff waits for pages, then for `kv_arrived`."""
+        stream = Stream(req, streaming)
+        self.streams[id(req)] = stream
+        self.model.submit_handoff(req, self.now())
+        self._preallocate()
+        return stream
+
+    def kv_arrived(self, req: EngineRequest, output_id: int, cached_tokens: int) -> None:
+        """The handoff's KV landed: its first token (the prefill's) is published now."""
+        if req.finish is not None:
+            return
+        now = self.now()
+        self.model.kv_arrived(req, output_id, cached_tokens, now)
+        self.last_output_at = now
+        stream = self.streams.get(id(req))
+        if stream is not None:
+            if stream.measured:
+                self.metrics.first_token(req, stream.streaming, now)
+            stream.last_emit = now
+            stream.publish()
+        if req.finished:  # the handoff token ended it
+            self._ended([req])
+        self._wake.set()
+
+    def handoff_failed(self, req: EngineRequest, message: str) -> None:
+        """The other side of a handoff failed: the request ends with SGLang's 500."""
+        if req.finish is None and self.model.requests.get(req.rid) is req:
+            self.model.abort_request(req, self.now(), message, status_code=500)
+            self._ended([req])
+
+    def _preallocate(self) -> None:
+        if self.model.prealloc and self.on_preallocated is not None:
+            for req in self.model.preallocate():
+                self.on_preallocated(req)
 
     def _queue(self, stream: Stream) -> None:
         req = stream.req
@@ -164,6 +236,7 @@ class EngineDriver:
         held, self.held = self.held, []
         for stream in held:
             self._queue(stream)
+        self._preallocate()  # handoffs that waited for pages while paused
         self._wake.set()
 
     def _ended(self, reqs: Iterable[EngineRequest]) -> None:
@@ -171,6 +244,7 @@ class EngineDriver:
             stream = self.streams.pop(id(req), None)
             if stream is not None:
                 self._finished(stream)
+        self._preallocate()  # pages an ending request freed may take a handoff
         if not self.model.has_work:
             self.metrics.refresh()
 
@@ -178,6 +252,8 @@ class EngineDriver:
         stream.publish(finished=True)
         if stream.measured:
             self.metrics.finished(stream.req, stream.streaming)
+        if self.on_ended is not None:
+            self.on_ended(stream.req)
 
     # -- the step loop ----------------------------------------------------------------
     async def _run(self) -> None:
@@ -232,8 +308,8 @@ class EngineDriver:
             self.last_output_at = t
         for req in result.emitted:
             stream = streams.get(id(req))
-            if stream is None:
-                continue
+            if stream is None or req.kv_export:
+                continue  # an export's token goes out once its KV has shipped
             if stream.measured:
                 if stream.last_emit < 0:
                     metrics.first_token(req, stream.streaming, t)
@@ -247,3 +323,8 @@ class EngineDriver:
             stream = streams.pop(id(req), None)
             if stream is not None:
                 self._finished(stream)
+        if result.exported and self.on_exported is not None:
+            for req in result.exported:
+                self.on_exported(req)
+        if result.finished or result.retracted:
+            self._preallocate()

@@ -69,6 +69,43 @@ _PROCESS_GAUGES = {
 }
 
 
+# P/D (sglang/srt/observability/metrics_collector.py): the queue gauges and the transfer
+# histograms, served here only by a prefill or decode engine.
+_PD_GAUGES = {
+    "num_prefill_bootstrap_queue_reqs": "The number of requests in the prefill bootstrap queue.",
+    "num_prefill_inflight_queue_reqs": "The number of requests in the prefill inflight queue.",
+    "num_decode_prealloc_queue_reqs": "The number of requests in the decode prealloc queue.",
+    "num_decode_transfer_queue_reqs": "The number of requests in the decode transfer queue.",
+}
+_PD_HISTOGRAMS = {
+    "kv_transfer_speed_gb_s": (
+        "Histogram of KV cache transfer speed in GB/s.",
+        (0.1, 0.5, 1, 5, 10, 25, 50, 100, 200, 400),
+    ),
+    "kv_transfer_latency_ms": (
+        "Histogram of KV cache transfer latency in ms.",
+        (1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000),
+    ),
+    "kv_transfer_alloc_ms": (
+        "Histogram of KV transfer allocation waiting time in ms.",
+        (1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 2500),
+    ),
+    "kv_transfer_total_mb": (
+        "Histogram of KV cache transfer size in MB.",
+        (1, 5, 10, 50, 100, 500, 1000, 5000, 10000),
+    ),
+}
+_PD_COUNTERS = {
+    "num_bootstrap_failed_reqs": "The number of bootstrap failed requests.",
+    "num_transfer_failed_reqs": "The number of transfer failed requests.",
+}
+
+
+def engine_type(mode: str) -> str:
+    """SGLang's `engine_type` label for a `--disaggregation-mode`."""
+    return "unified" if mode == "null" else mode
+
+
 def exposition(registry: CollectorRegistry) -> bytes:
     """The registry in Prometheus' text format, without prometheus_client's `_created`
     series: SGLang's multiprocess collector has none."""
@@ -90,12 +127,13 @@ class EngineMetrics:
         self.registry = CollectorRegistry()
         new = api_version != "0.5.5"
         name = model.config.model
-        sched = {"engine_type": "unified", "model_name": name, "pp_rank": "0", "tp_rank": "0"}
+        kind = engine_type(model.config.disaggregation_mode)
+        sched = {"engine_type": kind, "model_name": name, "pp_rank": "0", "tp_rank": "0"}
         if new:
             sched["moe_ep_rank"] = "0"
         # The tokenizer side labels by model (and engine type on 0.5.23); 0.5.23 splits
         # request counts and latencies by whether the request streamed.
-        self._tok = {"engine_type": "unified", "model_name": name} if new else {"model_name": name}
+        self._tok = {"engine_type": kind, "model_name": name} if new else {"model_name": name}
         self._split = ["is_streaming"] if new else []
         gauges = {**_GAUGES, **(_GAUGES_0523 if new else {})}
         self._gauges = {
@@ -156,6 +194,8 @@ class EngineMetrics:
             cached.labels(**self._tok, cache_source="host") if new else self.cached_tokens
         )
         self._hicache = _HiCacheMetrics(model, self.registry, sched) if new and model.host else None
+        pd = model.config.disaggregation_mode != "null"
+        self.pd = DisaggregationMetrics(model, self.registry, sched) if pd else None
         self.aborted = self._counter(
             "num_aborted_requests", "Number of requests aborted.", self._tok
         )
@@ -205,6 +245,8 @@ class EngineMetrics:
         self.retracted_now.set(loads.num_retracted_reqs)
         if self._hicache is not None:
             self._hicache.refresh()
+        if self.pd is not None:
+            self.pd.refresh()
 
     def first_token(self, req: EngineRequest, streaming: bool, at: float) -> None:
         self._ttft.labels(**self._labels(streaming)).observe(max(0.0, at - req.arrival))
@@ -230,6 +272,48 @@ class EngineMetrics:
             self.aborted.inc()
         else:
             self._e2e.labels(**labels).observe(max(0.0, req.finished_at - req.arrival))
+
+
+class DisaggregationMetrics:
+    """A prefill or decode engine's families: its P/D queues (refreshed with the other
+    scheduler gauges), the transfers it made and the handoffs that failed. The last
+    transfer's speed and latency are kept for `/v1/loads`, as SGLang's reporter does."""
+
+    def __init__(self, model: EngineModel, registry: CollectorRegistry, sched: dict[str, str]):
+        self.model = model
+        self._queues = [
+            Gauge(f"sglang:{key}", doc, list(sched), registry=registry).labels(**sched)
+            for key, doc in _PD_GAUGES.items()
+        ]
+        self.speed, self.latency, self.alloc, self.size = (
+            Histogram(f"sglang:{key}", doc, list(sched), buckets=buckets, registry=registry).labels(
+                **sched
+            )
+            for key, (doc, buckets) in _PD_HISTOGRAMS.items()
+        )
+        self.bootstrap_failed, self.transfer_failed = (
+            Counter(f"sglang:{key}", doc, list(sched), registry=registry).labels(**sched)
+            for key, doc in _PD_COUNTERS.items()
+        )
+        self.last_speed_gb_s = 0.0
+        self.last_latency_ms = 0.0
+
+    def refresh(self) -> None:
+        loads = self.model.loads()
+        values = (
+            loads.num_bootstrap_reqs, loads.num_inflight_reqs,
+            loads.num_prealloc_reqs, loads.num_transfer_reqs,
+        )  # fmt: skip
+        for gauge, value in zip(self._queues, values, strict=True):
+            gauge.set(value)
+
+    def transferred(self, kv_bytes: int, seconds: float) -> None:
+        """A prefill engine's KV reached its decode peer."""
+        self.last_latency_ms = seconds * 1e3
+        self.last_speed_gb_s = kv_bytes / seconds / 1e9 if seconds > 0 else 0.0
+        self.latency.observe(self.last_latency_ms)
+        self.speed.observe(self.last_speed_gb_s)
+        self.size.observe(kv_bytes / 1e6)
 
 
 class _HiCacheMetrics:

@@ -29,6 +29,29 @@ class BadRequestError(ValueError):
         self.schema = schema
 
 
+# SGLang's FAKE_BOOTSTRAP_HOST: a P/D engine serves a request naming it alone, with no
+# peer and no transfer (its warmup and health checks use it).
+FAKE_BOOTSTRAP_HOST = "2.2.2.2"
+# --disaggregation-bootstrap-port's default, for a request that names no port.
+DEFAULT_BOOTSTRAP_PORT = 8998
+_MAX_ROOM = 2**63 - 1
+
+
+@dataclass(frozen=True, slots=True)
+class Bootstrap:
+    """The P/D fields a router adds to both halves of one request (SGLang's
+    `PDRoutingFields`): the prefill engine's host and bootstrap port, and the room that
+    names this handoff on both sides."""
+
+    host: str
+    port: int
+    room: int
+
+    @property
+    def fake(self) -> bool:
+        return self.host == FAKE_BOOTSTRAP_HOST
+
+
 @dataclass(slots=True)
 class GenerateSpec:
     """One generation as the engine sees it, whichever API it came through."""
@@ -46,6 +69,7 @@ class GenerateSpec:
     include_usage: bool = False
     continuous_usage: bool = False
     model: str = ""
+    bootstrap: Bootstrap | None = None
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -131,6 +155,24 @@ def _salt(body: Mapping[str, Any]) -> str:
     return salt
 
 
+def _bootstrap(body: Mapping[str, Any]) -> Bootstrap | None:
+    """The P/D fields, all or none (a room without a host names no peer)."""
+    host, port, room = (body.get(k) for k in ("bootstrap_host", "bootstrap_port", "bootstrap_room"))
+    if host is None and port is None and room is None:
+        return None
+    if any(isinstance(v, list) for v in (host, port, room)):
+        raise BadRequestError("Batch requests are not supported by the reference engine.")
+    if not isinstance(host, str) or not host:
+        raise BadRequestError("bootstrap_host must be a non-empty string.", schema=True)
+    number = _int(body, "bootstrap_port", DEFAULT_BOOTSTRAP_PORT)
+    if number is None or not 0 < number < 65536:
+        raise BadRequestError(f"bootstrap_port must be a TCP port, got {port}.")
+    named = _int(body, "bootstrap_room", None)
+    if named is None or not 0 <= named <= _MAX_ROOM:
+        raise BadRequestError(f"bootstrap_room must be an integer in [0, 2^63 - 1], got {room}.")
+    return Bootstrap(host, number, named)
+
+
 def parse_generate(body: Mapping[str, Any]) -> GenerateSpec:
     """SGLang's /generate: `text` or `input_ids`, `sampling_params`, `stream`, `rid`…"""
     text, ids = body.get("text"), body.get("input_ids")
@@ -161,6 +203,7 @@ def parse_generate(body: Mapping[str, Any]) -> GenerateSpec:
         stop_token_ids=_token_ids(params.get("stop_token_ids") or [], "stop_token_ids"),
         priority=_priority(body),
         cache_salt=_salt(body),
+        bootstrap=_bootstrap(body),
     )
 
 
@@ -204,6 +247,7 @@ def _openai_spec(
         stop_token_ids=_token_ids(body.get("stop_token_ids") or [], "stop_token_ids"),
         priority=_priority(body),
         cache_salt=_salt(body),
+        bootstrap=_bootstrap(body),
     )
     return _openai_common(body, spec)
 

@@ -12,11 +12,14 @@ from fleetsim.sim.baseline import BaselinePolicy
 from fleetsim.sim.config import LLAMA_70B_FP8, SLO, FleetConfig, Staleness, default_pool_policy
 from fleetsim.sim.flight import Flight, Stage
 from fleetsim.sim.loop import FleetPolicy, KVSample, SimResult, Simulation, engine_config_for
+from fleetsim.sim.oracle import OraclePolicy
 from fleetsim.sim.weir import WeirPolicy
 
 
 def policies(seed: int = 0) -> dict[str, Callable[[], FleetPolicy]]:
-    """Every policy the report compares, by name, each a fresh instance per call."""
+    """Every policy the report compares, by name, each a fresh instance per call: the
+    baselines, Weir, and the oracle (Weir knowing every answer's length and every
+    engine's state as it is: the limit, not a baseline)."""
     return {
         "round_robin": lambda: BaselinePolicy(RoundRobin()),
         "least_outstanding": lambda: BaselinePolicy(LeastOutstanding(seed)),
@@ -26,7 +29,14 @@ def policies(seed: int = 0) -> dict[str, Callable[[], FleetPolicy]]:
             LeastOutstanding(seed), reserve_max_tokens=True, name="max_tokens_reserve"
         ),
         "weir": WeirPolicy,
+        "oracle": OraclePolicy,
     }
+
+
+def is_baseline(name: str) -> bool:
+    """Whether a policy is one users would pick instead of Weir (not Weir, not the
+    oracle)."""
+    return name not in (WeirPolicy.name, OraclePolicy.name)
 
 
 __all__ = [
@@ -37,6 +47,7 @@ __all__ = [
     "FleetPolicy",
     "Flight",
     "KVSample",
+    "OraclePolicy",
     "SimResult",
     "Simulation",
     "Stage",
@@ -44,5 +55,6 @@ __all__ = [
     "WeirPolicy",
     "default_pool_policy",
     "engine_config_for",
+    "is_baseline",
     "policies",
 ]

@@ -53,6 +53,15 @@ class Flight:
     handoff_s: float = 0.0  # first token on prefill to the next one on decode
     # Refusals (429/503) a patient client retried after.
     retries: int = 0
+    # A relief migration's target and the room held there for the continuation, until
+    # the continuation reaches a sidecar.
+    target: str = ""
+    reservation: str = ""
+    # The spec's `generated_tokens`, read for every token streamed.
+    target_tokens: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.target_tokens = self.spec.generated_tokens
 
     @property
     def rid(self) -> str:
@@ -65,7 +74,7 @@ class Flight:
     @property
     def remaining(self) -> int:
         """Tokens still to stream before the request ends on its own."""
-        return self.spec.generated_tokens - len(self.output_ids)
+        return self.target_tokens - len(self.output_ids)
 
     def leave_engine(self) -> None:
         """The current engine visit is over; the next one gets a fresh engine rid."""

@@ -337,11 +337,13 @@ class Simulation:
             if flight is not None:
                 flight.preempted("engine_retract")
                 flight.recomputed_tokens += req.total_len
+        prefill = slot.role is Role.PREFILL
         for req in slot.pending:
             flight = flights.get(req.rid)
             if flight is None:
                 continue  # withdrawn while the iteration ran
-            flight.output_ids.append(req.output_ids[-1])
+            out = flight.output_ids
+            out.append(req.output_ids[-1])
             if flight.visit_cached < 0:
                 flight.visit_cached = req.cached_tokens
                 flight.cached_tokens += req.cached_tokens
@@ -354,14 +356,12 @@ class Simulation:
                 flight.handoff_s = now - flight.handoff_from
                 flight.handoff_from = -1.0
             flight.last_token_at = now
-            if flight.remaining <= 0:
+            if len(out) >= flight.target_tokens:
                 reason = (
-                    FinishReason.LENGTH
-                    if flight.generated >= flight.spec.max_tokens
-                    else FinishReason.STOP
+                    FinishReason.LENGTH if len(out) >= flight.spec.max_tokens else FinishReason.STOP
                 )
                 self.end(flight, reason, now)
-            elif slot.role is Role.PREFILL:
+            elif prefill:
                 self._transfer(slot, flight, now)
         for req in slot.pending_finished:
             flight = flights.get(req.rid)
@@ -384,8 +384,7 @@ class Simulation:
         flight.leave_engine()
         flight.handoff_from = now
         kv_tokens = flight.spec.input_tokens
-        kv_bytes = kv_tokens * self.engine_config.timing.model.kv_bytes_per_token
-        took = kv_bytes / self.config.kv_link_bytes_per_s
+        took = self.engine_config.timing.kv_transfer_s(kv_tokens, self.config.kv_link_bytes_per_s)
         flight.transfer_s += took
 
         def arrived() -> None:

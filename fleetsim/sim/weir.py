@@ -53,8 +53,9 @@ from __future__ import annotations
 import functools
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from typing import overload
 
 from controlplane.contract import (
     CacheIdentity,
@@ -81,6 +82,7 @@ from controlplane.routing import (
 from controlplane.routing.dispatch import RESUME_FAILED, Event
 from engine_sidecar.ledger import Ledger
 from engine_sidecar.policy import (
+    RESERVATION_TTL_S,
     AdmissionDecision,
     AdmissionQueue,
     AdmissionVerdict,
@@ -90,18 +92,25 @@ from engine_sidecar.policy import (
     PoolOutlook,
     QueuedRequest,
     ReliefCosts,
+    Reservations,
     Rung,
     SequenceOutlook,
+    TargetRooms,
     VictimCandidate,
+    VictimChoice,
+    admits_now,
     classify,
     decide_admission,
     engine_priority,
     growth_reserve,
-    peer_room,
+    peer_rooms,
     plan_relief,
+    queue_wait_s,
+    queued_request,
+    reservable_tokens,
 )
 from fleetsim.engine import EngineConfig
-from fleetsim.sim.config import MODEL, FleetConfig
+from fleetsim.sim.config import MODEL, FleetConfig, Staleness
 from fleetsim.sim.flight import Flight, Stage
 from fleetsim.sim.gate import HOLDER_TTL_MS, RouterGate
 from fleetsim.sim.loop import Simulation
@@ -114,8 +123,6 @@ LEASE_HEARTBEATS = 3
 PREFILL_TIME_BUDGET_S = 0.05
 # Admitting a prompt this long publishes the sidecar's state at once.
 LONG_PROMPT_TOKENS = 4096
-# A continuation waits in a sidecar's queue at most this long from its arrival.
-CONTINUATION_MAX_WAIT_S = 600.0
 # A patient client retries a 503 without Retry-After after this long.
 CLIENT_BACKOFF_S = 1.0
 # The router renews its quota holder lease at a third of its time to live, as
@@ -140,6 +147,8 @@ class Sidecar:
     policy: PoolPolicy
     clock: Callable[[], float]
     role: Role = Role.MIXED
+    # The oracle's sidecars are told each answer's true length instead of predicting it.
+    told_lengths: bool = False
     # The live sidecar's ledger, for its output-length predictor and its TPOT estimate
     # (smoothed over finished requests, published as `predicted_tpot_s`); the simulator
     # keeps its own KV account below, on the virtual clock.
@@ -154,11 +163,14 @@ class Sidecar:
     version: int = 0
     # Offloaded victims not yet back in the engine, with the KV each left in its host tier.
     offloaded: dict[str, tuple[Flight, int]] = field(default_factory=dict)
+    # Room held for continuations migrating here, as the live ledger holds it.
+    reservations: Reservations = field(init=False)
 
     def __post_init__(self) -> None:
         self.ledger = Ledger(self.policy, self.capacity_tokens, self.clock)
         sched = self.policy.scheduling
         self.queue = AdmissionQueue(sched.local_queue_size, sched.aging_per_second)
+        self.reservations = Reservations(self.endpoint_id)
 
     @property
     def predictor(self) -> OutputLengthPredictor:
@@ -166,6 +178,8 @@ class Sidecar:
 
     def predicted_total(self, flight: Flight) -> int:
         spec = flight.spec
+        if self.told_lengths:
+            return spec.generated_tokens
         if spec.output_hint_tokens > 0:
             return max(flight.generated + 1, min(spec.max_tokens, spec.output_hint_tokens))
         return self.predictor.predict_total(
@@ -194,7 +208,25 @@ class Sidecar:
         self.reserved_tokens = reserved
 
     def usage(self) -> KVUsage:
-        return KVUsage(self.capacity_tokens, self.used_tokens, self.reserved_tokens)
+        """Used KV, and what is committed beside it: growth reserved and room held."""
+        committed = self.reserved_tokens + self.reservations.held_tokens
+        return KVUsage(self.capacity_tokens, self.used_tokens, committed)
+
+    def room_tokens(self) -> int:
+        """The largest continuation a reservation here would be granted now."""
+        return reservable_tokens(
+            self.usage(), self.watermark, not self.admission_paused, self.policy.kv
+        )
+
+    def pool(self) -> PoolOutlook:
+        usage = self.usage()
+        return PoolOutlook(
+            usage.capacity_tokens,
+            usage.used_tokens,
+            usage.reserved_growth_tokens,
+            self.watermark,
+            admission_open=not self.admission_paused,
+        )
 
     def host_held(self) -> int:
         """KV its offloads left in the host tier and have not loaded back yet."""
@@ -224,6 +256,9 @@ def relief_costs(config: EngineConfig) -> ReliefCosts | None:
 
 class WeirPolicy:
     name = "weir"
+    # Whether the router and the sidecars know every answer's length (the oracle) rather
+    # than estimate it from `max_tokens` and the sidecars' predictors.
+    knows_lengths = False
 
     def __init__(self, policy: PoolPolicy | None = None) -> None:
         self.pool_policy = policy
@@ -237,8 +272,9 @@ class WeirPolicy:
         self.routers: dict[Role, Dispatcher[Flight]] = {}
         self.rings: dict[Role, OwnershipRing] = {}
         self._snapshots: dict[Role, PoolSnapshot] = {}
-        self._states: dict[int, EndpointState] = {}
-        self._leases: dict[int, float] = {}
+        # Each endpoint as the routers last heard from it (its state and lease), by
+        # sidecar index: a view is built once per report, not once per snapshot.
+        self._views: dict[int, EndpointView] = {}
         self._where: dict[str, int] = {}  # the sidecar a request is at
         # The routers' decisions, delivered in the order they were made even when acting
         # on one (an engine that refuses, a flight that ends) makes more.
@@ -247,11 +283,17 @@ class WeirPolicy:
         self._wakeups: dict[Role, float] = {}  # each router's earliest timer set
         self._gate: RouterGate | None = None
         self._costs: ReliefCosts | None = None
+        self._in_place: set[str] = set()  # relief victims resuming where they were
 
     @property
     def sim(self) -> Simulation:
         assert self._sim is not None, "start() first"
         return self._sim
+
+    @property
+    def staleness(self) -> Staleness:
+        """How late the router and the sidecars see what happens in the fleet."""
+        return self.sim.config.staleness
 
     @property
     def gate(self) -> RouterGate:
@@ -292,11 +334,20 @@ class WeirPolicy:
             "ttft_slo_s": sim.config.slo.ttft_s,
             "transfer_bytes_per_s": sim.config.kv_link_bytes_per_s,
         }
+        if self.knows_lengths:
+            # The request's `max_new_tokens` below is then its true length: all of it counts.
+            config["cost"]["expected_output_fraction"] = 1.0
         self.profile = profile_from_config(config)
         self._costs = relief_costs(sim.engine_config)
         self.sidecars = [
             Sidecar(
-                e.index, f"engine-{e.index}", e.capacity_tokens, policy, lambda: sim.now, e.role
+                e.index,
+                f"engine-{e.index}",
+                e.capacity_tokens,
+                policy,
+                lambda: sim.now,
+                e.role,
+                told_lengths=self.knows_lengths,
             )
             for e in sim.engines
         ]
@@ -309,7 +360,7 @@ class WeirPolicy:
             self.routers[role] = Dispatcher(self.profile, policy.routing, self.index)
             members = (s.endpoint_id for s in self.sidecars if s.role is role)
             self.rings[role] = OwnershipRing(Membership.of(1, members), vnodes)
-        period = sim.config.staleness.heartbeat_period_s
+        period = self.staleness.heartbeat_period_s
         for sidecar in self.sidecars:
             self._heartbeat(sidecar, 0.0, registered=True)
         # Stagger heartbeats across the period, as independent sidecars do.
@@ -323,10 +374,19 @@ class WeirPolicy:
     def _heartbeat(self, sidecar: Sidecar, now: float, registered: bool = False) -> None:
         """Publish the sidecar's state; the router sees it after the change feed's delay
         (at once for the registration that precedes any traffic)."""
+        if not self.sim.engines[sidecar.index].alive:
+            return
+        state, lease = self._report(sidecar, now)
+        if registered:
+            self._publish(sidecar.index, state, lease, now)
+            return
+        delay = self.staleness.notify_delay_s
+        self.sim.at(now + delay, lambda: self._publish(sidecar.index, state, lease, now))
+
+    def _report(self, sidecar: Sidecar, now: float) -> tuple[EndpointState, float]:
+        """The sidecar's state as its heartbeat carries it now, and the lease it renews."""
         sim = self.sim
         slot = sim.engines[sidecar.index]
-        if not slot.alive:
-            return
         sidecar.version += 1
         # Prompt tokens not yet prefilled: queued here, or admitted and still waiting for
         # their first token (the sidecar knows what it sent and what has streamed back).
@@ -349,22 +409,16 @@ class WeirPolicy:
             kv_capacity_tokens=sidecar.capacity_tokens,
             predicted_tpot_s=sidecar.ledger.tpot_s,
             kv_used_tokens=sidecar.used_tokens,
-            kv_reserved_growth_tokens=sidecar.reserved_tokens,
+            kv_reserved_growth_tokens=sidecar.usage().reserved_growth_tokens,
             waiting_prefill_tokens=waiting,
             running_requests=len(sidecar.held),
             queued_requests=len(sidecar.queue),
             updated_at=now,
         )
-        lease = now + LEASE_HEARTBEATS * sim.config.staleness.heartbeat_period_s
-        if registered:
-            self._publish(sidecar.index, state, lease, now)
-            return
-        delay = sim.config.staleness.notify_delay_s
-        sim.at(now + delay, lambda: self._publish(sidecar.index, state, lease, now))
+        return state, now + LEASE_HEARTBEATS * self.staleness.heartbeat_period_s
 
     def _publish(self, index: int, state: EndpointState, lease: float, taken_at: float) -> None:
-        self._states[index] = state
-        self._leases[index] = lease
+        self._views[index] = EndpointView(state, lease)
         role = state.role
         self.routers[role].reported(state.endpoint_id, taken_at)
         self._snapshots.clear()
@@ -385,11 +439,7 @@ class WeirPolicy:
         """`role`'s pool as the router sees it."""
         snapshot = self._snapshots.get(role)
         if snapshot is None:
-            views = tuple(
-                EndpointView(state, self._leases[i])
-                for i, state in sorted(self._states.items())
-                if state.role is role
-            )
+            views = tuple(v for _, v in sorted(self._views.items()) if v.state.role is role)
             snapshot = self._snapshots[role] = PoolSnapshot(
                 self._policy().pool, views, taken_at=now
             )
@@ -409,11 +459,12 @@ class WeirPolicy:
 
     def _hand_back(self, flight: Flight, now: float, *, broken: bool) -> None:
         """A continuation (a migration, or a failover when `broken`): its router resumes
-        it elsewhere."""
+        it elsewhere, at the migration's target first."""
         role = self._role(flight)
         events = self.routers[role].handed_back(
-            flight.rid, flight.generated, now, self._snapshot(now, role), broken=broken
-        )
+            flight.rid, flight.generated, now, self._snapshot(now, role), broken=broken,
+            target=flight.target,
+        )  # fmt: skip
         self._deliver(role, events)
         self._mark_waiting(role, flight, now)
 
@@ -437,22 +488,23 @@ class WeirPolicy:
                 if flight.done:
                     continue
                 if isinstance(event, Placed):
-                    self._placed(role, flight, event.endpoint_id)
+                    self._placed(role, flight, event)
                 else:
                     self._refused(flight, event.refusal, self.sim.now)
         finally:
             self._delivering = False
         self._arm_wakeups()
 
-    def _placed(self, role: Role, flight: Flight, endpoint_id: str) -> None:
+    def _placed(self, role: Role, flight: Flight, placed: Placed[Flight]) -> None:
         now = self.sim.now
+        endpoint_id = placed.endpoint_id
         index = int(endpoint_id.rsplit("-", 1)[1])
         if not self.sim.engines[index].alive:
             # Its lease has not lapsed yet but the connection is refused.
             snapshot = self._snapshot(now, role)
             self._deliver(role, self.routers[role].refused(flight.rid, now, snapshot))
             return
-        self.index.record(endpoint_id, _block_hashes(flight))
+        self.routers[role].reached(placed.route, endpoint_id)
         flight.accepted = True
         self._offer(self.sidecars[index], flight, now)
 
@@ -512,7 +564,7 @@ class WeirPolicy:
             request_id=spec.request_id,
             model=MODEL,
             prompt_tokens=spec.input_tokens,
-            max_new_tokens=spec.max_tokens,
+            max_new_tokens=spec.generated_tokens if self.knows_lengths else spec.max_tokens,
             tenant=spec.tenant,
             role=role,
             priority=spec.priority,
@@ -544,63 +596,65 @@ class WeirPolicy:
             ]
             self.rings[role] = OwnershipRing(Membership.of(ring.version + 1, live), ring.vnodes)
 
-    def give_up_at(self, flight: Flight) -> float:
-        """When a request waiting in a sidecar's queue is refused with `overload` (a
-        continuation: aborted) instead of waiting on: its client's patience
-        (`max_wait_s`), else the pool's local-queue wait, counted from arrival."""
+    def _patience_left(self, flight: Flight, now: float) -> float:
+        """How long a new request may wait in a sidecar's queue: until its client's
+        patience (`max_wait_s`), else the pool's local-queue wait, counted from its
+        arrival at the router — the simulated queue stands in for the live sidecar's
+        429 and the router's fallbacks and retries."""
         spec = flight.spec
-        if flight.generated:
-            return spec.arrival_s + CONTINUATION_MAX_WAIT_S
         wait = spec.max_wait_s or self._policy().scheduling.local_queue_max_wait_s
-        return spec.arrival_s + wait
+        return spec.arrival_s + wait - now
 
     # -- the sidecars ----------------------------------------------------------------------
     def _offer(self, sidecar: Sidecar, flight: Flight, now: float) -> None:
+        """A request reaches the sidecar: taken into room held for it at once, else queued
+        by the live ledger's rule (`queued_request`; one preempted here ages from now,
+        where the live ledger ages it from its first arrival) and admitted as the queue
+        allows."""
+        spec = flight.spec
+        resumed = bool(flight.generated)
+        prompt = spec.input_tokens + flight.generated
+        if self._consume(sidecar, flight, now):
+            decision = self._decision(sidecar, flight, prompt, held=True)
+            if admits_now(decision, len(sidecar.queue)):
+                self._enter(sidecar, flight, prompt, spec.priority, decision, now)
+                return
         # A continuation is accepted work: a full queue takes it all the same.
-        if sidecar.queue.refuses(resumed=bool(flight.generated)):
+        if sidecar.queue.refuses(resumed=resumed):
             self.sim.end(flight, FinishReason.OVERLOAD, now, "sidecar queue full")
             return
-        spec = flight.spec
+        deadline = spec.arrival_s + spec.deadline_s if spec.deadline_s > 0 else 0.0
+        wait = queue_wait_s(self._policy(), resumed)
+        if not resumed:
+            wait, deadline = self._patience_left(flight, now), 0.0
         flight.enqueue(now)
         self._where[flight.rid] = sidecar.index
-        sidecar.queue.offer(
-            QueuedRequest(
-                flight.rid,
-                spec.priority,
-                now,
-                self.give_up_at(flight),
-                spec.input_tokens + flight.generated,
-                resumed=bool(flight.generated),
-            ),
-            flight,
-        )
+        queued = queued_request(
+            flight.rid, spec.priority, prompt, arrived_at=now, now=now, max_wait_s=wait,
+            deadline_at=deadline, resumed=resumed,
+        )  # fmt: skip
+        sidecar.queue.offer(queued, flight)
         self._admit(sidecar, now)
+
+    def _decision(
+        self, sidecar: Sidecar, flight: Flight, prompt_tokens: int, *, held: bool = False
+    ) -> AdmissionDecision:
+        return decide_admission(
+            sidecar.outlook(flight), prompt_tokens, sidecar.pool(), self._policy().kv, held=held
+        )
 
     def _admit(self, sidecar: Sidecar, now: float) -> None:
         """The sidecar's queue, by the live ledger's discipline (`AdmissionQueue`)."""
         if not len(sidecar.queue) or not self.sim.engines[sidecar.index].alive:
             return
-        sim, policy = self.sim, self._policy()
-        aging = policy.scheduling.aging_per_second
+        sim = self.sim
         for _, flight in sidecar.queue.expire(now):
             self._where.pop(flight.rid, None)
-            if flight.generated:
-                sim.end(flight, FinishReason.ABORTED, now, "continuation waited too long")
-            else:
-                sim.end(flight, FinishReason.OVERLOAD, now, "sidecar queue wait exceeded")
+            self._wait_over(flight, now)
         decisions: dict[str, AdmissionDecision] = {}
 
         def decide(queued: QueuedRequest, flight: Flight) -> AdmissionVerdict:
-            pool = PoolOutlook(
-                sidecar.capacity_tokens,
-                sidecar.used_tokens,
-                sidecar.reserved_tokens,
-                sidecar.watermark,
-                admission_open=not sidecar.admission_paused,
-            )
-            decision = decide_admission(
-                sidecar.outlook(flight), queued.prompt_tokens, pool, policy.kv
-            )
+            decision = self._decision(sidecar, flight, queued.prompt_tokens)
             decisions[queued.rid] = decision
             return decision.verdict
 
@@ -613,19 +667,95 @@ class WeirPolicy:
                 ending = FinishReason.ABORTED if flight.generated else FinishReason.OVERLOAD
                 sim.end(flight, ending, now, f"sidecar: {decision.reason}")
                 continue
-            slack = None
-            if flight.spec.deadline_s > 0:
-                slack = flight.spec.arrival_s + flight.spec.deadline_s - now
-            priority = engine_priority(queued.priority, now - flight.spec.arrival_s, slack, aging)
-            if sim.submit(flight, sidecar.index, now, priority):
-                self._where[flight.rid] = sidecar.index
-                sidecar.held[flight.rid] = _Held(flight, queued.prompt_tokens, flight.generated)
-                sidecar.used_tokens += queued.prompt_tokens
-                sidecar.reserved_tokens += decision.needed_tokens - queued.prompt_tokens
-                if queued.prompt_tokens >= LONG_PROMPT_TOKENS:
-                    # Seconds of prefill just landed here: tell the routers now, not at
-                    # the next heartbeat, so short requests go elsewhere meanwhile.
-                    self._heartbeat(sidecar, now)
+            self._enter(sidecar, flight, queued.prompt_tokens, queued.priority, decision, now)
+
+    def _wait_over(self, flight: Flight, now: float) -> None:
+        """A request waited in a sidecar's queue as long as it may. A new one is refused
+        (its client's patience is spent). A resume is accepted work and goes back to its
+        router, as the live sidecar answers it: one preempted here is handed back, one
+        the router placed here is refused (429), and the router places it again."""
+        role = self._role(flight)
+        if flight.rid in self._in_place:
+            self._in_place.discard(flight.rid)
+            self._hand_back(flight, now, broken=False)
+        elif flight.generated:
+            router = self.routers[role]
+            self._deliver(role, router.refused(flight.rid, now, self._snapshot(now, role)))
+            self._mark_waiting(role, flight, now)
+        else:
+            self.sim.end(flight, FinishReason.OVERLOAD, now, "sidecar queue wait exceeded")
+
+    def _enter(
+        self,
+        sidecar: Sidecar,
+        flight: Flight,
+        prompt_tokens: int,
+        priority: int,
+        decision: AdmissionDecision,
+        now: float,
+    ) -> None:
+        """An admitted request goes into the engine, its KV committed here."""
+        aging = self._policy().scheduling.aging_per_second
+        slack = None
+        if flight.spec.deadline_s > 0:
+            slack = flight.spec.arrival_s + flight.spec.deadline_s - now
+        engine_prio = engine_priority(priority, now - flight.spec.arrival_s, slack, aging)
+        self._in_place.discard(flight.rid)
+        if self.sim.submit(flight, sidecar.index, now, engine_prio):
+            self._where[flight.rid] = sidecar.index
+            sidecar.held[flight.rid] = _Held(flight, prompt_tokens, flight.generated)
+            sidecar.used_tokens += prompt_tokens
+            sidecar.reserved_tokens += decision.needed_tokens - prompt_tokens
+            if prompt_tokens >= LONG_PROMPT_TOKENS:
+                # Seconds of prefill just landed here: tell the routers now, not at
+                # the next heartbeat, so short requests go elsewhere meanwhile.
+                self._heartbeat(sidecar, now)
+
+    # -- room held for migrations -----------------------------------------------------------
+    def _reserve_target(
+        self, victim: VictimChoice, targets: TargetRooms, now: float
+    ) -> tuple[str, str] | None:
+        """(target, reservation id) of the first peer, in `targets`' order, that holds
+        room for the victim's continuation (a dead one answers nothing); None when none
+        does."""
+        while (target := targets.pick(victim.tokens)) is not None:
+            peer = self.sidecars[int(target.rsplit("-", 1)[1])]
+            granted = None
+            if self.sim.engines[peer.index].alive:
+                peer.reservations.expire(now)
+                if 0 < victim.tokens <= peer.room_tokens():
+                    granted = peer.reservations.take(
+                        victim.rid, victim.tokens, now, RESERVATION_TTL_S
+                    )
+            targets.answered(target, victim.tokens, granted is not None, peer.room_tokens())
+            if granted is not None:
+                self._held_changed(peer, now)
+                self.sim.at(granted.expires_at, functools.partial(self._expire_held, peer))
+                return target, granted.reservation_id
+        return None
+
+    def _consume(self, sidecar: Sidecar, flight: Flight, now: float) -> bool:
+        """Whether room was held here for the flight (now released to its admission)."""
+        target, reservation = flight.target, flight.reservation
+        flight.target = flight.reservation = ""
+        if target != sidecar.endpoint_id:
+            return False
+        sidecar.reservations.expire(now)
+        if sidecar.reservations.consume(reservation, flight.rid) is None:
+            return False
+        self._held_changed(sidecar, now)
+        return True
+
+    def _expire_held(self, sidecar: Sidecar) -> None:
+        now = self.sim.now
+        if sidecar.reservations.expire(now):
+            self._held_changed(sidecar, now)
+            self._admit(sidecar, now)
+
+    def _held_changed(self, sidecar: Sidecar, now: float) -> None:
+        """Room held changed: re-evaluated and published at once, as the live ledger does."""
+        sidecar.watermark = classify(sidecar.usage(), sidecar.watermark, self._policy().kv)
+        self._heartbeat(sidecar, now)
 
     def before_step(self, engine: int, now: float) -> None:
         self._admit(self.sidecars[engine], now)
@@ -634,7 +764,7 @@ class WeirPolicy:
         sidecar = self.sidecars[engine]
         # The sidecar re-derives its KV account at its engine-poll rhythm, not every
         # iteration; admissions and releases adjust it in between.
-        if now - sidecar.accounted_at >= self.sim.config.staleness.engine_poll_s:
+        if now - sidecar.accounted_at >= self.staleness.engine_poll_s:
             sidecar.account()
             sidecar.accounted_at = now
         previous = sidecar.watermark
@@ -649,7 +779,58 @@ class WeirPolicy:
 
     def _relieve(self, sidecar: Sidecar, now: float) -> None:
         policy = self._policy()
-        horizon = policy.kv.growth_horizon_steps
+        # Relief reads its candidates only when a rung needs them (near-done requests at
+        # critical, victims at exhaustion): below that, predicting every running
+        # request's length for them was most of a long run's time.
+        candidates = _OnDemand(functools.partial(self._victim_candidates, sidecar))
+        # The room elsewhere, from what the other sidecars last published (the live
+        # sidecar reads the same from the control plane).
+        peers = [
+            v.state
+            for i, v in self._views.items()
+            if i != sidecar.index and v.state.role is sidecar.role and v.lease_deadline > now
+        ]
+        rooms = peer_rooms(peers, policy.kv)
+        costs = self._costs
+        if costs is not None:
+            on_host = sidecar.host_held()
+            costs = replace(costs, host_room_tokens=max(0, costs.host_room_tokens - on_host))
+        usage = sidecar.usage()
+        plan = plan_relief(usage, sidecar.watermark, candidates, policy, now, rooms, costs)
+        sidecar.admission_paused = plan.admission_paused
+        targets = TargetRooms(rooms)
+        for victim in plan.victims:
+            mode: Rung | None = victim.mode
+            held_at = None
+            if mode is Rung.MIGRATE:
+                held_at = self._reserve_target(victim, targets, now)
+                if held_at is None:
+                    mode = victim.fallback
+            if mode is None:
+                continue  # no peer held room for it, and it cannot resume in place
+            flight = sidecar.held[victim.rid].flight
+            self._release(sidecar, flight)
+            self.sim.withdraw(flight, now)
+            # What its continuation computes again is known when it resumes: its history
+            # less what a prefix cache (device or host) gives back there.
+            flight.resume_tokens = flight.spec.input_tokens + flight.generated
+            if held_at is not None:
+                flight.preempted("migrate")
+                flight.target, flight.reservation = held_at
+                self._hand_back(flight, now, broken=False)
+            elif mode in (Rung.RECOMPUTE, Rung.OFFLOAD):
+                flight.preempted(mode.value)
+                if mode is Rung.OFFLOAD:
+                    sidecar.offloaded[flight.rid] = (flight, flight.resume_tokens)
+                self._in_place.add(flight.rid)
+                self._offer(sidecar, flight, now)
+            else:
+                self.sim.end(flight, FinishReason.ABORTED, now, "terminated by relief")
+        if plan.victims:
+            sidecar.account()
+
+    def _victim_candidates(self, sidecar: Sidecar) -> list[VictimCandidate]:
+        horizon = self._policy().kv.growth_horizon_steps
         # A victim can migrate only to another live endpoint of the same role.
         migratable = any(
             other is not sidecar and other.role is sidecar.role and slot.alive
@@ -677,39 +858,7 @@ class WeirPolicy:
                     migratable=migratable,
                 )
             )
-        # The room elsewhere, from what the other sidecars last published (the live
-        # sidecar reads the same from the control plane).
-        peers = [
-            state
-            for i, state in self._states.items()
-            if i != sidecar.index and state.role is sidecar.role and self._leases[i] > now
-        ]
-        room = peer_room(peers, policy.kv)
-        costs = self._costs
-        if costs is not None:
-            on_host = sidecar.host_held()
-            costs = replace(costs, host_room_tokens=max(0, costs.host_room_tokens - on_host))
-        plan = plan_relief(sidecar.usage(), sidecar.watermark, candidates, policy, now, room, costs)
-        sidecar.admission_paused = plan.admission_paused
-        for victim in plan.victims:
-            flight = sidecar.held[victim.rid].flight
-            self._release(sidecar, flight)
-            self.sim.withdraw(flight, now)
-            # What its continuation computes again is known when it resumes: its history
-            # less what a prefix cache (device or host) gives back there.
-            flight.resume_tokens = flight.spec.input_tokens + flight.generated
-            if victim.mode is Rung.MIGRATE:
-                flight.preempted("migrate")
-                self._hand_back(flight, now, broken=False)
-            elif victim.mode in (Rung.RECOMPUTE, Rung.OFFLOAD):
-                flight.preempted(victim.mode.value)
-                if victim.mode is Rung.OFFLOAD:
-                    sidecar.offloaded[flight.rid] = (flight, flight.resume_tokens)
-                self._offer(sidecar, flight, now)
-            else:
-                self.sim.end(flight, FinishReason.ABORTED, now, "terminated by relief")
-        if plan.victims:
-            sidecar.account()
+        return candidates
 
     def _release(self, sidecar: Sidecar, flight: Flight) -> None:
         sidecar.held.pop(flight.rid, None)
@@ -718,6 +867,7 @@ class WeirPolicy:
     # -- endings and failures -------------------------------------------------------------
     def ended(self, flight: Flight, now: float) -> None:
         self.gate.release(flight, now)
+        self._in_place.discard(flight.rid)
         for role, router in self.routers.items():
             snapshot = self._snapshot(now, role)
             self._deliver(role, router.finished(flight.rid, flight.generated, now, snapshot))
@@ -760,7 +910,7 @@ class WeirPolicy:
 
     def engine_failed(self, engine: int, flights: list[Flight], now: float) -> None:
         sidecar = self.sidecars[engine]
-        lease = LEASE_HEARTBEATS * self.sim.config.staleness.heartbeat_period_s
+        lease = LEASE_HEARTBEATS * self.staleness.heartbeat_period_s
         self.sim.at(now + lease, lambda: self._membership_changed(self.sim.now))
         stranded = [*flights, *(f for _, f in sidecar.queue.entries())]
         for flight in stranded:
@@ -771,6 +921,32 @@ class WeirPolicy:
             self._where.pop(flight.rid, None)
             flight.preempted("failover")
             self._hand_back(flight, now, broken=True)
+
+
+class _OnDemand(Sequence[VictimCandidate]):
+    """A sequence built by `build` the first time anything reads it."""
+
+    def __init__(self, build: Callable[[], list[VictimCandidate]]) -> None:
+        self._build: Callable[[], list[VictimCandidate]] | None = build
+        self._items: list[VictimCandidate] = []
+
+    def _all(self) -> list[VictimCandidate]:
+        if self._build is not None:
+            self._items, self._build = self._build(), None
+        return self._items
+
+    @overload
+    def __getitem__(self, index: int) -> VictimCandidate: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[VictimCandidate]: ...
+    def __getitem__(self, index: int | slice) -> VictimCandidate | Sequence[VictimCandidate]:
+        return self._all()[index]
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+    def __iter__(self) -> Iterator[VictimCandidate]:
+        return iter(self._all())
 
 
 def _block_hashes(flight: Flight) -> tuple[int, ...]:

@@ -99,6 +99,8 @@ class Scenario:
     given (1.0 exact, < 1 systematically under-predicted, > 1 over-predicted; 0 no hint).
     `prefill_share` > 0 splits the fleet into that fraction of prefill engines and the
     rest decode engines (P/D), with `decode_kv_factor` scaling the decode side's KV.
+    `kv_factor` < 1 gives every engine that fraction of its KV while the offered load
+    stays what the full-KV fleet serves: small-KV engines, as the live chaos test runs.
     `tenant_quotas` are what an operator would configure for this traffic in Weir's pool
     policy (baselines have no quotas).
     """
@@ -111,6 +113,7 @@ class Scenario:
     output_hint_bias: float = 0.0
     prefill_share: float = 0.0
     decode_kv_factor: float = 1.0
+    kv_factor: float = 1.0
     mixed_long_short: bool = False
     tenant_quotas: tuple[TenantQuota, ...] = ()
     notes: str = ""
@@ -240,6 +243,7 @@ _LONG_IN = LengthLaw(median=20000, sigma=0.35, low=8192, high=28000)
 _LONG_OUT = LengthLaw(median=2500, sigma=0.5, low=1024, high=8192)
 _SHORT_OUT = LengthLaw(median=200, sigma=0.7, low=16, high=1024)
 _SHORT_IN = LengthLaw(median=800, sigma=0.7, low=64, high=4096)
+_RUNAWAY_OUT = LengthLaw(median=3000, sigma=0.9, low=512, high=12000)
 
 
 def _short(share: float) -> RequestClass:
@@ -379,24 +383,35 @@ SCENARIOS: dict[str, Scenario] = {
         ),
         Scenario(
             name="preemption_crossing",
-            title="9. swap / recompute / migrate crossing",
+            title="9. swap / recompute / migrate crossing: a KV burst on small-KV engines",
             classes=(
-                _short(0.65),
+                _short(0.55),
                 _long(
                     "runaway_out",
-                    0.35,
+                    0.30,
                     _SHORT_IN,
-                    LengthLaw(median=3000, sigma=0.9, low=512, high=12000),
+                    _RUNAWAY_OUT,
                     max_tokens=12000,
+                ),
+                # The live chaos test's KV burst (`weir bench chaos`), scaled: long answers
+                # asked for at once, far more KV than the fleet has free.
+                _long(
+                    "kv_burst",
+                    0.15,
+                    _SHORT_IN,
+                    _RUNAWAY_OUT,
+                    max_tokens=12000,
+                    burst=Burst(start_s=10.0, length_s=1.0),
                 ),
             ),
             output_hint_bias=0.25,
+            kv_factor=0.35,
             mixed_long_short=True,
             notes="output lengths under-predicted 4x: growth outruns every reserve",
         ),
         Scenario(
             name="cancel_deadline_failure",
-            title="10. cancellations, deadlines and an engine failure",
+            title="10. cancellations, deadlines, an engine and a sidecar lost",
             classes=(
                 replace(_short(0.8), cancel_share=0.1, deadline_share=0.3, deadline_s=15.0),
                 _long(
@@ -410,7 +425,9 @@ SCENARIOS: dict[str, Scenario] = {
                     deadline_s=60.0,
                 ),
             ),
-            failures=(EngineFailure(at_s=15.0, engine=3),),
+            # An engine lost for good, then a sidecar (or its pod): to the router both
+            # break their streams, which it resumes elsewhere, as the live chaos test's.
+            failures=(EngineFailure(at_s=15.0, engine=3), EngineFailure(at_s=25.0, engine=1)),
             mixed_long_short=True,
         ),
     )

@@ -35,6 +35,9 @@ from fleet_operator.scaling import RecommendationLog
 from fleet_operator.spec import GROUP, PLURAL, VERSION
 
 FINALIZER = "inference.weir.dev/control-plane"
+# How long a stopping operator waits for status passes still running before it cancels them
+# and closes their connections: a pass is bounded by its Redis retries and API timeouts.
+PASS_GRACE_S = 10.0
 
 
 async def connect_kubernetes() -> client.ApiClient:
@@ -66,6 +69,7 @@ def register(registry: kopf.OperatorRegistry, operator_config: OperatorConfig) -
         settings.background.cancellation_polling = 1.0
         memo.api = await connect_kubernetes()
         memo.control = RedisControlPlane.from_url(operator_config.redis_url)
+        memo.passes = StatusPasses()  # one for every pool (kopf copies the memo shallowly)
 
     @kopf.on.login(registry=registry)
     async def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
@@ -74,6 +78,7 @@ def register(registry: kopf.OperatorRegistry, operator_config: OperatorConfig) -
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(memo: Any, **_: Any) -> None:
+        await memo.passes.settle(PASS_GRACE_S)
         await memo.control.close()
         await memo.api.close()
 
@@ -140,7 +145,7 @@ def register(registry: kopf.OperatorRegistry, operator_config: OperatorConfig) -
             recommendations=memo.recommendations,
         )
         # kopf passes timers `stopped`, though its TimerFn protocol does not declare it.
-        await _unless_deleted(passing, kwargs["stopped"])
+        await _unless_deleted(memo.passes.start(passing), kwargs["stopped"])
 
     @kopf.on.delete(GROUP, VERSION, PLURAL, registry=registry)
     async def forget(name: str, memo: Any, logger: kopf.Logger, **_: Any) -> None:
@@ -153,11 +158,37 @@ def register(registry: kopf.OperatorRegistry, operator_config: OperatorConfig) -
         logger.info("cleared %d control-plane keys of pool %s", removed, name)
 
 
-async def _unless_deleted(work: Coroutine[Any, Any, None], stopped: kopf.DaemonStopped) -> None:
+class StatusPasses:
+    """The status passes running now. When the operator stops, kopf abandons a timer that
+    does not exit at once (timers get no cancellation timeout), and then runs the cleanup
+    that closes the Redis connections: the cleanup first lets the passes still running
+    finish (or cancels them after a grace), else one would open a connection after the
+    close and leave it open when the event loop ends."""
+
+    def __init__(self) -> None:
+        self._running: set[asyncio.Task[None]] = set()
+
+    def start(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        task = asyncio.ensure_future(work)
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
+        return task
+
+    async def settle(self, grace_s: float) -> None:
+        """Wait up to `grace_s` for the running passes, then cancel what is left."""
+        if not self._running:
+            return
+        _, late = await asyncio.wait(set(self._running), timeout=grace_s)
+        for task in late:
+            task.cancel()
+        if late:
+            await asyncio.wait(late)
+
+
+async def _unless_deleted(task: asyncio.Task[None], stopped: kopf.DaemonStopped) -> None:
     """Run a status pass, abandoning it if the pool is deleted meanwhile. kopf lets a
     pool go only once its timer has exited, and re-runs the delete handlers while it
     waits: a pass held up by a slow Redis or API server must not hold the deletion."""
-    task = asyncio.ensure_future(work)
     stop = asyncio.ensure_future(stopped.wait())
     try:
         await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)

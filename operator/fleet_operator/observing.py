@@ -71,7 +71,7 @@ async def observe(
         with kubernetes_errors("writing the pool's status"):
             await write_status(api, namespace, name, changes)
         return
-    rejected = rejection(previous, generation)
+    rejected = rejection(status, generation)
     live = await read_deployment(api, pool)
     if live is None and status.get("observedGeneration") is not None and not rejected:
         # Rendered once, gone now (deleted by hand, or lost): render the children again.

@@ -16,7 +16,7 @@ from fleet_operator.applying import Applied, apply, read_manifest, write_status
 from fleet_operator.config import OperatorConfig
 from fleet_operator.rendering import render_children
 from fleet_operator.spec import InvalidPoolError, Pool, parse_pool
-from fleet_operator.status import Observed, build_status
+from fleet_operator.status import Observed, build_status, rejection_status
 
 SERVICEMONITOR_CRD = "servicemonitors.monitoring.coreos.com"
 
@@ -120,13 +120,16 @@ async def reconcile(
         # Recorded, not raised: kopf would retry a failure, and only a spec change can fix
         # this one (the update handler then runs again). Degraded keeps it until then.
         seen = Observed(generation=generation, rejected=str(exc))
+        changes = build_status(seen, previous, now_iso()) | rejection_status(str(exc), generation)
         with kubernetes_errors("writing the pool's status"):
-            await write_status(api, namespace, name, build_status(seen, previous, now_iso()))
+            await write_status(api, namespace, name, changes)
         logger.error(str(exc))
         kopf.warn(body, reason="ChildRejected", message=str(exc))
         return
     with kubernetes_errors("writing the pool's status"):
-        await write_status(api, namespace, name, {"observedGeneration": generation})
+        await write_status(
+            api, namespace, name, {"observedGeneration": generation, "rejection": None}
+        )
 
 
 async def read_deployment(api: ApiClient, pool: Pool) -> dict[str, Any] | None:

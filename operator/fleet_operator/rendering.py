@@ -58,7 +58,7 @@ from kubernetes_asyncio.client import (
 )
 from kubernetes_asyncio.client import V1Affinity as Affinity
 
-from controlplane.contract import encode_json
+from controlplane.contract import Role, encode_json
 from fleet_operator.config import OperatorConfig
 from fleet_operator.spec import Pool
 
@@ -176,15 +176,21 @@ def _engine_security(pool: Pool, uid: int) -> V1SecurityContext:
 
 
 def engine_args(pool: Pool) -> list[str]:
-    """SGLang launch flags derived from the spec (`python -m sglang.launch_server --help`)."""
+    """SGLang launch flags derived from the spec (`python -m sglang.launch_server --help`).
+
+    A P/D pool's engines serve their half (`--disaggregation-mode`, the transfer backend,
+    a prefill engine's bootstrap port) and listen on the pod's address: decode engines
+    reach a prefill engine's bootstrap server, which SGLang binds on `--host`, and the
+    transfer backend's ports. A mixed engine listens on loopback, behind its sidecar."""
     spec = pool.spec
+    role = spec.role
     args = [
         "--model-path",
         spec.model.path,
         "--served-model-name",
         spec.model.served,
         "--host",
-        "127.0.0.1",
+        "127.0.0.1" if role is Role.MIXED else "0.0.0.0",
         "--port",
         str(spec.engine.port),
         "--context-length",
@@ -204,6 +210,11 @@ def engine_args(pool: Pool) -> list[str]:
         args += ["--enable-priority-scheduling", "--schedule-policy", "fcfs"]
     if spec.engine.mem_fraction_static > 0:
         args += ["--mem-fraction-static", str(spec.engine.mem_fraction_static)]
+    if role is not Role.MIXED:
+        args += ["--disaggregation-mode", role.value,
+                 "--disaggregation-transfer-backend", spec.engine.transfer_backend]  # fmt: skip
+    if role is Role.PREFILL:
+        args += ["--disaggregation-bootstrap-port", str(spec.engine.bootstrap_port)]
     return [*args, *spec.engine.extra_args]
 
 
@@ -316,11 +327,17 @@ def render_deployment(pool: Pool, replicas: int, config: OperatorConfig) -> dict
                 ),
             )
         )
+    bootstrap = (
+        [V1ContainerPort(name="bootstrap", container_port=spec.engine.bootstrap_port)]
+        if spec.role is Role.PREFILL
+        else None
+    )
     engine = V1Container(
         name="engine",
         image=spec.engine.image,
         command=["python3", "-m", "sglang.launch_server"],
         args=engine_args(pool),
+        ports=bootstrap,
         env=engine_env or None,
         resources=_resources(spec.engine.resources, gpus=spec.engine.tensor_parallel),
         volume_mounts=engine_mounts,

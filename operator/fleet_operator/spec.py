@@ -49,6 +49,10 @@ _CAMEL = re.compile(r"(?<!^)(?=[A-Z])")
 _OPAQUE = frozenset({"resources"})
 
 
+# SGLang's KV transfer backends for P/D pools (`fake` is a decode-only benchmark harness).
+TRANSFER_BACKENDS = ("mooncake", "mooncake_tcp", "nixl", "ascend", "mori")
+
+
 class InvalidPoolError(ValueError):
     """The spec cannot be served; the message says which field and why."""
 
@@ -86,6 +90,10 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     run_as_user: int | None = None
     # Added to a container that otherwise drops every capability (e.g. IPC_LOCK for RDMA).
     add_capabilities: tuple[str, ...] = ()
+    # P/D pools (spec.role prefill or decode): SGLang's --disaggregation-bootstrap-port of
+    # a prefill pool's engines, and --disaggregation-transfer-backend of both pools.
+    bootstrap_port: int = 8998
+    transfer_backend: str = "mooncake"
 
 
 class SidecarSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -188,6 +196,13 @@ def _check(spec: PoolSpec) -> None:
         problems.append("a prefill pool must name its decode pool (spec.decodePool)")
     if spec.role is not Role.PREFILL and spec.decode_pool:
         problems.append("only a prefill pool names a decode pool")
+    if spec.engine.bootstrap_port in (spec.engine.port, spec.sidecar.port):
+        problems.append("engine.bootstrapPort must differ from engine.port and sidecar.port")
+    if spec.engine.transfer_backend not in TRANSFER_BACKENDS:
+        problems.append(
+            f"engine.transferBackend must be one of {', '.join(TRANSFER_BACKENDS)}, got "
+            f"{spec.engine.transfer_backend!r}"
+        )
     if spec.kv.page_size < 1:
         problems.append("kv.pageSize must be at least 1")
     problems += [

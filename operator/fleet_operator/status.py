@@ -131,17 +131,20 @@ def _degraded(seen: Observed) -> tuple[bool, str, str]:
     return False, "AsExpected", ""
 
 
-def rejection(conditions: Sequence[Mapping[str, Any]], generation: int) -> str:
-    """The child refusal recorded for this generation (a spec change clears it)."""
-    for c in conditions:
-        if (
-            c.get("type") == DEGRADED
-            and c.get("reason") == CHILD_REJECTED
-            and c.get("status") == "True"
-            and c.get("observedGeneration") == generation
-        ):
-            return str(c.get("message") or "")
+def rejection(status: Mapping[str, Any], generation: int) -> str:
+    """The child refusal recorded for this generation (a spec change clears it). It lives in
+    `status.rejection`, apart from the conditions: a status pass that read the pool just
+    before the refusal was written replaces the whole conditions list (a merge patch
+    replaces lists), and must not erase the refusal with it."""
+    recorded = status.get("rejection") or {}
+    if recorded.get("observedGeneration") == generation:
+        return str(recorded.get("message") or "")
     return ""
+
+
+def rejection_status(message: str, generation: int) -> dict[str, Any]:
+    """The status fields that record a child refusal of this generation."""
+    return {"rejection": {"observedGeneration": generation, "message": message}}
 
 
 def build_status(

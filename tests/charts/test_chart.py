@@ -30,7 +30,7 @@ def values_id(path: Path) -> str:
 
 @cache
 def helm() -> str:
-    """The helm binary that scripts/k8s_tools.py extracts (see TESTING.md)."""
+    """The helm binary that scripts/k8s_tools.py extracts (docs/testing.md, the kube tier)."""
     out = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "k8s_tools.py")],
         capture_output=True,
@@ -332,6 +332,7 @@ TO_REDIS = {
     ],
     "ports": [{"port": 6379, "protocol": "TCP"}],
 }
+PEERS = {"podSelector": {"matchLabels": ENGINES}}  # the engine pods of the same namespace
 TO_DNS = {
     "to": [
         {
@@ -378,6 +379,7 @@ def test_by_default_the_policies_restrict_ingress_only() -> None:
                         "matchLabels": {"kubernetes.io/metadata.name": "monitoring"}
                     }
                 },
+                PEERS,  # relief's reservations, sidecar to sidecar
             ]
         }
     ]
@@ -393,8 +395,9 @@ def test_by_default_the_policies_restrict_ingress_only() -> None:
 
 
 def test_production_policies_restrict_egress_to_redis_dns_and_the_engines() -> None:
-    """Engine pods in every namespace where pools run: in from the release's routers and
-    monitoring, out to Redis, DNS and the one rule the values add. Routers: out to engines,
+    """Engine pods in every namespace where pools run: in from the release's routers,
+    monitoring and their peers, out to their peers, Redis, DNS and the one rule the values
+    add. Routers: out to engines,
     Redis and DNS. Redis: out to nothing."""
     found = network_policies(rendered(Path(__file__).parent / "values-production.yaml"))
     pool_namespaces = ["weir", "inference", "batch"]
@@ -415,7 +418,8 @@ def test_production_policies_restrict_egress_to_redis_dns_and_the_engines() -> N
         assert engines["policyTypes"] == ["Ingress", "Egress"]
         assert engines["podSelector"] == {"matchLabels": ENGINES}
         assert engines["ingress"][0]["from"][0] == ROUTERS_OF_THE_RELEASE
-        assert engines["egress"] == [TO_REDIS, TO_DNS, hub]
+        assert engines["ingress"][0]["from"][-1] == PEERS
+        assert engines["egress"] == [{"to": [PEERS]}, TO_REDIS, TO_DNS, hub]
     router = found["weir", "weir-router"]
     assert router["policyTypes"] == ["Ingress", "Egress"]
     assert router["egress"] == [{"to": [where]}, TO_REDIS, TO_DNS]
@@ -443,7 +447,7 @@ def test_restricted_egress_to_an_external_redis_needs_its_rules() -> None:
     assert given.returncode == 0, given.stderr
     found = network_policies([d for d in yaml.safe_load_all(given.stdout) if d])
     assert ("weir", "weir-redis") not in found
-    assert found["weir", "weir-engines"]["egress"] == [rule, TO_DNS]
+    assert found["weir", "weir-engines"]["egress"] == [{"to": [PEERS]}, rule, TO_DNS]
     assert found["weir", "weir-router"]["egress"][1:] == [rule, TO_DNS]
 
 

@@ -14,11 +14,12 @@ import asyncio
 import heapq
 import itertools
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Any
 
 from controlplane.contract import (
+    Continuation,
     EndpointState,
     EngineAPI,
     FinishReason,
@@ -27,6 +28,7 @@ from controlplane.contract import (
     Role,
     RoutingPolicy,
     WatermarkState,
+    encode_json,
 )
 from controlplane.gateway import ClientRequest, Gateway, GatewayConfig, GatewayError, PoolView
 from controlplane.gateway.app import REPORT_LAG_S, _Exchange
@@ -34,6 +36,7 @@ from controlplane.ownership import Membership, OwnershipRing
 from controlplane.routing import (
     Dispatcher,
     EndpointView,
+    Placed,
     Refusal,
     RouteRequest,
     default_config,
@@ -49,6 +52,7 @@ from fleetsim.workloads import RequestSpec
 ENDPOINTS = 3
 LEASE_S = 2.0  # each report renews the endpoint's lease this long
 FAILED_AFTER = 10  # tokens streamed when an engine fails
+TARGET = "engine-2"  # where a migration's sidecar took room for it
 POLICY = PoolPolicy(
     pool="p",
     model=MODEL,
@@ -86,11 +90,13 @@ class Finish:
 
 @dataclass(frozen=True)
 class Preempt:
-    """The endpoint migrated the stream away after `generated` tokens."""
+    """The endpoint migrated the stream away after `generated` tokens (to `target`, which
+    holds room for it, when its relief took some)."""
 
     at: float
     rid: str
     generated: int
+    target: str = ""
 
 
 @dataclass(frozen=True)
@@ -114,6 +120,7 @@ SCRIPT: tuple[Event, ...] = (
     Arrive(0.1, "a1"),
     Arrive(0.2, "b1", tenant="b"),
     Arrive(0.3, "a2", priority=1),
+    Preempt(0.35, "b1", generated=3, target=TARGET),  # not where routing would send it
     # Every endpoint saturated: new work waits, fairest first, in a bounded queue.
     *(Report(1.0 + i / 100, i, WatermarkState.CRITICAL, running=2) for i in range(ENDPOINTS)),
     Arrive(1.1, "a3"),
@@ -204,11 +211,13 @@ class _Recorded(WeirPolicy):
 
     def _offer(self, sidecar: Sidecar, flight: Flight, now: float) -> None:
         self.decisions.append((now, flight.rid, sidecar.endpoint_id))
+        flight.target = ""  # the sidecar would take (or ignore) the room held for it
 
-    def _placed(self, role: Role, flight: Flight, endpoint_id: str) -> None:
+    def _placed(self, role: Role, flight: Flight, placed: Placed[Flight]) -> None:
+        endpoint_id = placed.endpoint_id
         if not self.sim.engines[int(endpoint_id.rsplit("-", 1)[1])].alive:
             self.decisions.append((self.sim.now, flight.rid, f"refused by {endpoint_id}"))
-        super()._placed(role, flight, endpoint_id)
+        super()._placed(role, flight, placed)
 
     def _refused(self, flight: Flight, refusal: Refusal, now: float) -> None:
         self.decisions.append((now, flight.rid, refusal.reason))
@@ -256,6 +265,7 @@ def _simulated(script: tuple[Event, ...]) -> tuple[Decisions, dict[str, RouteReq
         elif isinstance(event, Preempt):
             flight = flights[event.rid]
             flight.output_ids = [7] * event.generated
+            flight.target = event.target
             weir._hand_back(flight, now, broken=False)
         elif isinstance(event, Fail):
             sim.engines[event.endpoint].alive = False
@@ -318,6 +328,13 @@ class _Live:
         self.now = until
 
 
+def _continuation(event: Preempt) -> Continuation:
+    return Continuation(
+        request_id=event.rid, model=MODEL, api=EngineAPI.GENERATE, max_new_tokens=100,
+        generated_tokens=event.generated, target=event.target, reservation="held-1",
+    )  # fmt: skip
+
+
 def _exchange(route: RouteRequest) -> _Exchange:
     client = ClientRequest(
         api=EngineAPI.GENERATE, model=MODEL, body={}, stream=True, prompt_text="",
@@ -351,6 +368,8 @@ async def _live(script: tuple[Event, ...], routes: dict[str, RouteRequest]) -> D
         elif isinstance(event, Preempt):
             ex = exchanges[event.rid]
             ex.splicer.seg_tokens = event.generated
+            # The sidecar's continuation, as the relay hands it over: it names the target.
+            ex.continuation = encode_json(_continuation(event)) if event.target else b""
             live.follow(ex, gateway._redispatch(ex, "preempted"))
         elif isinstance(event, Fail):
             endpoint = f"engine-{event.endpoint}"
@@ -386,3 +405,8 @@ async def test_the_simulator_dispatches_as_the_live_router_does() -> None:
     assert len(a1) == 3
     assert a1[1] != a1[0]
     assert all(what != "engine-2" for at, _, what in live if at >= 3.5)
+    # A migration resumes where its room is held: routing alone would pick another.
+    b1 = [what for _, rid, what in live if rid == "b1"]
+    assert b1 == ["engine-1", TARGET]
+    untargeted = tuple(replace(e, target="") if isinstance(e, Preempt) else e for e in SCRIPT)
+    assert [what for _, rid, what in _simulated(untargeted)[0] if rid == "b1"][1] != TARGET

@@ -1,11 +1,13 @@
 """The simulator runs the sidecar's shipped admission discipline: one scripted sequence of
-arrivals (new, resumed, too large, over a full queue) and endings, fed to the live
-ledger (its clock injected) and to the simulator's sidecar glue, gives the same
-decisions in the same order (`AdmissionQueue`)."""
+arrivals (new, resumed, too large, over a full queue), room held for a migration and
+endings, fed to the live ledger (its clock injected) and to the simulator's sidecar glue,
+gives the same decisions in the same order (`AdmissionQueue`, `Reservations`,
+`queued_request`)."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from controlplane.contract import (
@@ -13,12 +15,22 @@ from controlplane.contract import (
     FinishReason,
     KVPolicy,
     PoolPolicy,
+    RoutingPolicy,
     SchedulingPolicy,
 )
 from engine_sidecar.intake import Limits, parse
 from engine_sidecar.ledger import Flight as LiveFlight
 from engine_sidecar.ledger import Ledger, OverloadError
-from engine_sidecar.policy import RequestRecord, RequestState
+from engine_sidecar.policy import (
+    RESERVATION_TTL_S,
+    QueuedRequest,
+    RequestRecord,
+    RequestState,
+    Rung,
+    TargetRooms,
+    VictimChoice,
+    VictimScore,
+)
 from fleetsim.sim.flight import Flight, Stage
 from fleetsim.sim.gate import RouterGate
 from fleetsim.sim.weir import Sidecar, WeirPolicy
@@ -30,6 +42,7 @@ POLICY = PoolPolicy(
     model="m",
     kv=KVPolicy(growth_horizon_steps=16),
     scheduling=SchedulingPolicy(local_queue_size=3, local_queue_max_wait_s=30.0),
+    routing=RoutingPolicy(resume_wait_s=30.0),  # how long a resume may wait, here too
 )
 
 
@@ -41,12 +54,23 @@ class Arrive:
     priority: int = 0
     resumed: int = 0  # tokens it generated elsewhere before (a continuation)
     max_new: int = 400
+    held: bool = False  # room was held here for it (a migration's reservation)
+    first_arrival: float | None = None  # a continuation's client arrived then
 
 
 @dataclass(frozen=True)
 class End:
     at: float
     rid: str
+
+
+@dataclass(frozen=True)
+class Hold:
+    """Another sidecar's relief asks this one to hold room for `rid`'s continuation."""
+
+    at: float
+    rid: str
+    tokens: int
 
 
 SCRIPT = (
@@ -63,10 +87,21 @@ SCRIPT = (
     End(6.0, "b"),
     End(7.0, "e"),
     End(8.0, "g"),
+    # c, d, f hold 510 + 48 of growth: 392 free. Room held for m leaves 92.
+    Hold(10.0, "m", 300),
+    Arrive(11.0, "m", 250, resumed=40, held=True),  # takes its room at once
+    # Handed back long after its client arrived: it waits the pool's resume wait (30 s)
+    # from now, not from then.
+    Arrive(11.5, "k", 300, resumed=10, first_arrival=-500.0),
+    Arrive(12.0, "n", 50),  # waits behind k, which holds the line
+    End(41.6, "c"),  # k's wait ended at 41.5; n's has not: n goes in
 )
 
 
-async def _live(script: tuple[Arrive | End, ...]) -> list[tuple[str, str]]:
+Event = Arrive | End | Hold
+
+
+async def _live(script: tuple[Event, ...]) -> list[tuple[str, str]]:
     now = [0.0]
     decisions: list[tuple[str, str]] = []
 
@@ -75,15 +110,21 @@ async def _live(script: tuple[Arrive | End, ...]) -> list[tuple[str, str]]:
             decisions.append(("admit", flight.rid))
             super()._commit(flight)
 
+        def _wait_over(self, queued: QueuedRequest, waiter: asyncio.Future[None]) -> None:
+            decisions.append(("refuse", queued.rid))  # when decided, not when its task ran
+            super()._wait_over(queued, waiter)
+
     ledger = Recorded(POLICY, CAPACITY, clock=lambda: now[0])
     flights: dict[str, LiveFlight] = {}
+    held: dict[str, str] = {}
     waiters = []
 
     async def admit(flight: LiveFlight) -> None:
         try:
             await ledger.admit(flight)
-        except OverloadError:
-            decisions.append(("refuse", flight.rid))
+        except OverloadError as exc:
+            if exc.reason != "queue_timeout":  # recorded when its wait ended
+                decisions.append(("refuse", flight.rid))
 
     for event in script:
         now[0] = event.at
@@ -100,10 +141,15 @@ async def _live(script: tuple[Arrive | End, ...]) -> list[tuple[str, str]]:
                 state_since=event.at, priority=event.priority,
             )  # fmt: skip
             flight = flights[event.rid] = LiveFlight(
-                intake, record, event.at, resumed=bool(event.resumed)
-            )
+                intake, record, event.at, resumed=bool(event.resumed),
+                reservation=held.get(event.rid, "") if event.held else "",
+            )  # fmt: skip
             ledger.add(flight)
             waiters.append(asyncio.create_task(admit(flight)))
+        elif isinstance(event, Hold):
+            reservation = ledger.reserve(event.rid, event.tokens, RESERVATION_TTL_S)
+            assert reservation is not None
+            held[event.rid] = reservation.reservation_id
         else:
             flight = flights[event.rid]
             ledger.move(flight, RequestState.PREFILL_RUNNING)
@@ -120,6 +166,9 @@ class _Slot:
     alive = True
 
 
+_SCORE = VictimScore(0, 0.0, 0, 0, 0, None, 0, False, 0.0)  # how it was chosen: no matter
+
+
 class _Sim:
     """The few calls the simulator's sidecar glue makes on its simulation."""
 
@@ -134,6 +183,12 @@ class _Sim:
         flight.stage = Stage.ENGINE
         return True
 
+    def heartbeat(self, sidecar: Sidecar, now: float) -> None:
+        """What the glue publishes has no bearing on its sidecar's own decisions."""
+
+    def at(self, when: float, action: Callable[[], None]) -> None:
+        """Timers (a reservation's expiry) are not needed: nothing expires here."""
+
     def end(self, flight: Flight, reason: FinishReason, now: float, detail: str = "") -> None:
         if reason is FinishReason.OVERLOAD:
             self.decisions.append(("refuse", flight.rid))
@@ -141,25 +196,44 @@ class _Sim:
         self.policy.ended(flight, now)
 
 
-def _simulated(script: tuple[Arrive | End, ...]) -> list[tuple[str, str]]:
-    weir = WeirPolicy(POLICY)
+class _Glue(WeirPolicy):
+    def _heartbeat(self, sidecar: Sidecar, now: float, registered: bool = False) -> None:
+        pass  # nothing routes here: what is published does not matter
+
+    def _wait_over(self, flight: Flight, now: float) -> None:
+        # The sidecar refuses it; where it goes next (its client, or back to its router)
+        # is the router's side, which tests/fleetsim/test_dispatch_parity.py holds.
+        self.sim.end(flight, FinishReason.OVERLOAD, now, "waited as long as it may")
+
+
+def _simulated(script: tuple[Event, ...]) -> list[tuple[str, str]]:
+    weir = _Glue(POLICY)
     sim = _Sim(weir)
     weir._sim = sim  # type: ignore[assignment]
     weir._gate = RouterGate(POLICY, kv_bytes_per_token=1, credits=False)
     sidecar = Sidecar(0, "engine-0", CAPACITY, POLICY, lambda: sim.now)
     weir.sidecars = [sidecar]
     flights: dict[str, Flight] = {}
+    held: dict[str, str] = {}
     for event in script:
         sim.now = event.at
         if isinstance(event, Arrive):
+            arrival = event.at if event.first_arrival is None else event.first_arrival
             spec = RequestSpec(
-                request_id=event.rid, arrival_s=event.at, tenant="t", priority=event.priority,
+                request_id=event.rid, arrival_s=arrival, tenant="t", priority=event.priority,
                 input_tokens=event.prompt, output_tokens=event.max_new,
                 max_tokens=event.max_new,
                 block_ids=tuple(range(-(-event.prompt // BLOCK_TOKENS))),
             )  # fmt: skip
             flight = flights[event.rid] = Flight(spec, output_ids=[7] * event.resumed)
+            if event.held:
+                flight.target, flight.reservation = sidecar.endpoint_id, held[event.rid]
             weir._offer(sidecar, flight, event.at)
+        elif isinstance(event, Hold):
+            migration = VictimChoice(event.rid, Rung.MIGRATE, _SCORE, "engine-0", event.tokens)
+            taken = weir._reserve_target(migration, TargetRooms({"engine-0": CAPACITY}), event.at)
+            assert taken is not None
+            held[event.rid] = taken[1]
         else:
             flight = flights[event.rid]
             flight.stage, flight.reason = Stage.DONE, FinishReason.CANCELLED
@@ -172,8 +246,10 @@ async def test_the_simulator_admits_as_the_live_sidecar_does() -> None:
     live = await _live(SCRIPT)
     assert live == _simulated(SCRIPT)
     # The script exercises what it claims to: both refusals, a short request passing a
-    # long one that had not waited long, the class order, and a resume holding the line.
+    # long one that had not waited long, the class order, a resume holding the line, a
+    # continuation taking the room held for it, and one whose wait ran out.
     assert ("refuse", "i") in live
     assert ("refuse", "h") in live
+    assert ("refuse", "k") in live
     admitted = [rid for verdict, rid in live if verdict == "admit"]
-    assert admitted == ["a", "b", "d", "e", "c", "g", "f"]
+    assert admitted == ["a", "b", "d", "e", "c", "g", "f", "m", "n"]

@@ -44,12 +44,72 @@ def test_bench_fleet_writes_the_report_and_prints_one_json(
     assert (out / "ttft_cdf.png").stat().st_size > 0
 
 
+def test_bench_fleet_finds_capacities_at_slo_reusing_the_matrix_load(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "report"
+    argv = [
+        "bench",
+        "fleet",
+        "--scenario",
+        "short_short",
+        "--engines",
+        "2",
+        "--duration",
+        "3",
+        "--drain",
+        "30",
+        "--sweep",
+        "",
+        "--policies",
+        "round_robin,weir,oracle",
+        "--jobs",
+        "2",
+        "--capacity",
+        "--capacity-tolerance",
+        "0.5",
+        "--out",
+        str(out),
+        "--json",
+    ]
+    assert main(argv) == 0
+    printed = json.loads(capsys.readouterr().out)
+    names = [f["name"] for f in printed["figures"]]
+    assert "short_short: capacity at SLO vs best baseline" in names
+    assert "short_short: Weir capacity / oracle" in names
+    speed = next(f for f in printed["figures"] if f["name"] == "simulated requests per CPU-second")
+    assert speed["value"] > 0
+    document = json.loads((out / "report.json").read_text())
+    curves = {c["policy"]: c for c in document["capacity_curves"]}
+    assert set(curves) == {"round_robin", "weir", "oracle"}
+    matrix = {c["policy"]: c for c in document["cells"]}
+    for policy, curve in curves.items():
+        loads = [p["load"] for p in curve["probes"]]
+        assert loads == sorted(loads)
+        assert len(loads) >= 2
+        # The matrix's own load is the search's first probe, not run a second time.
+        (at_one,) = (p for p in curve["probes"] if p["load"] == 1.0)
+        assert at_one["offered"] == matrix[policy]["offered"]
+        assert at_one["slo_attainment"] == matrix[policy]["slo_attainment"]
+        met = [p for p in curve["probes"] if p["slo_attainment"] >= 0.9]
+        assert curve["capacity"] == max((p["load"] for p in met), default=0.0)
+    (row,) = document["capacity"]
+    assert row["best_baseline"] == "round_robin"
+    assert row["policies"]["oracle"]["oracle_fraction"] == 1.0
+    text = (out / "report.md").read_text()
+    assert "## Capacity at SLO" in text
+    assert (out / "attainment_vs_load.png").stat().st_size > 0
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
         (["--policies", "nope"], "unknown policies"),
         (["--scenario", "nope"], "unknown scenario"),
         (["--engines", "0"], "must be positive"),
+        (["--capacity-tolerance", "0"], "must be positive"),
+        (["--capacity-target", "1.5"], "capacity-target"),
+        (["--capacity", "--trace", "t.jsonl"], "a trace's is its --speedup"),
     ],
 )
 def test_bench_fleet_refuses_bad_arguments(extra: list[str], message: str, tmp_path: Path) -> None:

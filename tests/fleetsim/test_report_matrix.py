@@ -15,11 +15,10 @@ from fleetsim.report import (
     markdown_document,
     quantiles,
     run_cells,
-    saturation,
     sweep_plot,
     ttft_cdf_plot,
 )
-from fleetsim.report.metrics import is_lost, is_rejected, meets_slo
+from fleetsim.report.metrics import is_lost, is_rejected, meets_slo, slo_verdict
 from fleetsim.sim import SLO, Flight, Stage
 from fleetsim.workloads import BLOCK_TOKENS, RequestSpec
 
@@ -73,6 +72,28 @@ def test_slo_needs_every_objective() -> None:
     assert not meets_slo(_flight(reason=FinishReason.ERROR, first_token_at=0.1), slo)
 
 
+def test_a_request_withdrawn_or_open_within_its_objectives_is_not_judged() -> None:
+    slo = SLO(ttft_s=1.0, ttft_per_1k_input_s=0.0, tpot_s=0.1)
+    ids = [65] * 10
+    streaming = {"first_token_at": 0.5, "last_token_at": 1.4, "output_ids": ids}
+    # Cancelled while streaming on pace (10 tokens by 1.5 s: 1 s + 10 x 0.1 s allowed).
+    on_pace = _flight(reason=FinishReason.CANCELLED, finished_at=1.5, **streaming)
+    assert slo_verdict(on_pace, slo, end_s=100.0) is None
+    # Cancelled after stalling: 10 tokens by 2.5 s is slower than the objective.
+    stalled = _flight(reason=FinishReason.CANCELLED, finished_at=2.5, **streaming)
+    assert slo_verdict(stalled, slo, end_s=100.0) is False
+    # Its deadline passed before the first token was due / after it was due.
+    assert slo_verdict(_flight(reason=FinishReason.DEADLINE, finished_at=0.9), slo, 9.0) is None
+    assert slo_verdict(_flight(reason=FinishReason.DEADLINE, finished_at=1.2), slo, 9.0) is False
+    # Still running when the run stopped: judged at the end like a withdrawal.
+    assert slo_verdict(_flight(**streaming), slo, end_s=1.5) is None
+    assert slo_verdict(_flight(**streaming), slo, end_s=30.0) is False
+    # Refusals and errors are misses; completions are judged on their SLOs.
+    assert slo_verdict(_flight(reason=FinishReason.OVERLOAD), slo, 9.0) is False
+    done = _flight(reason=FinishReason.STOP, finished_at=1.4, **streaming)
+    assert slo_verdict(done, slo, 9.0) is True
+
+
 def test_a_small_matrix_writes_goals_markdown_json_and_plots(tmp_path: Path) -> None:
     specs = [
         CellSpec("few_long_many_short", p, load, 0, 2, 4.0)
@@ -88,13 +109,14 @@ def test_a_small_matrix_writes_goals_markdown_json_and_plots(tmp_path: Path) -> 
         ("few_long_many_short", 1.0),
     ]
     assert all(r["goodput_best_baseline"] == "least_outstanding" for r in rows)
-    points = saturation(cells)
-    assert set(points) == {"least_outstanding", "weir"}
 
-    text = markdown_document(cells[:2], rows, cells, points, {"engines": 2})
+    text = markdown_document(cells[:2], rows, cells, [], {"engines": 2})
     assert "## Goals" in text
     assert "| weir |" in text
     assert "## Load sweep" in text
+    assert "## Capacity at SLO" not in text  # no search was run
+    header = next(line for line in text.splitlines() if line.startswith("| policy | offered"))
+    assert "| goodput req/s | refused |" in header  # refusals beside goodput
     encoded = json.dumps(json_safe({"cells": [c.summary for c in cells], "x": math.nan}))
     assert json.loads(encoded)["x"] is None
 

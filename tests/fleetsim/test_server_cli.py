@@ -9,6 +9,8 @@ import subprocess
 import sys
 import urllib.request
 
+import pytest
+
 from weir.commands import engine as engine_command
 from weir.local.ports import free_port, wait_for_port
 
@@ -68,3 +70,20 @@ def test_weir_engine_takes_sglangs_hierarchical_cache_flags() -> None:
         "write_back",
     )
     assert not engine_command.config_from_args(parser.parse_args([])).enable_hierarchical_cache
+
+
+def test_weir_engine_takes_sglangs_disaggregation_flags() -> None:
+    parser = argparse.ArgumentParser()
+    engine_command.configure(parser)
+    flags = ["--disaggregation-mode", "decode", "--disaggregation-bootstrap-port", "9100",
+             "--disaggregation-transfer-backend", "nixl", "--num-reserved-decode-tokens", "64",
+             "--kv-link-bytes-per-s", "1e9"]  # fmt: skip
+    config = engine_command.config_from_args(parser.parse_args(flags))
+    assert (config.disaggregation_mode, config.disaggregation_bootstrap_port) == ("decode", 9100)
+    assert config.disaggregation_transfer_backend == "nixl"
+    assert (config.num_reserved_decode_tokens, config.kv_link_bytes_per_s) == (64, 1e9)
+    assert engine_command.config_from_args(parser.parse_args([])).disaggregation_mode == "null"
+    # As SGLang: the fake backend is a decode-only harness.
+    refused = ["--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "fake"]
+    with pytest.raises(ValueError, match="does not support 'fake'"):
+        engine_command.config_from_args(parser.parse_args(refused))

@@ -21,7 +21,7 @@ def _outcome(result_flights: list) -> list[tuple[str, str, float, float, int]]: 
     ]
 
 
-@pytest.mark.parametrize("name", ["least_outstanding", "weir"])
+@pytest.mark.parametrize("name", ["least_outstanding", "weir", "oracle"])
 def test_a_run_is_deterministic_for_a_seed(name: str) -> None:
     specs = scenario("few_long_many_short").with_duration(6.0).generate(12.0, seed=3)
     runs = [
@@ -53,6 +53,8 @@ def test_one_engine_light_load_every_policy_gives_the_same_latencies() -> None:
     }
     reference = outcomes.pop("round_robin")
     weir = outcomes.pop("weir")
+    # Alone on its engine a request gains nothing from knowing lengths or fresh views.
+    assert outcomes.pop("oracle") == weir
     assert all(r[1] == "stop" for r in reference)
     for name, outcome in outcomes.items():
         assert outcome == reference, name

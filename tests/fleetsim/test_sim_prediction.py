@@ -16,7 +16,7 @@ def test_published_tpot_follows_the_requests_that_finished() -> None:
     finished = [f.tpot_s for f in result.flights if f.completed and f.generated > 1]
     assert finished
     for sidecar in weir.sidecars:
-        published = weir._states[sidecar.index].predicted_tpot_s
+        published = weir._views[sidecar.index].state.predicted_tpot_s
         # The smoothed estimate moved off its 20 ms prior to the engines' real pace.
         assert published != pytest.approx(0.02)
         assert min(finished) * 0.5 <= published <= max(finished) * 1.5

@@ -31,7 +31,7 @@ POD_SECURITY = "pod-security.kubernetes.io/enforce"
 
 @cache
 def helm() -> str:
-    """The helm binary that scripts/k8s_tools.py extracts (see TESTING.md)."""
+    """The helm binary that scripts/k8s_tools.py extracts (docs/testing.md, the kube tier)."""
     out = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "k8s_tools.py")],
         capture_output=True,

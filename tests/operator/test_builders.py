@@ -37,7 +37,13 @@ from fleet_operator.scaling import (
     target_replicas,
 )
 from fleet_operator.spec import InvalidPoolError, ReplicaSpec, parse_pool
-from fleet_operator.status import DeploymentView, Observed, build_status
+from fleet_operator.status import (
+    DeploymentView,
+    Observed,
+    build_status,
+    rejection,
+    rejection_status,
+)
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml"))
 SPEC: dict[str, Any] = {
@@ -93,6 +99,8 @@ def test_spec_becomes_the_contracts_policy() -> None:
     ("m", {**SPEC, "engine": {"addCapabilities": ["CAP_IPC_LOCK"]}}, "without CAP_"),
     ("m", {**SPEC, "engine": {"addCapabilities": ["ALL"]}}, "addCapabilities"),
     ("m", {**SPEC, "engine": {"addCapabilities": ["ipc_lock"]}}, "addCapabilities"),
+    ("m", {**SPEC, "engine": {"bootstrapPort": 30000}}, "bootstrapPort must differ"),
+    ("m", {**SPEC, "engine": {"transferBackend": "fake"}}, "transferBackend must be one of"),
 ])  # fmt: skip
 def test_invalid_specs_name_the_problem(name: str, spec: dict[str, Any], message: str) -> None:
     with pytest.raises(InvalidPoolError, match=message):
@@ -115,6 +123,33 @@ def test_engine_flags_follow_the_spec() -> None:
     assert args[-2:] == ["--foo", "1"]
 
 
+def test_pd_pools_engines_serve_their_half_on_the_pods_address() -> None:
+    config = OperatorConfig()
+    engine = {**SPEC["engine"], "bootstrapPort": 9100, "transferBackend": "nixl"}
+    prefill = parse_pool("p", "ns", {**SPEC, "engine": engine, "role": "prefill",
+                                     "decodePool": "d"})  # fmt: skip
+    decode = parse_pool("d", "ns", {**SPEC, "engine": engine, "role": "decode"})
+    mixed = parse_pool("m", "ns", SPEC)
+    for pool, mode in ((prefill, "prefill"), (decode, "decode")):
+        args = engine_args(pool)
+        assert args[args.index("--disaggregation-mode") + 1] == mode
+        assert args[args.index("--disaggregation-transfer-backend") + 1] == "nixl"
+        # Decode engines reach a prefill engine's bootstrap server and transfer ports.
+        assert args[args.index("--host") + 1] == "0.0.0.0"
+        assert args[-2:] == ["--foo", "1"]  # extra args still win
+    p_args = engine_args(prefill)
+    assert p_args[p_args.index("--disaggregation-bootstrap-port") + 1] == "9100"
+    assert "--disaggregation-bootstrap-port" not in engine_args(decode)
+    assert "--disaggregation-mode" not in engine_args(mixed)
+    assert engine_args(mixed)[engine_args(mixed).index("--host") + 1] == "127.0.0.1"
+    ports = {
+        pool.name: _engine(render_deployment(pool, 1, config)).get("ports")
+        for pool in (prefill, decode)
+    }
+    assert ports == {"p": [{"name": "bootstrap", "containerPort": 9100}], "d": None}
+    assert prefill.policy.decode_pool == "d"
+
+
 def test_policy_change_changes_the_pod_template_hash() -> None:
     config = OperatorConfig()
     a = render_deployment(parse_pool("m", "ns", SPEC), 1, config)
@@ -127,6 +162,11 @@ def test_policy_change_changes_the_pod_template_hash() -> None:
 def _sidecar(deployment: dict[str, Any]) -> dict[str, Any]:
     containers = deployment["spec"]["template"]["spec"]["containers"]
     return cast(dict[str, Any], next(c for c in containers if c["name"] == "sidecar"))
+
+
+def _engine(deployment: dict[str, Any]) -> dict[str, Any]:
+    containers = deployment["spec"]["template"]["spec"]["containers"]
+    return cast(dict[str, Any], next(c for c in containers if c["name"] == "engine"))
 
 
 def test_sidecars_get_their_admin_token_from_a_mounted_secret() -> None:
@@ -371,6 +411,26 @@ def test_unreachable_control_plane_is_a_condition_not_an_error() -> None:
     assert conditions["ControlPlaneReachable"]["status"] == "False"
     assert conditions["ControlPlaneReachable"]["reason"] == "RedisUnavailable"
     assert conditions["Ready"]["reason"] == "EnginesNotReady"
+
+
+def test_a_child_refusal_outlives_a_status_pass_that_read_the_pool_before_it() -> None:
+    """The reconciler records a refusal while a status pass, started on the pool as it was,
+    writes its own conditions (a merge patch replaces the list): the next pass still finds
+    the refusal and keeps Degraded on it, until the spec's generation changes."""
+    stale = build_status(Observed(generation=3), [], "t")
+    refused = Observed(generation=3, rejected="requests over limits")
+    status = build_status(refused, [], "t") | rejection_status("requests over limits", 3)
+    # The stale pass lands last; its conditions (AsExpected) replace the list whole.
+    status |= stale
+    assert {c["type"]: c["reason"] for c in status["conditions"]}["Degraded"] == "AsExpected"
+    kept = rejection(status, 3)
+    assert kept == "requests over limits"
+    degraded = {c["type"]: c for c in build_status(Observed(generation=3, rejected=kept),
+                                                   status["conditions"], "t")["conditions"]}  # fmt: skip
+    assert (degraded["Degraded"]["status"], degraded["Degraded"]["reason"]) == (
+        "True", "ChildRejected",
+    )  # fmt: skip
+    assert rejection(status, 4) == ""
 
 
 def test_autoscaling_follows_the_worst_signal_with_stabilization() -> None:

@@ -124,6 +124,10 @@ INVALID = [
      "a capability name without CAP_, and not ALL"),
     ("lowercase-capability", pool(engine={"addCapabilities": ["ipc_lock"]}),
      "spec.engine.addCapabilities[0]"),
+    ("fake-transfer-backend", pool(engine={"transferBackend": "fake"}),
+     'spec.engine.transferBackend: Unsupported value: "fake"'),
+    ("bootstrap-on-the-engine-port", pool(engine={"bootstrapPort": 30000}),
+     "engine.bootstrapPort must differ from engine.port"),
 ]  # fmt: skip
 
 

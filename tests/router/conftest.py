@@ -22,6 +22,7 @@ from controlplane.gateway import (
 )
 from controlplane.store import EndpointRegistry, RedisSettings, connect
 from fleetsim.engine import EngineConfig
+from fleetsim.engine.config import DisaggregationMode
 from fleetsim.server import RunningEngine, serve_engine
 
 MODEL = "ref-model"
@@ -85,8 +86,17 @@ async def make_fleet(
     pool: str = POOL,
     keys: TenantKeys | None = None,
     role: Role = Role.MIXED,
+    engine: dict[str, object] | None = None,
     **gateway_config: object,
 ) -> AsyncIterator[Fleet]:
+    """`engines` reference engines, each its own endpoint of `pool` (no sidecars): P/D
+    pools' engines serve their half (`--disaggregation-mode` by `role`); `engine` changes
+    their launch config."""
+    modes: dict[Role, DisaggregationMode] = {Role.PREFILL: "prefill", Role.DECODE: "decode"}
+    launch = EngineConfig(
+        model=MODEL, max_total_tokens=200_000, speed_factor=speed_factor,
+        disaggregation_mode=modes.get(role, "null"), disaggregation_bootstrap_port=0,
+    ).replace(**(engine or {}))  # fmt: skip
     async with contextlib.AsyncExitStack() as stack:
         redis = connect(RedisSettings(url=redis_url, retries=1, command_timeout_s=2.0))
         stack.push_async_callback(redis.aclose)
@@ -94,20 +104,17 @@ async def make_fleet(
         running: dict[str, RunningEngine] = {}
         states: dict[str, EndpointState] = {}
         for i in range(engines):
-            engine = await stack.enter_async_context(
-                serve_engine(
-                    EngineConfig(model=MODEL, max_total_tokens=200_000, speed_factor=speed_factor)
-                )
-            )
+            served = await stack.enter_async_context(serve_engine(launch))
             endpoint_id = f"e{i}"
-            running[endpoint_id] = engine
+            running[endpoint_id] = served
             state = EndpointState(
                 pool=pool,
                 endpoint_id=endpoint_id,
-                address=engine.url,
+                address=served.url,
                 model=MODEL,
                 role=role,
-                kv_capacity_tokens=200_000,
+                bootstrap_port=served.server.bootstrap_port if role is Role.PREFILL else 0,
+                kv_capacity_tokens=launch.total_tokens,
             )
             states[endpoint_id] = await registry.register(state, ttl_s)
         config = GatewayConfig(

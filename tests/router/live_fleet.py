@@ -35,6 +35,38 @@ class LiveFleet:
     processes: dict[str, subprocess.Popen[bytes]]  # sidecars of their own, to be killed
     router: RunningGateway
     stack: contextlib.AsyncExitStack = field(repr=False)
+    redis_url: str = field(default="", repr=False)
+    policy: PoolPolicy | None = None
+    admin_token: str = field(default="", repr=False)
+
+    async def add(
+        self, endpoint_id: str, kv_tokens: int, speed_factor: float, *, process: Path | None = None
+    ) -> None:
+        """Another endpoint: a reference engine and its sidecar, in this process or (with
+        `process`, its working folder) as a `weir sidecar` process a test may kill."""
+        assert self.policy is not None
+        engine = self.engines[endpoint_id] = await self.stack.enter_async_context(
+            serve_engine(
+                EngineConfig(
+                    model=MODEL, max_total_tokens=kv_tokens, context_length=4096,
+                    speed_factor=speed_factor, seed=7,
+                )
+            )
+        )  # fmt: skip
+        if process is not None:
+            proc = sidecar_process(engine.url, self.redis_url, endpoint_id, self.policy, process)
+            self.processes[endpoint_id] = proc
+            self.stack.callback(reap, proc)
+            return
+        self.sidecars[endpoint_id] = await self.stack.enter_async_context(
+            serve_sidecar(
+                SidecarConfig(
+                    engine_url=engine.url, redis_url=self.redis_url, pool=POOL,
+                    endpoint_id=endpoint_id, policy=self.policy, heartbeat_s=0.2,
+                    lease_ttl_s=3.0, engine_poll_s=0.1, admin_token=self.admin_token,
+                )
+            )
+        )  # fmt: skip
 
 
 @contextlib.asynccontextmanager
@@ -47,50 +79,32 @@ async def live_fleet(
     workdir: Path | None = None,
     tenants: tuple[TenantQuota, ...] = (),
     admin_token: str = "",
+    speed_factor: float = 40.0,
+    resume_wait_s: float = 60.0,
 ) -> AsyncIterator[LiveFleet]:
     """`size` endpoints s0, s1, …; those named in `processes` run their sidecar as a
     `weir sidecar` process of its own (in `workdir`), which a test may SIGKILL. With
     `tenants`, the router enforces their quotas; `admin_token` guards router's and sidecars'
-    admin routes."""
+    admin routes; `resume_wait_s` bounds how long a resume waits, at the router or in a
+    sidecar's queue."""
     async with contextlib.AsyncExitStack() as stack:
-        engines, sidecars, procs = {}, {}, {}
         policy = PoolPolicy(
             pool=POOL, model=MODEL, context_length=4096, tenants=tenants,
-            routing=RoutingPolicy(queue_max_wait_s=60.0),
+            routing=RoutingPolicy(queue_max_wait_s=60.0, resume_wait_s=resume_wait_s),
         )  # fmt: skip
-        for i in range(size):
-            endpoint_id = f"s{i}"
-            engines[endpoint_id] = await stack.enter_async_context(
-                serve_engine(
-                    EngineConfig(
-                        model=MODEL, max_total_tokens=kv_tokens, context_length=4096,
-                        speed_factor=40.0, seed=7,
-                    )
-                )
-            )  # fmt: skip
-            if endpoint_id in processes:
-                assert workdir is not None
-                procs[endpoint_id] = sidecar_process(
-                    engines[endpoint_id].url, redis_url, endpoint_id, policy, workdir
-                )
-                stack.callback(reap, procs[endpoint_id])
-                continue
-            sidecars[endpoint_id] = await stack.enter_async_context(
-                serve_sidecar(
-                    SidecarConfig(
-                        engine_url=engines[endpoint_id].url, redis_url=redis_url, pool=POOL,
-                        endpoint_id=endpoint_id, policy=policy, heartbeat_s=0.2,
-                        lease_ttl_s=3.0, engine_poll_s=0.1, admin_token=admin_token,
-                    )
-                )
-            )  # fmt: skip
         router = await serve_gateway(
             GatewayConfig.from_policy(policy, admin_token=admin_token), redis_url=redis_url
         )
         stack.push_async_callback(router.close)
+        fleet = LiveFleet({}, {}, {}, router, stack, redis_url, policy, admin_token)
+        for i in range(size):
+            endpoint_id = f"s{i}"
+            process = workdir if endpoint_id in processes else None
+            assert process is not None or endpoint_id not in processes
+            await fleet.add(endpoint_id, kv_tokens, speed_factor, process=process)
         view = router.gateway.view
         await until(lambda: len(view.snapshot.endpoints) == size, "every sidecar registered")
-        yield LiveFleet(engines, sidecars, procs, router, stack)
+        yield fleet
 
 
 def sidecar_process(

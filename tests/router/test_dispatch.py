@@ -9,6 +9,7 @@ from controlplane.routing import (
     Dispatcher,
     Placed,
     PoolSnapshot,
+    PrefixIndex,
     Refused,
     RouteRequest,
     default_config,
@@ -177,6 +178,27 @@ def test_an_endpoint_that_migrated_or_refused_a_resume_is_avoided_a_backoff() ->
     assert _outcomes(core.pump(3.0, two)) == [("p", "e1")]
 
 
+def test_a_migration_resumes_first_where_its_room_is_held() -> None:
+    """The sidecar that migrated it took room at a target: the resume goes there, over
+    the endpoint routing would pick (its owner) and over a target's saturation (the held
+    room is counted in what it published). A preference, tried once: a target that
+    refuses, is gone or is draining leaves the resume to the usual decision."""
+    core: Dispatcher[str] = Dispatcher(PROFILE, RoutingPolicy())
+    snapshot = _snapshot(e0=NORMAL, e1=NORMAL, e2=CRITICAL)
+    placed = core.arrive(_route("r1", owners=("e1", "e0")), "p", 0.0, snapshot)
+    assert _outcomes(placed) == [("p", "e1")]
+    assert _outcomes(core.handed_back("r1", 5, 1.0, snapshot, broken=False, target="e2")) == [
+        ("p", "e2")
+    ]
+    # It refused after all (its room expired, say): avoided, and decided as usual.
+    assert _outcomes(core.refused("r1", 1.01, snapshot)) == [("p", "e0")]  # e1: just left
+    for gone in (_snapshot(e0=NORMAL, e1=NORMAL), _snapshot(e0=NORMAL, e1=NORMAL, e2=DRAINING)):
+        core.finished("r1", 5, 3.0, gone)
+        core.arrive(_route("r1", owners=("e1", "e0")), "p", 3.0, gone)
+        handed = core.handed_back("r1", 5, 4.0, gone, broken=False, target="e2")
+        assert _outcomes(handed) == [("p", "e0")]  # e1 migrated it: avoided a while
+
+
 def test_a_resume_goes_ahead_of_new_work_of_its_class_when_room_returns() -> None:
     core: Dispatcher[str] = Dispatcher(PROFILE, RoutingPolicy())
     snapshot = _snapshot(e0=NORMAL, e1=NORMAL, e2=NORMAL)
@@ -201,3 +223,28 @@ def test_an_adopted_continuation_is_placed_as_a_resume_and_never_charged() -> No
     assert core.finished("r1", 30, 1.0, full) == []
     assert core.queue.counter("a") == 0.0
     assert core.inflight.total == 0
+
+
+def test_where_a_request_went_is_learnt_by_the_prefix_plugin_once_the_endpoint_has_it() -> None:
+    """The prefix index is the prefix plugin's state, kept by its post-decision hook: the
+    driver says when the endpoint has the request (`reached`), for the gateway and the
+    simulator alike. A profile without the plugin keeps no index; a core without an
+    index has none to keep."""
+    index = PrefixIndex()
+    core: Dispatcher[str] = Dispatcher(PROFILE, RoutingPolicy(), index)
+    snapshot = _snapshot(e0=NORMAL, e1=NORMAL)
+    (placed,) = core.arrive(_route("r1", block_hashes=(1, 2, 3)), "p1", 0.0, snapshot)
+    assert isinstance(placed, Placed)
+    assert index.holders((1, 2, 3)) == {}  # placed is not reached: it may still be refused
+    core.reached(placed.route, placed.endpoint_id)
+    assert index.holders((1, 2, 3)) == {placed.endpoint_id: 3}
+
+    config = default_config()
+    config["scorers"] = [s for s in config["scorers"] if s["name"] != "prefix-affinity"]
+    elsewhere = PrefixIndex()
+    without = Dispatcher[str](profile_from_config(config), RoutingPolicy(), elsewhere)
+    (placed,) = without.arrive(_route("r2", block_hashes=(1, 2, 3)), "p2", 0.0, snapshot)
+    assert isinstance(placed, Placed)
+    without.reached(placed.route, placed.endpoint_id)
+    assert len(elsewhere) == 0
+    Dispatcher[str](PROFILE, RoutingPolicy()).reached(placed.route, placed.endpoint_id)

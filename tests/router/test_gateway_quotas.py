@@ -105,26 +105,6 @@ async def test_token_rates_unknown_tenants_and_oversized_requests(redis_url: str
         )
 
 
-async def test_a_prefill_pool_admits_only_with_a_decode_handoff_credit(redis_url: str) -> None:
-    async with make_fleet(
-        redis_url, engines=1, role=Role.PREFILL, decode_pool="decode-a", credit_ttl_s=1.0,
-        kv_bytes_per_token=1000,
-    ) as fleet, aiohttp.ClientSession() as session:  # fmt: skip
-        credits = CreditStore(fleet.registry.redis, "decode-a")
-        await credits.set_budget("decode-a", 2 * 2 * 1000)  # two 2-token prompts
-        assert [(await _short(session, fleet.url, ""))[0] for _ in range(2)] == [200, 200]
-        assert await credits.outstanding("decode-a") == 4000
-        status, headers, body = await _short(session, fleet.url, "")
-        assert (status, body["error"]["reason"]) == (429, "decode_credit")
-        assert int(headers["Retry-After"]) >= 1
-
-        async def admitted() -> bool:
-            return (await _short(session, fleet.url, ""))[0] == 200
-
-        # The unconsumed credits expire and their bytes come back.
-        await eventually(admitted, "a credit to expire")
-
-
 async def test_a_decode_pools_router_publishes_the_handoff_budget_its_sidecars_would_admit(
     redis_url: str,
 ) -> None:

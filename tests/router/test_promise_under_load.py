@@ -20,8 +20,9 @@ import aiohttp
 import pytest
 import redis
 
-from controlplane.contract import TenantQuota
+from controlplane.contract import EndpointState, KVPolicy, TenantQuota, WatermarkState
 from controlplane.store import PoolKeys, QuotaStore, RedisSettings, connect
+from engine_sidecar.policy.relief import continuation_tokens
 from fleetsim.engine import EngineConfig
 from fleetsim.server import RunningEngine, serve_engine
 from tests.controlplane.cluster_topology import ClusterTopology
@@ -37,6 +38,7 @@ from tests.router.live_fleet import (
 )
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
+POOL_KV = KVPolicy()  # the live fleet's
 
 
 async def _expected(bodies: list[dict[str, object]]) -> list[str]:
@@ -93,6 +95,127 @@ async def test_a_kv_burst_keeps_every_admitted_stream(redis_url: str) -> None:
         assert preempted > 0, "the burst never ran into KV exhaustion"
         finished = {"tenant": "default", "reason": "length"}
         assert _router_count(fleet, "weir_router_requests_total", **finished) == len(bodies)
+        await _settled(fleet)
+
+
+def _sidecar_count(fleet: LiveFleet, endpoint_id: str, name: str, **labels: str) -> float:
+    service = fleet.sidecars[endpoint_id].service
+    registry = service.metrics.registry
+    labels = {"pool": POOL, "endpoint": service.metrics.endpoint, **labels}
+    return registry.get_sample_value(name, labels) or 0.0
+
+
+async def test_two_sidecars_that_want_one_peer_s_room_do_not_both_move_into_it(
+    redis_url: str,
+) -> None:
+    """Two sidecars run into exhaustion at the same moment, and the only peer with room
+    has room for one of their continuations, not both. Each plans to migrate there and
+    asks that peer to hold the room before it aborts its victim: the peer grants one;
+    that one migrates into the held room (the router resumes it there, its admission
+    takes the room), the other resumes its victim in place once its own room returns.
+    Both streams end whole; every reservation is consumed or expires. (The test holds
+    room itself to steer: the second stream away from the first's endpoint, and both
+    endpoints into exhaustion at once.)"""
+    kv = 20_000  # 1,000 tokens of safety, 2,000 between critical and exhausted
+    bodies = [request_body(i, 3000) for i in range(2)]
+    expected = await _expected(bodies)
+    async with (
+        live_fleet(redis_url, kv_tokens=kv, speed_factor=10.0) as fleet,
+        aiohttp.ClientSession() as session,
+    ):
+        view = fleet.router.gateway.view
+
+        def published(endpoint_id: str) -> EndpointState:
+            return view.snapshot.by_id[endpoint_id].state
+
+        streams = [Stream(), Stream()]
+        url = fleet.router.url
+        first = asyncio.create_task(read_stream(session, url, bodies[0], streams[0]))
+        await asyncio.wait_for(streams[0].progress.wait(), 30.0)
+        x = streams[0].endpoint
+        (y,) = set(fleet.sidecars) - {x}
+        # x out of routing for a while (room held, critical, 1,800 tokens short of
+        # exhausted): the second stream goes to y.
+        ledger_x = fleet.sidecars[x].service.ledger
+        assert ledger_x.reserve("pin", ledger_x.room_tokens() - 1_800, ttl_s=3.0) is not None
+        await until(lambda: published(x).watermark is WatermarkState.CRITICAL, "x critical")
+        second = asyncio.create_task(read_stream(session, url, bodies[1], streams[1]))
+        await asyncio.wait_for(streams[1].progress.wait(), 30.0)
+        assert streams[1].endpoint == y
+        await until(lambda: ledger_x.held_tokens == 0, "x's room back", timeout_s=30.0)
+        ledgers = [fleet.sidecars[e].service.ledger for e in (x, y)]
+        await until(
+            lambda: min(c.generated_tokens for lg in ledgers for c in lg.candidates()) >= 1_500,
+            "both streams well along",
+        )
+        # A third endpoint with room for either continuation, not for both.
+        sizes = [continuation_tokens(lg.candidates()[0], POOL_KV) for lg in ledgers]
+        await fleet.add("s2", int((sum(sizes) - 2) / 0.95), 10.0)
+        room = fleet.sidecars["s2"].service.ledger.room_tokens()
+        assert max(sizes) <= room < sum(sizes)
+        await until(lambda: "s2" in view.snapshot.by_id, "s2 registered")
+        # Both exhausted at once (all their room held): both relieve, both want s2.
+        for ledger in ledgers:
+            assert ledger.reserve("exhaust", ledger.room_tokens(), ttl_s=1.5) is not None
+        await asyncio.wait_for(asyncio.gather(first, second), 120.0)
+        _assert_whole(streams, expected)
+        moved = {
+            mode: sum(
+                _sidecar_count(fleet, e, "weir_sidecar_preemptions_total", mode=mode)
+                for e in (x, y)
+            )
+            for mode in ("migrate", "recompute")
+        }
+        assert moved == {"migrate": 1, "recompute": 1}
+        held = {
+            outcome: _sidecar_count(
+                fleet, "s2", "weir_sidecar_migration_reservations_total", outcome=outcome
+            )
+            for outcome in ("taken", "consumed", "refused")
+        }
+        # The other asked too and was refused (or, slower, saw the room already gone).
+        assert held["taken"] == held["consumed"] == 1
+        assert held["refused"] <= 1
+        assert _router_count(fleet, "weir_router_resumes_total", reason="preempted") == 1
+        await until(
+            lambda: all(s.service.ledger.held_tokens == 0 for s in fleet.sidecars.values()),
+            "every reservation consumed or expired",
+        )
+        await _settled(fleet)
+
+
+async def test_a_stream_that_cannot_resume_in_place_in_time_goes_back_to_its_router(
+    redis_url: str,
+) -> None:
+    """Preempted to recompute in place on an endpoint that then has no room (the test
+    holds it, critical, for someone else): the stream waits there as long as the pool
+    lets a resume wait, and then, rather than end with an error, its sidecar hands it
+    back and the router resumes it on the other endpoint, whole."""
+    body = request_body(0, 1500)
+    (expected,) = await _expected([body])
+    async with (
+        live_fleet(redis_url, kv_tokens=20_000, speed_factor=10.0, resume_wait_s=1.0) as fleet,
+        aiohttp.ClientSession() as session,
+    ):
+        stream = Stream()
+        running = asyncio.create_task(read_stream(session, fleet.router.url, body, stream))
+        await asyncio.wait_for(stream.progress.wait(), 30.0)
+        service = fleet.sidecars[stream.endpoint].service
+        ledger = service.ledger
+        (rid,) = ledger.flights
+        # Critical (no new work, the resume included) but not exhausted (no relief).
+        held = ledger.reserve("someone-else", ledger.room_tokens() - 1_200, ttl_s=5.0)
+        assert held is not None
+        assert ledger.watermark is WatermarkState.CRITICAL
+        assert await service.preempt(rid, "recompute", "ordered by the test")
+        await asyncio.wait_for(running, 60.0)
+        _assert_whole([stream], [expected])
+        assert _router_count(fleet, "weir_router_resumes_total", reason="preempted") == 1
+        story = service.trail.story(stream.request_id)
+        assert story is not None
+        events = [e["event"] for e in story["events"]]
+        assert events[-3:] == ["refused", "handed_back", "end"], events
+        await until(lambda: ledger.held_tokens == 0, "the held room to expire")
         await _settled(fleet)
 
 

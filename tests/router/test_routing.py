@@ -4,6 +4,7 @@ configuration, the prefix index and the fair queue, over hand-built snapshots.""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import pytest
 from hypothesis import given, settings
@@ -11,19 +12,24 @@ from hypothesis import strategies as st
 
 from controlplane.contract import EndpointState, Lifecycle, Role, WatermarkState
 from controlplane.routing import (
+    Cycle,
     Decision,
     DecisionReason,
+    EndpointView,
     FairQueue,
     InFlight,
     PoolSnapshot,
     PrefixIndex,
+    Profile,
     ProfileError,
     QueueFullError,
     RouteRequest,
     RoutingContext,
+    WeightedScorer,
     default_config,
     profile_from_config,
 )
+from controlplane.routing.pickers import MaxScore
 
 
 def _state(endpoint_id: str, **fields: object) -> EndpointState:
@@ -55,8 +61,18 @@ PROFILE = profile_from_config(default_config())
 def _decide(
     states: list[EndpointState], request: RouteRequest, now: float = 0.0, **ctx: object
 ) -> Decision:
+    return _decide_with(PROFILE, states, request, now, **ctx)
+
+
+def _decide_with(
+    profile: Profile,
+    states: list[EndpointState],
+    request: RouteRequest,
+    now: float = 0.0,
+    **ctx: object,
+) -> Decision:
     snapshot = PoolSnapshot.of("p", states, lease_deadline=10.0)
-    return PROFILE.decide(request, RoutingContext(snapshot, now, **ctx))  # type: ignore[arg-type]
+    return profile.decide(request, RoutingContext(snapshot, now, **ctx))  # type: ignore[arg-type]
 
 
 def test_an_idle_primary_owner_wins_and_the_secondary_is_the_first_fallback() -> None:
@@ -107,6 +123,87 @@ def test_critical_draining_expired_and_foreign_endpoints_are_filtered_with_reaso
         "watermark-below-critical": 1,
     }
     assert decision.refusal == "role-model-adapter"
+
+
+def test_two_instances_of_one_filter_are_named_apart_and_counted_apart() -> None:
+    """A profile may hold two filters of one type; each counts its own rejections under
+    its instance's name (one name for both would let the second overwrite the first)."""
+    config = default_config()
+    config["candidates"] = 8
+    config["filters"] = [
+        {"type": "bounded-load", "name": "load-cap", "factor": 2.0},
+        {"type": "bounded-load", "name": "tight-load", "factor": 1.0},
+    ]
+    profile = profile_from_config(config)
+    states = [_state(f"e{i}", running_requests=n) for i, n in enumerate((60, 25, 10, 5, 0))]
+    decision = _decide_with(profile, states, _request())
+    # A mean of 20 requests: the cap (below 41) drops e0, the tight bound (21) then e1.
+    assert decision.rejected == {"load-cap": 1, "tight-load": 1}
+    assert decision.endpoint_id in {"e2", "e3", "e4"}
+    only_e0 = _request(exclude=frozenset({"e1", "e2", "e3", "e4"}))
+    refused = _decide_with(profile, states, only_e0)
+    assert (refused.rejected, refused.saturated) == ({"load-cap": 1}, True)
+    assert [f.name for f in profile_from_config(default_config()).filters][-1] == "bounded-load"
+
+
+@pytest.mark.parametrize(
+    "filters",
+    [
+        ["bounded-load", {"name": "bounded-load", "factor": 2.0}],
+        ["not-draining", {"type": "lease-valid", "name": "not-draining"}],
+    ],
+)
+def test_two_filters_of_one_name_are_refused(filters: list[object]) -> None:
+    with pytest.raises(ProfileError, match="two filters are named"):
+        profile_from_config({**default_config(), "filters": filters})
+
+
+class _Wild:
+    """A scorer that breaks the [0, 1] contract: its scores by endpoint id."""
+
+    def __init__(self, scores: dict[str, float], name: str = "wild") -> None:
+        self.scores = scores
+        self.name = name
+
+    def score(self, cycle: Cycle, candidates: Sequence[EndpointView]) -> list[float]:
+        return [self.scores[v.endpoint_id] for v in candidates]
+
+
+def test_scores_are_clamped_to_the_unit_range_so_no_scorer_outweighs_the_others() -> None:
+    """A scorer's score above 1 counts as 1, below 0 (and NaN) as 0: the queue term still
+    decides between endpoints a broken scorer ranks 1e9 and 1 apart."""
+    states = [_state("busy", waiting_prefill_tokens=40_000), _state("idle"), _state("nan")]
+    wild = _Wild({"busy": 1e9, "idle": 1.0, "nan": math.nan})
+    queue = profile_from_config({"scorers": ["queue"]}).scorers[0].scorer
+    profile = Profile(
+        "clamped", (), (WeightedScorer(wild, 1.0), WeightedScorer(queue, 1.0)), MaxScore(),
+        candidates=8,
+    )  # fmt: skip
+    decision = _decide_with(profile, states, _request())
+    assert decision.endpoint_id == "idle"
+    wild_column, _ = decision.scores
+    assert dict(zip(["busy", "idle", "nan"], wild_column, strict=True)) == {
+        "busy": 1.0, "idle": 1.0, "nan": 0.0,
+    }  # fmt: skip
+    assert all(0.0 <= score <= 2.0 for score in decision.totals)
+    negative = _Wild({"busy": -5.0, "idle": 0.5, "nan": 0.25})
+    alone = Profile("alone", (), (WeightedScorer(negative, 1.0),), MaxScore(), candidates=8)
+    assert list(_decide_with(alone, states, _request()).totals) == [0.0, 0.5, 0.25]
+
+
+def test_a_route_is_explained_by_each_scorer_s_weighted_term() -> None:
+    states = [_state("e0", waiting_prefill_tokens=20_000), _state("e1")]
+    decision = _decide(states, _request(owners=("e0",)))
+    terms = PROFILE.terms(decision)
+    names = [ws.scorer.name for ws in PROFILE.scorers]
+    assert set(terms) == {"e0", "e1"}
+    for view, total in zip(decision.eligible, decision.totals, strict=True):
+        assert list(terms[view.endpoint_id]) == names
+        assert sum(terms[view.endpoint_id].values()) == pytest.approx(total)
+    # The owner's cache credit is its prefix term; its queue is why it lost.
+    assert terms["e0"]["prefix-affinity"] > terms["e1"]["prefix-affinity"]
+    assert terms["e0"]["queue"] < terms["e1"]["queue"]
+    assert decision.endpoint_id == "e1"
 
 
 def test_a_lapsed_lease_takes_the_endpoint_out_at_its_deadline() -> None:
@@ -320,8 +417,11 @@ def test_a_tie_band_never_trades_cached_tokens_for_balance() -> None:
     ("config", "message"),
     [
         ({"scorers": [{"name": "nope"}]}, "unknown scorer 'nope'"),
-        ({"scorers": [{"name": "queue", "weight": -1}]}, "weight must be >= 0"),
-        ({"scorers": [{"name": "queue", "weight": math.nan}]}, "weight must be >= 0"),
+        ({"scorers": [{"name": "queue", "weight": -1}]}, "weight must be a finite number >= 0"),
+        (
+            {"scorers": [{"name": "queue", "weight": math.nan}]},
+            "weight must be a finite number >= 0",
+        ),
         ({"scorers": [{"name": "queue", "bogus": 1}]}, "scorer 'queue'"),
         ({"scorers": []}, "at least one scorer"),
         ({"filters": [{"name": "bounded-load", "factor": 0.5}], "scorers": ["queue"]}, ">= 1"),

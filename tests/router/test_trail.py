@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import Any
 
 import aiohttp
 import pytest
 
+from controlplane.trace.trail import DECISIONS
 from tests.router.live_fleet import Stream, live_fleet, read_stream, request_body
 from tests.spans import recorded_spans
 
@@ -33,12 +35,13 @@ def _events(story: dict[str, Any]) -> list[str]:
 
 
 async def test_a_migrated_request_s_story_spans_the_router_and_both_sidecars(
-    redis_url: str,
+    redis_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     async with (
         live_fleet(redis_url, kv_tokens=20_000, admin_token=TOKEN) as fleet,
         aiohttp.ClientSession() as session,
     ):
+        caplog.set_level(logging.DEBUG, logger=DECISIONS.name)  # --log-decisions
         url = fleet.router.url
         with recorded_spans() as exporter:
             out = Stream()
@@ -69,6 +72,14 @@ async def test_a_migrated_request_s_story_spans_the_router_and_both_sidecars(
     assert route["endpoint"] == out.endpoint
     assert route["reason"] in ("primary_owner", "secondary_owner", "least_cost")
     assert route["owner_hit"] == (route["endpoint"] in route["owners"])
+    # With decision logs on, every candidate's total and each scorer's term of it.
+    scorers = [ws.scorer.name for ws in fleet.router.gateway.profile.scorers]
+    assert out.endpoint in route["candidates"]
+    for candidate in route["candidates"].values():
+        assert list(candidate["terms"]) == scorers
+        assert sum(candidate["terms"].values()) == pytest.approx(candidate["total"], abs=1e-3)
+    logged = [json.loads(r.getMessage()) for r in caplog.records if r.name == DECISIONS.name]
+    assert route in [{k: v for k, v in line.items() if k != "request_id"} for line in logged]
     assert (migrated["outcome"], resume["cause"]) == ("preempted", "preempted")
     second = rerouted["endpoint"]
     assert second not in (None, out.endpoint)

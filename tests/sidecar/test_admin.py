@@ -43,6 +43,7 @@ async def test_admin_routes_refuse_without_the_token(
             ("GET", "/weir/v1/requests/r1", None),
             ("POST", "/weir/v1/preempt", {"rid": "weirx", "mode": "terminate"}),
             ("POST", "/weir/v1/drain", {"deadline_s": 0}),
+            ("POST", "/weir/v1/reserve", {"request_id": "r1", "tokens": 10, "ttl_s": 1}),
         ):
             async with http.request(method, guarded.url + path, json=body, headers=headers) as r:
                 assert r.status == 401, path
@@ -51,6 +52,7 @@ async def test_admin_routes_refuse_without_the_token(
             assert (error["type"], error["reason"]) == ("unauthorized", reason)
             assert TOKEN not in error["message"]
     assert not guarded.service.draining  # the refused drain did nothing
+    assert guarded.service.ledger.held_tokens == 0  # nor the refused reservation
 
 
 async def test_admin_routes_answer_with_the_token_and_the_rest_stays_open(

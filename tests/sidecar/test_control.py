@@ -16,6 +16,7 @@ from controlplane.store import EndpointRegistry, PoolKeys, connect
 from controlplane.store.commands import CommandChannel
 from controlplane.store.connection import RedisSettings
 from controlplane.store.quotas import QuotaStore
+from engine_sidecar.policy import peer_rooms
 from engine_sidecar.server import SidecarConfig, serve_sidecar
 from fleetsim.server import RunningEngine, serve_engine
 from tests.sidecar.conftest import MODEL, engine_config, pool_policy
@@ -177,6 +178,39 @@ async def test_kv_quota_is_charged_refused_and_released(
         await redis.aclose()
 
 
+async def test_a_request_whose_charge_fails_ends_rejected_and_leaves_nothing(
+    engine: RunningEngine, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fault in the quota's charge (a single-call injection: no real failure raises
+    there) answers 500 and ends the request as rejected: it never reached the engine, so
+    nothing is aborted there, and the ledger holds nothing of it."""
+    redis = connect(RedisSettings(url=redis_url))
+    await QuotaStore(redis, "p").set_quota(TenantQuota(name="acme", kv_token_seconds_per_min=10**9))
+    config = SidecarConfig(
+        engine_url=engine.url, redis_url=redis_url, pool="p", endpoint_id="pod-f",
+        policy=pool_policy(), heartbeat_s=0.2,
+    )  # fmt: skip
+    body = {"text": "x", "sampling_params": {"max_new_tokens": 4}, "stream": True}
+    try:
+        async with serve_sidecar(config) as sidecar, aiohttp.ClientSession() as http:
+            quota = sidecar.service.quota
+            assert quota is not None
+
+            async def broken(*_: object) -> None:
+                raise RuntimeError("injected")
+
+            monkeypatch.setattr(quota, "charge", broken)
+            async with http.post(
+                sidecar.url + "/generate", json=body, headers={"x-weir-tenant": "acme"}
+            ) as resp:
+                assert resp.status == 500
+            assert await sidecar.service.ledger.wait_idle(10.0)
+            assert sidecar.service.ledger.own_used == 0
+            assert engine.engine.loads().num_running_reqs == 0
+    finally:
+        await redis.aclose()
+
+
 async def test_kv_quota_skips_unknown_tenants_and_applies_from_the_next_heartbeat(
     engine: RunningEngine, redis_url: str
 ) -> None:
@@ -332,7 +366,7 @@ async def test_relief_reads_the_room_its_peers_published(
     engine: RunningEngine, redis_url: str
 ) -> None:
     """Relief's room elsewhere comes from the pool in Redis: the ready peers' published
-    headroom, not its own, and nothing it can use when Redis cannot be read."""
+    headroom, not its own, and no peer at all when Redis cannot be read."""
     redis = connect(RedisSettings(url=redis_url))
     registry = EndpointRegistry(redis, "p")
     kv = pool_policy().kv
@@ -353,8 +387,9 @@ async def test_relief_reads_the_room_its_peers_published(
         )  # fmt: skip
         async with serve_sidecar(config) as sidecar:
             assert sidecar.link is not None
-            room = await sidecar.link.migration_room()
-            assert room == 10_000 - kv.safety_tokens(10_000) - 1_000
+            rooms = peer_rooms(await sidecar.link.peers(), kv)
+            room = 10_000 - kv.safety_tokens(10_000)
+            assert rooms == {"roomy": room - 1_000, "full": room - 9_000}
     finally:
         await redis.aclose()
     with RedisServer() as gone:
@@ -364,4 +399,4 @@ async def test_relief_reads_the_room_its_peers_published(
     )
     async with serve_sidecar(unreachable) as sidecar:
         assert sidecar.link is not None
-        assert await sidecar.link.migration_room() is None
+        assert await sidecar.link.peers() == []

@@ -182,7 +182,7 @@ async def test_a_preempted_request_resumes_before_newer_arrivals() -> None:
     ledger.add(new)
     waiting_new = asyncio.create_task(ledger.admit(new))
     await asyncio.sleep(0)
-    clock[0] = 101.0
+    clock[0] = 100.1  # within the new one's 0.3 s wait, which the ledger's clock ends
     resuming = asyncio.create_task(ledger.admit(old))
     await asyncio.sleep(0)
     assert ledger.queued == 2

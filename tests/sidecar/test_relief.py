@@ -13,10 +13,19 @@ from controlplane.contract import (
     SchedulingPolicy,
     WatermarkState,
 )
-from engine_sidecar.policy import KVUsage, Rung, VictimCandidate, peer_room, plan_relief
+from engine_sidecar.policy import (
+    KVUsage,
+    Rung,
+    TargetRooms,
+    VictimCandidate,
+    peer_rooms,
+    pick_target,
+    plan_relief,
+)
 
 W = WatermarkState
 POLICY = PoolPolicy(pool="p", model="m", kv=KVPolicy(growth_horizon_steps=80))
+ROOMY = {"peer": 10_000}  # a peer with room for any continuation here
 
 
 def _cand(rid: str, **kw: object) -> VictimCandidate:
@@ -86,13 +95,13 @@ def test_preemption_cap_and_modes() -> None:
     capped = _cand("capped", preemptions=POLICY.scheduling.max_preemptions_per_request)
     assert plan_relief(_exhausted(), W.EXHAUSTED, [capped], POLICY, 0).victims == ()
     movable = _cand("m", migratable=True)
-    plan = plan_relief(_exhausted(), W.EXHAUSTED, [movable], POLICY, 0)
+    plan = plan_relief(_exhausted(), W.EXHAUSTED, [movable], POLICY, 0, ROOMY)
     assert plan.victims[0].mode is Rung.MIGRATE
     assert Rung.MIGRATE in plan.rungs
     recompute_only = msgspec.structs.replace(
         POLICY, scheduling=SchedulingPolicy(preemption_modes=(PreemptionMode.RECOMPUTE,))
     )
-    plan = plan_relief(_exhausted(), W.EXHAUSTED, [movable], recompute_only, 0)
+    plan = plan_relief(_exhausted(), W.EXHAUSTED, [movable], recompute_only, 0, ROOMY)
     assert plan.victims[0].mode is Rung.RECOMPUTE
     pinned = _cand("pinned", recomputable=False)
     assert plan_relief(_exhausted(), W.EXHAUSTED, [pinned], POLICY, 0).victims == ()
@@ -112,9 +121,9 @@ def test_a_victim_whose_continuation_fits_nowhere_is_passed_over() -> None:
     huge = _cand("huge", prompt_tokens=700, generated_tokens=200, migratable=True)
     small = _cand("small", priority=5, migratable=True)
     assert POLICY.kv.safety_tokens(1000) > 1000 - (700 + 200 + 80)
-    plan = plan_relief(_exhausted(), W.EXHAUSTED, [huge, small], POLICY, 0)
+    plan = plan_relief(_exhausted(), W.EXHAUSTED, [huge, small], POLICY, 0, ROOMY)
     assert [v.rid for v in plan.victims] == ["small"]
-    assert plan_relief(_exhausted(), W.EXHAUSTED, [huge], POLICY, 0).victims == ()
+    assert plan_relief(_exhausted(), W.EXHAUSTED, [huge], POLICY, 0, ROOMY).victims == ()
     may_abort = msgspec.structs.replace(
         POLICY, scheduling=SchedulingPolicy(overload_may_abort=True)
     )
@@ -122,20 +131,51 @@ def test_a_victim_whose_continuation_fits_nowhere_is_passed_over() -> None:
     assert victim.mode is Rung.TERMINATE
 
 
-def test_a_victim_migrates_only_while_another_endpoint_has_room() -> None:
+def test_a_victim_migrates_only_to_a_named_peer_with_room() -> None:
     """A move to an endpoint with no room would only wait there: relief recomputes in
-    place instead, and two migrations do not count on the same room."""
+    place instead; a migration names the peer with the most room that fits it, and two
+    migrations do not count on the same room. With no peer known, nothing migrates."""
     movers = [_cand(rid, migratable=True, priority=p) for rid, p in (("a", 0), ("b", 1))]
     need = 100 + 100 + 80  # prompt + generated + the growth reserve of the horizon
-    full = plan_relief(_exhausted(), W.EXHAUSTED, movers[:1], POLICY, 0, migration_room=need - 1)
+    alone = plan_relief(_exhausted(), W.EXHAUSTED, movers[:1], POLICY, 0)
+    assert [(v.rid, v.mode) for v in alone.victims] == [("a", Rung.RECOMPUTE)]
+    full = plan_relief(_exhausted(), W.EXHAUSTED, movers[:1], POLICY, 0, {"x": need - 1})
     assert [(v.rid, v.mode) for v in full.victims] == [("a", Rung.RECOMPUTE)]
-    roomy = plan_relief(_exhausted(), W.EXHAUSTED, movers[:1], POLICY, 0, migration_room=need)
-    assert [(v.rid, v.mode) for v in roomy.victims] == [("a", Rung.MIGRATE)]
-    both = plan_relief(_exhausted(1200), W.EXHAUSTED, movers, POLICY, 0, migration_room=need)
-    assert [(v.rid, v.mode) for v in both.victims] == [("a", Rung.MIGRATE), ("b", Rung.RECOMPUTE)]
+    roomy = plan_relief(_exhausted(), W.EXHAUSTED, movers[:1], POLICY, 0, {"x": need, "y": 0})
+    (victim,) = roomy.victims
+    assert (victim.rid, victim.mode, victim.target, victim.tokens) == ("a", Rung.MIGRATE, "x", need)
+    assert victim.fallback is Rung.RECOMPUTE  # if "x" refuses after all
+    both = plan_relief(_exhausted(1200), W.EXHAUSTED, movers, POLICY, 0, {"x": need})
+    assert [(v.rid, v.mode, v.target) for v in both.victims] == [
+        ("a", Rung.MIGRATE, "x"), ("b", Rung.RECOMPUTE, ""),
+    ]  # fmt: skip
+    two = plan_relief(_exhausted(1200), W.EXHAUSTED, movers, POLICY, 0, {"x": need, "y": need + 1})
+    assert [v.target for v in two.victims] == ["y", "x"]
+    pinned = msgspec.structs.replace(
+        POLICY, scheduling=SchedulingPolicy(preemption_modes=(PreemptionMode.MIGRATE,))
+    )
+    (only_move,) = plan_relief(
+        _exhausted(), W.EXHAUSTED, movers[:1], pinned, 0, {"x": need}
+    ).victims
+    assert (only_move.mode, only_move.fallback) == (Rung.MIGRATE, None)  # else left running
 
 
-def test_the_room_elsewhere_is_the_largest_any_ready_peer_would_admit() -> None:
+def test_a_migration_target_is_the_peer_with_most_room_that_fits() -> None:
+    assert pick_target(100, {}) is None
+    assert pick_target(100, {"a": 99}) is None
+    assert pick_target(100, {"a": 100, "b": 300, "c": 300}) == "b"  # ties by id
+    targets = TargetRooms({"a": 250, "b": 300})
+    assert targets.pick(200) == "b"
+    targets.answered("b", 200, True, 0)  # granted: 100 left there
+    assert targets.pick(200) == "a"
+    targets.answered("a", 200, False, 150)  # refused, saying it has 150
+    assert targets.pick(200) is None
+    assert targets.pick(150) == "a"
+    targets.answered("a", 150, False, 900)  # refused whatever it says: not asked again
+    assert targets.pick(150) is None
+
+
+def test_the_room_elsewhere_is_what_each_ready_peer_would_admit() -> None:
     def peer(
         used: int, watermark: W = W.NORMAL, lifecycle: Lifecycle = Lifecycle.READY
     ) -> EndpointState:
@@ -146,6 +186,11 @@ def test_the_room_elsewhere_is_the_largest_any_ready_peer_would_admit() -> None:
         )  # fmt: skip
 
     kv = POLICY.kv
-    assert peer_room([], kv) == 0
-    assert peer_room([peer(500), peer(200)], kv) == 1000 - kv.safety_tokens(1000) - 200
-    assert peer_room([peer(100, W.CRITICAL), peer(0, lifecycle=Lifecycle.DRAINING)], kv) == 0
+    assert peer_rooms([], kv) == {}
+    assert peer_rooms([peer(500), peer(200)], kv) == {
+        "e500": 1000 - kv.safety_tokens(1000) - 500,
+        "e200": 1000 - kv.safety_tokens(1000) - 200,
+    }
+    assert peer_rooms([peer(100, W.CRITICAL), peer(0, lifecycle=Lifecycle.DRAINING)], kv) == {
+        "e100": 0
+    }

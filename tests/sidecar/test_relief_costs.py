@@ -48,12 +48,13 @@ def victim(rid: str, context: int, **kw: object) -> VictimCandidate:
 
 
 def modes(
-    cands: list[VictimCandidate], costs: ReliefCosts | None, room: int | None = None
+    cands: list[VictimCandidate], costs: ReliefCosts | None, room: int = 100_000
 ) -> list[tuple[str, Rung]]:
-    # Committed far beyond the capacity: the plan takes every candidate, best first.
+    # Committed far beyond the capacity: the plan takes every candidate, best first; one
+    # peer has `room`.
     plan = plan_relief(
         KVUsage(CAPACITY, 10 * CAPACITY, 0), WatermarkState.EXHAUSTED, cands, POLICY, 0.0,
-        room, costs,
+        {"peer": room}, costs,
     )  # fmt: skip
     return [(v.rid, v.mode) for v in plan.victims]
 
@@ -107,10 +108,11 @@ def test_migration_wins_when_room_here_is_far_off() -> None:
     neighbour = victim("n", 9000, priority=5, generated_tokens=0, predicted_total_tokens=1000)
     plan = plan_relief(
         KVUsage(CAPACITY, 10 * CAPACITY, 0), WatermarkState.EXHAUSTED, [mover, neighbour],
-        POLICY, 0.0, 100_000, H200_8B,
+        POLICY, 0.0, {"peer": 100_000}, H200_8B,
     )  # fmt: skip
     chosen = {v.rid: v for v in plan.victims}
     assert chosen["m"].mode is Rung.MIGRATE
+    assert chosen["m"].fallback is Rung.OFFLOAD  # if its target refuses: the next cheapest
     costs = chosen["m"].score.costs
     assert costs is not None
     assert costs.migrate_s == pytest.approx(0.05 + H200_8B.recompute_s(8000))
@@ -122,7 +124,7 @@ def test_migration_wins_when_room_here_is_far_off() -> None:
 def test_every_choice_explains_its_three_costs() -> None:
     plan = plan_relief(
         KVUsage(CAPACITY, 2 * CAPACITY, 0), WatermarkState.EXHAUSTED, [victim("v", 8000)],
-        POLICY, 0.0, 0, H200_8B,
+        POLICY, 0.0, {"peer": 0}, H200_8B,
     )  # fmt: skip
     (choice,) = plan.victims
     text = choice.score.explain()

@@ -173,6 +173,17 @@ async def test_a_body_without_length_runs_to_the_connection_end() -> None:
         assert not any(origin.idle for origin in client._origins.values())
 
 
+async def test_a_whole_body_past_its_limit_is_a_protocol_error() -> None:
+    """A whole body is held in memory: one that runs past the limit is refused, and its
+    connection is not kept (the rest of that body is still on it)."""
+    async with tcp_server(endless(CHUNKED + b"100000\r\n")) as url, HTTPClient() as client:
+        async with asyncio.timeout(10):
+            with pytest.raises(ProtocolError, match="response body over 65536 bytes"):
+                async with await client.request("GET", url + "/x") as resp:
+                    await resp.read(limit=65536)
+        assert not any(origin.idle for origin in client._origins.values())
+
+
 # -- what went wrong, by type ----------------------------------------------------------
 
 

@@ -1,9 +1,11 @@
 """`weir bench fleet`: the long-request validation matrix in the fleet simulator.
 
-Every scenario (or a replayed trace) under every policy — Weir and the baselines — on
-the same simulated traffic, plus a load sweep for saturation points. Writes report.md,
-report.json and PNG plots to `--out`, and prints Weir's goal ratios as figures (median and
-p99 over `--runs` seeds).
+Every scenario (or a replayed trace) under every policy — the baselines, Weir and the
+oracle — on the same simulated traffic, plus a load sweep; with `--capacity`, each
+policy's capacity at SLO on each scenario, found by bisection
+(`fleetsim.report.slo_capacity`). Writes report.md, report.json and PNG plots to
+`--out`, and prints Weir's goal ratios as figures (median and p99 over `--runs` seeds)
+and the simulator's speed in simulated requests per CPU-second.
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ import argparse
 import json
 import math
 import os
+import resource
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,23 +55,46 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sweep-scenario", default="few_long_many_short")
     parser.add_argument("--policies", default="all", help="comma-separated, or 'all'")
     parser.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1))
+    parser.add_argument(
+        "--capacity",
+        action="store_true",
+        help="find every scenario and policy's capacity at SLO by bisection (long: "
+        "about seven simulations per scenario and policy)",
+    )
+    parser.add_argument(
+        "--capacity-target",
+        type=float,
+        default=0.9,
+        help="share of requests that must meet their SLOs at the capacity",
+    )
+    parser.add_argument(
+        "--capacity-tolerance",
+        type=float,
+        default=0.05,
+        help="the search stops when the load that failed is within this fraction above "
+        "the load that met the target",
+    )
     add_output_flags(parser)
     parser.set_defaults(runs=1)
 
 
 def run(args: argparse.Namespace) -> int:
     from fleetsim.report import (
+        CapacityJob,
         CellSpec,
+        capacity_plot,
+        capacity_rows,
         goals,
         json_safe,
         kv_plot,
         markdown_document,
+        run_capacities,
         run_cells,
-        saturation,
         sweep_plot,
         trace_cell,
         ttft_cdf_plot,
     )
+    from fleetsim.report.slo_capacity import probe_of
     from fleetsim.sim import policies
     from fleetsim.workloads import SCENARIOS
 
@@ -83,13 +109,19 @@ def run(args: argparse.Namespace) -> int:
         args.kv_scale,
         args.speedup,
         args.drain,
+        args.capacity_tolerance,
     )
-    if bad or min(sizes) <= 0:
+    if bad or not min(sizes) > 0:
         raise SystemExit(
             f"bad arguments: unknown policies {bad} (known: {', '.join(known)})"
             if bad
-            else "engines, runs, load, duration, kv-scale, speedup and drain must be positive"
+            else "engines, runs, load, duration, kv-scale, speedup, drain and "
+            "capacity-tolerance must be positive"
         )
+    if not 0 < args.capacity_target <= 1:
+        raise SystemExit("capacity-target must be a share within (0, 1]")
+    if args.capacity and args.trace:
+        raise SystemExit("--capacity searches the scenarios' loads; a trace's is its --speedup")
     if args.scenario != "all" and args.scenario not in SCENARIOS:
         raise SystemExit(f"unknown scenario {args.scenario!r}; known: {', '.join(SCENARIOS)}")
     names = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
@@ -122,16 +154,54 @@ def run(args: argparse.Namespace) -> int:
     sweep = [cell(args.sweep_scenario, p, x, args.seed) for x in loads for p in chosen]
     if args.trace:
         sweep = []
+    cpu = _CpuClock()
     started = time.perf_counter()
     # A sweep point that is also a matrix cell (same scenario, load and seed) runs once.
     unique = list(dict.fromkeys([*matrix, *sweep]))
     done = dict(zip(unique, run_cells(unique, args.jobs), strict=True))
     elapsed = time.perf_counter() - started
+    simulated = sum(c.summary["offered"] for c in done.values())
     matrix_cells = [done[c] for c in matrix]
     sweep_cells = [done[c] for c in sweep]
     # Goals near and past saturation: the matrix load, and every other swept load.
     goal_rows = goals(list({id(c): c for c in [*matrix_cells, *sweep_cells]}.values()))
-    points = saturation(sweep_cells)
+
+    capacities = []
+    capacity_s = 0.0
+    if args.capacity:
+        jobs = []
+        for n in names:
+            for p in chosen:
+                # Loads already run for every seed are the search's probes too.
+                runs: dict[float, list[dict[str, Any]]] = {}
+                for spec, c in done.items():
+                    if (spec.scenario, spec.policy) == (n, p):
+                        runs.setdefault(spec.load, []).append(c.summary)
+                probes = tuple(
+                    probe_of(load, summaries)
+                    for load, summaries in runs.items()
+                    if len(summaries) == len(seeds)
+                )
+                jobs.append(
+                    CapacityJob(
+                        cell(n, p, args.load, args.seed),
+                        tuple(seeds),
+                        args.capacity_target,
+                        args.capacity_tolerance,
+                        probes,
+                    )
+                )
+        started = time.perf_counter()
+        capacities = run_capacities(jobs, args.jobs)
+        capacity_s = time.perf_counter() - started
+        # What the searches ran themselves (the probes they were given ran above).
+        simulated += sum(
+            p.offered
+            for c, job in zip(capacities, jobs, strict=True)
+            for p in c.search.probes
+            if p not in job.known
+        )
+    cpu_s = cpu.elapsed()
 
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -139,6 +209,10 @@ def run(args: argparse.Namespace) -> int:
     plots = [ttft_cdf_plot(first, out / "ttft_cdf.png"), kv_plot(first, out / "kv_over_time.png")]
     if sweep_cells:
         plots.append(sweep_plot(sweep_cells, out / "goodput_vs_load.png"))
+    if capacities:
+        plots.append(
+            capacity_plot(capacities, args.capacity_target, out / "attainment_vs_load.png")
+        )
     params = {
         "scenario": "trace" if args.trace else args.scenario,
         "engines": args.engines,
@@ -151,6 +225,12 @@ def run(args: argparse.Namespace) -> int:
         "policies": chosen,
         "wall_s": round(elapsed, 1),
     }
+    if args.capacity:
+        params |= {
+            "capacity_target": args.capacity_target,
+            "capacity_tolerance": args.capacity_tolerance,
+            "capacity_wall_s": round(capacity_s, 1),
+        }
     document = {
         "params": params,
         "cells": [
@@ -165,16 +245,65 @@ def run(args: argparse.Namespace) -> int:
         ],
         "goals": goal_rows,
         "sweep": [{"policy": c.spec.policy, "load": c.spec.load, **c.summary} for c in sweep_cells],
-        "saturation": points,
+        "capacity": capacity_rows(capacities),
+        "capacity_curves": [
+            {
+                "scenario": c.scenario,
+                "policy": c.policy,
+                "capacity": c.search.capacity,
+                "capacity_rps": c.capacity_rps,
+                "limit": c.search.limit,
+                "probes": [
+                    {
+                        "load": p.load,
+                        "slo_attainment": p.attainment,
+                        "goodput_rps": p.goodput_rps,
+                        "rejected": p.rejected,
+                        "offered": p.offered,
+                    }
+                    for p in c.search.probes
+                ],
+            }
+            for c in capacities
+        ],
     }
     (out / "report.json").write_text(json.dumps(json_safe(document), indent=1) + "\n")
-    (out / "report.md").write_text(markdown_document(first, goal_rows, sweep_cells, points, params))
+    (out / "report.md").write_text(
+        markdown_document(first, goal_rows, sweep_cells, capacities, params)
+    )
 
     report = Report(NAME, params={**params, "out": str(out)})
     _figures(report, goal_rows)
+    _capacity_figures(report, capacity_rows(capacities))
     report.add(Figure("wall time", elapsed, "s", goal="< 900", met=elapsed < 900))
+    if args.capacity:
+        report.add(Figure("capacity search wall time", capacity_s, "s"))
+    report.add(
+        Figure(
+            "simulated requests per CPU-second",
+            simulated / cpu_s if cpu_s > 0 else math.nan,
+            "req/s",
+            note=f"{simulated} requests in {cpu_s:.0f} CPU-s, every worker process",
+        )
+    )
     report.emit(args.json)
     return 0
+
+
+class _CpuClock:
+    """CPU seconds of this process and of the worker processes it has waited for."""
+
+    def __init__(self) -> None:
+        self._start = self._now()
+
+    @staticmethod
+    def _now() -> float:
+        me = resource.getrusage(resource.RUSAGE_SELF)
+        children = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime
+
+    def elapsed(self) -> float:
+        return self._now() - self._start
 
 
 _GOALS: tuple[tuple[str, str, str, str, Callable[[float], bool]], ...] = (
@@ -190,6 +319,26 @@ _GOALS: tuple[tuple[str, str, str, str, Callable[[float], bool]], ...] = (
     ),
     ("lost", "accepted requests lost", "requests", "0", lambda v: v == 0),
 )
+
+
+def _capacity_figures(report: Report, rows: Sequence[dict[str, Any]]) -> None:
+    for row in rows:
+        name = row["scenario"]
+        versus = row["weir_vs_best"]
+        if row["best_baseline"] and not math.isnan(versus):
+            report.add(
+                Figure(
+                    f"{name}: capacity at SLO vs best baseline",
+                    versus,
+                    "x",
+                    goal=">= 1.5",
+                    met=versus >= 1.5,
+                    note=row["best_baseline"],
+                )
+            )
+        weir = row["policies"].get("weir")
+        if weir is not None and not math.isnan(weir["oracle_fraction"]):
+            report.add(Figure(f"{name}: Weir capacity / oracle", weir["oracle_fraction"], "x"))
 
 
 def _figures(report: Report, rows: list[dict[str, Any]]) -> None:

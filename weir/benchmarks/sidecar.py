@@ -2,7 +2,8 @@
 the control plane about KV.
 
 The engine is the reference engine, served in this process, or with `--engine sglang`
-SGLang's own server (`launch_server`, a process group of its own). The sidecar runs as its
+SGLang's own server (`launch_server`, a process group of its own), or one already serving
+at `--engine-url` (nothing else should use it while the benchmark runs). The sidecar runs as its
 own process (`weir sidecar`, as in a pod), so its CPU time can be read on its own. Figures,
 each against a baseline measured in the same run:
 
@@ -78,6 +79,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add("--engine", choices=("reference", "sglang"), default="reference",
         help="the engine measured in front of: the reference engine, or SGLang's server")  # fmt: skip
     add("--model", default="", help="with --engine sglang: the weights' path")
+    add("--engine-url", default="",
+        help="measure in front of this engine, already serving, instead of starting one "
+             "(--engine says which kind it is)")  # fmt: skip
     add_sglang_flags(
         parser,
         startup_timeout_s=300.0,
@@ -238,6 +242,9 @@ async def _workload(
 @asynccontextmanager
 async def _engine(args: argparse.Namespace) -> AsyncIterator[str]:
     """The measured engine's URL for the block."""
+    if args.engine_url:
+        yield args.engine_url.rstrip("/")
+        return
     if args.engine == "sglang":
         from weir.local.sglang import serve_sglang
 
@@ -368,7 +375,14 @@ def _refuse(message: str) -> int:
 def run(args: argparse.Namespace) -> int:
     from weir.local.sglang import SGLangStartError, check_launch
 
-    if args.engine == "sglang":
+    if args.engine_url:
+        if args.model or args.sglang_python or args.engine_args:
+            return _refuse("--engine-url measures an engine already serving: it takes no "
+                           "--model, --sglang-python or --engine-arg")  # fmt: skip
+        # The byte relay baseline speaks plain HTTP to host:port, as the sidecar in a pod does.
+        if not args.engine_url.startswith("http://"):
+            return _refuse(f"--engine-url must be an http:// URL, not {args.engine_url!r}")
+    elif args.engine == "sglang":
         try:
             check_launch(args.sglang_python, args.model)
         except ValueError as exc:

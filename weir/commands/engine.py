@@ -54,6 +54,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="simulated GPU speed relative to the timing profile")  # fmt: skip
     add("--startup-s", type=float, default=0.0,
         help="seconds /health answers 503 after start, as while loading weights")  # fmt: skip
+    add("--disaggregation-mode", choices=("null", "prefill", "decode"), default="null",
+        help="half of a P/D pair: prefill computes prompts and ships their KV, decode "
+        "receives it and generates")  # fmt: skip
+    add("--disaggregation-bootstrap-port", type=int, default=8998,
+        help="a prefill engine's bootstrap server, where decode engines fetch KV (0: a free port)")  # fmt: skip
+    add("--disaggregation-transfer-backend", default="mooncake",
+        choices=("mooncake", "mooncake_tcp", "nixl", "ascend", "fake", "mori"),
+        help="reported as SGLang's; KV always moves over loopback HTTP here")  # fmt: skip
+    add("--num-reserved-decode-tokens", type=int, default=512,
+        help="decode room a decode engine keeps per request before it takes a handoff")  # fmt: skip
+    add("--kv-link-bytes-per-s", type=float, default=None,
+        help="P/D KV transfer bandwidth (default: the hardware profile's, 50 GB/s)")  # fmt: skip
     add("--token-backend", choices=("hash", "torch"), default="hash")
     add("--eos-per-mille", type=float, default=None)
 
@@ -88,6 +100,11 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         speed_factor=args.speed_factor,
         startup_s=args.startup_s,
         token_backend=args.token_backend,
+        disaggregation_mode=args.disaggregation_mode,
+        disaggregation_bootstrap_port=args.disaggregation_bootstrap_port,
+        disaggregation_transfer_backend=args.disaggregation_transfer_backend,
+        num_reserved_decode_tokens=args.num_reserved_decode_tokens,
+        kv_link_bytes_per_s=args.kv_link_bytes_per_s,
         **extra,
     )
 

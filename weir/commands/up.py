@@ -1,8 +1,10 @@
 """`weir up`: a local fleet serving real requests — the quickest way to see Weir work.
 
 Starts Redis (unless --redis-url), N engines each with a sidecar, and a router (or several
-side by side on the same pool, `--routers`, as the chart's replicas); prints the
-URLs; streams a sample request through the router; then shows the fleet's status until
+side by side on the same pool, `--routers`, as the chart's replicas); with `--pd`, a P/D
+pair of pools instead: `--prefill-engines` prefill engines in the pool the routers serve
+(each request a P/D pair) and `--engines` decode engines in `<pool>-decode`, with the
+decode pool's router (it publishes the handoff credit budget); prints the URLs; streams a sample request through the router; then shows the fleet's status until
 Ctrl-C, when every child is stopped. `--smoke` exits after the sample traffic (non-zero if
 any request failed), which is how the end-to-end test drives it.
 """
@@ -10,6 +12,7 @@ any request failed), which is how the end-to-end test drives it.
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from weir.local.sglang_flags import add_sglang_flags
 
@@ -19,7 +22,11 @@ HELP = "Start a local fleet (Redis, engines, sidecars, router) and serve request
 
 def configure(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
-    add("--engines", type=int, default=2, help="engines (each with a sidecar)")
+    add("--engines", type=int, default=2,
+        help="engines (each with a sidecar); with --pd, the decode engines")  # fmt: skip
+    add("--pd", action="store_true",
+        help="prefill/decode disaggregation: a prefill pool and a decode pool")  # fmt: skip
+    add("--prefill-engines", type=int, default=1, help="with --pd, the prefill engines")
     add("--port", type=int, default=8080, help="the first router's port (0: a free one)")
     add("--routers", type=int, default=1, help="routers serving the pool side by side")
     add("--pool", default="local")
@@ -65,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
             sglang_python=args.sglang_python,
             engine_args=tuple(args.engine_args),
             startup_timeout_s=args.startup_timeout_s,
+            prefill_engines=args.prefill_engines if args.pd else 0,
         )
     except (ValueError, FleetError) as exc:
         print(f"weir up: {exc}", file=sys.stderr)
@@ -76,14 +84,21 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, terminate)
     fleet = LocalFleet(config)
     try:
-        print(f"weir up: starting {config.engines} {config.engine} engine(s); logs in "
+        count = config.prefill_engines + config.engines
+        print(f"weir up: starting {count} {config.engine} engine(s); logs in "
               f"{fleet.workdir}", flush=True)  # fmt: skip
         fleet.start()
         print(f"  redis    {redact_url(fleet.redis_url)}")
-        for engine, sidecar in zip(fleet.engine_urls, fleet.sidecar_urls, strict=True):
-            print(f"  engine   {engine}  sidecar {sidecar}")
+        roles = ["prefill "] * config.prefill_engines + ["decode "] * config.engines
+        for i, (engine, sidecar) in enumerate(
+            zip(fleet.engine_urls, fleet.sidecar_urls, strict=True)
+        ):
+            label = f"{roles[i] if config.prefill_engines else ''}engine"
+            print(f"  {label:<15}{engine}  sidecar {sidecar}")
         for url in fleet.router_urls:
             print(f"  router   {url}   (OpenAI base URL: {url}/v1)")
+        if fleet.decode_router_url:
+            print(f"  decode pool {fleet.decode_pool}: router {fleet.decode_router_url}")
         print(f"  metrics  {fleet.router_url}/metrics   status {fleet.router_url}/weir/v1/pool")
         tenants = ", ".join(t.name for t in config.tenants)
         print(f"  tenants  {tenants} (header x-weir-tenant; none: default)", flush=True)
@@ -131,7 +146,7 @@ def _sample(fleet: object, i: int) -> bool:
     )
     print(f"sample {i} -> ", end="", flush=True)
     try:
-        with urllib.request.urlopen(request, timeout=60) as reply:
+        with _open(request) as reply:
             endpoint = reply.headers.get("x-weir-endpoint", "?")
             done = False
             for raw in reply:
@@ -147,3 +162,22 @@ def _sample(fleet: object, i: int) -> bool:
     except (urllib.error.URLError, OSError, ValueError) as exc:
         print(f"  [failed: {exc}]", flush=True)
         return False
+
+
+def _open(request: Any) -> Any:
+    """As a patient client: an overloaded router's 429 is retried after its Retry-After,
+    a few times (a P/D fleet's decode pool publishes its first handoff budget within a
+    second of its endpoints showing)."""
+    import time
+    import urllib.error
+    import urllib.request
+
+    tries = 0
+    while True:
+        try:
+            return urllib.request.urlopen(request, timeout=60)
+        except urllib.error.HTTPError as exc:
+            tries += 1
+            if exc.code != 429 or tries == 5:
+                raise
+            time.sleep(float(exc.headers.get("Retry-After", "1")))

@@ -1,5 +1,10 @@
 """A local fleet as plain processes: Redis, N engines each with a sidecar, and routers.
 
+With `prefill_engines` it is a P/D pair of pools, as a cluster runs one: prefill engines
+(`--disaggregation-mode prefill`, each with a bootstrap port of its own) in the pool the
+routers serve, whose requests are P/D pairs, and the `engines` decode engines in the pool
+`<pool>-decode`, whose own router publishes the decode handoff credit budget.
+
 `weir up` runs one. Every part is the real component started the way a cluster starts it
 (`weir engine` or SGLang's `launch_server`, `weir sidecar`, `weir router --policy-file`),
 each child's output goes to a log file in the fleet's work directory, and `close()` ends
@@ -27,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from controlplane.contract import PoolPolicy, TenantQuota, encode_json
+from controlplane.contract import PoolPolicy, Role, TenantQuota, encode_json
 from weir.local.ports import free_port, port_in_use, wait_for_port
 from weir.local.process import LocalService, log_tail
 from weir.local.redis_server import RedisServer
@@ -72,10 +77,18 @@ class FleetConfig:
     kv_tokens: int = 0  # reference engines: KV pool size in tokens (0: the model's)
     startup_timeout_s: float = 120.0
     tenants: tuple[TenantQuota, ...] = DEMO_TENANTS
+    # P/D: this many prefill engines serve `pool`; the `engines` decode `<pool>-decode`.
+    prefill_engines: int = 0
+    # Reference engines: `weir engine` flags added to Weir's (tests, benchmarks).
+    reference_args: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not 1 <= self.engines <= 64:
             raise ValueError("engines must be between 1 and 64")
+        if not 0 <= self.prefill_engines <= 64:
+            raise ValueError("prefill engines must be between 0 and 64")
+        if self.prefill_engines and self.engine != "reference":
+            raise ValueError("a local P/D fleet runs reference engines (--engine reference)")
         if not 1 <= self.routers <= 16:
             raise ValueError("routers must be between 1 and 16")
         if self.engine not in ("reference", "sglang"):
@@ -102,6 +115,7 @@ class LocalFleet(LocalService):
     engine_urls: list[str] = field(default_factory=list)
     sidecar_urls: list[str] = field(default_factory=list)
     router_urls: list[str] = field(default_factory=list)
+    decode_router_url: str = ""  # a P/D fleet's decode pool's router
     _children: list[_Child] = field(default_factory=list)
 
     @property
@@ -109,9 +123,22 @@ class LocalFleet(LocalService):
         c = self.config
         return c.model_path if c.engine == "sglang" else c.model
 
-    def policy(self) -> PoolPolicy:
-        """The pool policy the router reads (the operator's ConfigMap in a cluster)."""
-        return PoolPolicy(pool=self.config.pool, model=self.model, tenants=self.config.tenants)
+    @property
+    def decode_pool(self) -> str:
+        """A P/D fleet's decode pool ("" for a mixed fleet)."""
+        return f"{self.config.pool}-decode" if self.config.prefill_engines else ""
+
+    def policy(self, role: Role = Role.MIXED) -> PoolPolicy:
+        """A pool's policy, as its routers and sidecars read it (the operator's ConfigMap
+        in a cluster): a P/D fleet's decode pool's (`Role.DECODE`), else that of the pool
+        the routers serve (a P/D fleet's prefill pool)."""
+        c = self.config
+        if role is Role.DECODE:
+            return PoolPolicy(pool=self.decode_pool, model=self.model, role=role)
+        if c.prefill_engines:
+            return PoolPolicy(pool=c.pool, model=self.model, tenants=c.tenants,
+                              role=Role.PREFILL, decode_pool=self.decode_pool)  # fmt: skip
+        return PoolPolicy(pool=c.pool, model=self.model, tenants=c.tenants)
 
     def start(self) -> LocalFleet:
         c = self.config
@@ -126,31 +153,42 @@ class LocalFleet(LocalService):
                 self.redis = RedisServer().start()
                 self.redis_url = self.redis.url
             # Engines load weights side by side: started together, then waited for.
-            ports = [free_port() for _ in range(c.engines)]
-            for i, port in enumerate(ports):
-                self._spawn(f"engine-{i}", self._engine_command(port), port, wait=False)
+            roles = (
+                [Role.PREFILL] * c.prefill_engines + [Role.DECODE] * c.engines
+                if c.prefill_engines
+                else [Role.MIXED] * c.engines
+            )
+            ports = [free_port() for _ in roles]
+            for i, (role, port) in enumerate(zip(roles, ports, strict=True)):
+                self._spawn(f"engine-{i}", self._engine_command(port, role), port, wait=False)
                 self.engine_urls.append(f"http://127.0.0.1:{port}")
-            for child, port in zip(self._children[-c.engines :], ports, strict=True):
+            for child, port in zip(self._children[-len(roles) :], ports, strict=True):
                 self._wait_listening(child, port)
-            for i, engine_url in enumerate(self.engine_urls):
+            for i, (role, engine_url) in enumerate(zip(roles, self.engine_urls, strict=True)):
                 port = free_port()
+                pool = self.decode_pool if role is Role.DECODE else c.pool
+                # A P/D endpoint's sidecar learns its pool's role from the policy.
+                policy = [] if role is Role.MIXED else ["--policy-file", self._policy_file(role)]
                 self._spawn(
                     f"sidecar-{i}",
                     [*WEIR, "sidecar", "--engine-url", engine_url, "--port", str(port),
-                     "--pool", c.pool, "--endpoint-id", f"{c.pool}-{i}", "--heartbeat-s", "0.5",
-                     "--lease-ttl-s", "3"],
+                     "--pool", pool, "--endpoint-id", f"{pool}-{i}", *policy,
+                     "--heartbeat-s", "0.5", "--lease-ttl-s", "3"],
                     port,
                     control_plane=True,
                 )  # fmt: skip
                 self.sidecar_urls.append(f"http://127.0.0.1:{port}")
-            policy_file = self.workdir / "policy.json"
-            policy_file.write_bytes(encode_json(self.policy()))
+            if c.prefill_engines:
+                # The decode pool's router publishes its handoff credit budget.
+                port = free_port()
+                self._spawn("router-decode", self._router_command(port, Role.DECODE), port,
+                            control_plane=True)  # fmt: skip
+                self.decode_router_url = f"http://127.0.0.1:{port}"
             for i in range(c.routers):
                 port = (c.router_port if i == 0 else 0) or free_port()
                 self._spawn(
                     "router" if i == 0 else f"router-{i}",
-                    [*WEIR, "router", "--port", str(port), "--policy-file", str(policy_file),
-                     "--bytes-per-token", "1" if c.engine == "reference" else "4"],
+                    self._router_command(port, roles[0]),
                     port,
                     control_plane=True,
                 )  # fmt: skip
@@ -161,13 +199,30 @@ class LocalFleet(LocalService):
             raise
         return self
 
-    def _engine_command(self, port: int) -> list[str]:
+    def _policy_file(self, role: Role) -> str:
+        """`policy(role)`, written once to the work directory."""
+        path = self.workdir / ("policy-decode.json" if role is Role.DECODE else "policy.json")
+        if not path.exists():
+            path.write_bytes(encode_json(self.policy(role)))
+        return str(path)
+
+    def _router_command(self, port: int, role: Role) -> list[str]:
+        c = self.config
+        return [*WEIR, "router", "--port", str(port), "--policy-file", self._policy_file(role),
+                "--bytes-per-token", "1" if c.engine == "reference" else "4"]  # fmt: skip
+
+    def _engine_command(self, port: int, role: Role) -> list[str]:
         c = self.config
         if c.engine == "sglang":
             return launch_command(c.sglang_python, c.model_path, port, c.engine_args)
         kv = ["--max-total-tokens", str(c.kv_tokens)] if c.kv_tokens else []
+        pd: list[str] = []
+        if role is not Role.MIXED:
+            pd = ["--disaggregation-mode", role.value]
+        if role is Role.PREFILL:  # one bootstrap server per engine on this host
+            pd += ["--disaggregation-bootstrap-port", str(free_port())]
         return [*WEIR, "engine", "--port", str(port), "--model", c.model,
-                "--speed-factor", str(c.speed_factor), *kv]  # fmt: skip
+                "--speed-factor", str(c.speed_factor), *kv, *pd, *c.reference_args]  # fmt: skip
 
     def _spawn(
         self,
@@ -211,14 +266,24 @@ class LocalFleet(LocalService):
         return self.router_urls[0] if self.router_urls else ""
 
     def _wait_ready(self) -> None:
-        """Until every router sees every sidecar's endpoint in its snapshot."""
-        deadline = time.monotonic() + self.config.startup_timeout_s
-        waiting = list(self.router_urls)
+        """Until every router sees every endpoint of its pool in its snapshot (a P/D
+        fleet's routers the decode pool's too)."""
+        c = self.config
+        deadline = time.monotonic() + c.startup_timeout_s
+        expected = dict.fromkeys(self.router_urls, c.prefill_engines or c.engines)
+        if self.decode_router_url:
+            expected[self.decode_router_url] = c.engines
+        waiting = list(expected)
         while True:
             try:
                 while waiting:
                     status = self.status(waiting[0])
-                    if len(status["endpoints"]) < self.config.engines or status["stale"]:
+                    decode = status.get("decode")
+                    if (
+                        len(status["endpoints"]) < expected[waiting[0]]
+                        or status["stale"]
+                        or (decode is not None and len(decode["endpoints"]) < c.engines)
+                    ):
                         break
                     waiting.pop(0)
                 else:

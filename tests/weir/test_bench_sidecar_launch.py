@@ -1,12 +1,9 @@
-"""`weir bench sidecar --engine sglang`: its refusals before anything starts, the server's
-life cycle (a stand-in for SGLang, in a process group of its own), and the benchmark in
-front of SGLang's own server (0.5.23, the tiny model on this machine's CPU)."""
+"""`weir bench sidecar --engine sglang`: its refusals before anything starts and the server's
+life cycle (a stand-in for SGLang, in a process group of its own). The benchmark in front
+of SGLang's own server runs in the SGLang tier (tests/sglang/test_bench_sidecar.py)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -14,11 +11,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from tests.sglang.server import cpu_environment, weir_sglang_args
 from weir.cli import main
 from weir.local.sglang import SGLangStartError, serve_sglang
 
-VERSION = "0.5.23"
 # Serves /health and, as SGLang does, spawns a child; the child's pid goes to the file named
 # as the model's path. SIGTERM ends the server alone, leaving the child in the group.
 STAND_IN = """
@@ -47,6 +42,14 @@ def test_bench_sidecar_takes_sglang_flags_only_with_sglang(
 ) -> None:
     assert main(["bench", "sidecar", "--model", "/models/llama"]) == 2
     assert "go with --engine sglang" in capsys.readouterr().err
+
+
+def test_bench_sidecar_takes_an_engine_url_alone(capsys: pytest.CaptureFixture[str]) -> None:
+    url = ["--engine-url", "http://127.0.0.1:30000"]
+    assert main(["bench", "sidecar", *url, "--model", "/models/llama"]) == 2
+    assert "takes no --model" in capsys.readouterr().err
+    assert main(["bench", "sidecar", "--engine-url", "127.0.0.1:30000"]) == 2
+    assert "must be an http:// URL" in capsys.readouterr().err
 
 
 def _python(tmp_path: Path, body: str) -> str:
@@ -94,33 +97,3 @@ async def test_a_server_that_exits_while_starting_is_reported_with_its_log(
     with pytest.raises(SGLangStartError, match="exited with 3 while starting:\nno weights at /x"):
         async with serve_sglang(python, "/x", [], startup_timeout_s=30):
             pass
-
-
-@pytest.mark.sglang
-@pytest.mark.redis
-@pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_bench_sidecar_measures_in_front_of_real_sglang() -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "weir.cli", "bench", "sidecar", *weir_sglang_args(VERSION),
-         "--runs", "1", "--requests", "2", "--streams", "2",
-         "--stream-tokens", "16", "--probes", "2", "--startup-timeout-s", "150", "--json"],
-        capture_output=True, text=True, timeout=220, env={**os.environ, **cpu_environment()},
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    report = json.loads(done.stdout)
-    params = report["params"]
-    assert params["engine"] == f"SGLang {VERSION}"
-    assert params["kv_capacity_tokens"] == 4096  # cpu_flags' --max-total-tokens
-    # A tenth of the pool, as the tiny model's tokenizer counts it (not the prompt's bytes).
-    assert 4096 * 0.05 < params["probe_tokens"] <= 4096 * 0.15
-    figures = {f["name"]: f for f in report["figures"]}
-    assert set(figures) == {
-        "added TTFT",
-        "CPU per streamed chunk",
-        "byte relay CPU per chunk (floor)",
-        "CPU per chunk above the byte relay",
-        "KV change → publication",
-    }
-    assert f"SGLang {VERSION}" in figures["added TTFT"]["note"]
-    assert figures["KV change → publication"]["value"] > 0
