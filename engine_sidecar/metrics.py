@@ -19,7 +19,6 @@ from engine_sidecar.ledger import Ledger
 
 _SPECS = {spec.name: spec for spec in SIDECAR}
 _EP = ("pool", "endpoint")
-_LENGTH_BUCKETS = ((256, "le256"), (1024, "le1k"), (4096, "le4k"), (16384, "le16k"))
 # Label values known in advance are exported at zero from the start, so a dashboard shows
 # "none happened" instead of "no data" (and rate() has a baseline when the first one does).
 _KNOWN_LABELS = {
@@ -37,13 +36,6 @@ _KNOWN_LABELS = {
 # Active-sequence series stay (at zero) for the (priority, tenant) pairs seen, up to this
 # many, so a tenant's line drops to zero when it goes idle instead of vanishing.
 _REMEMBERED_SEQUENCE_KEYS = 256
-
-
-def length_bucket(tokens: int) -> str:
-    for limit, name in _LENGTH_BUCKETS:
-        if tokens <= limit:
-            return name
-    return "gt16k"
 
 
 class _Gauges(Collector):

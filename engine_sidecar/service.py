@@ -63,12 +63,21 @@ from controlplane.contract import (
     encode_json,
 )
 from controlplane.contract import headers as wire
+from controlplane.contract.vocabulary import DONE_FRAME, error_body, preempted_frame, sse
+from controlplane.stream import (
+    Asks,
+    MalformedEventError,
+    Splicer,
+    ask_for_counts,
+    finish_reason,
+)
+from controlplane.stream.relay import Ending, Relay
+from controlplane.telemetry.catalog import length_bucket
 from controlplane.trace.middleware import REQUEST_ID
 from controlplane.trace.trail import (
-    NO_REQUEST,
     Trail,
     carried_request_id,
-    current_request,
+    handled_request,
     request_id_of,
     sidecar_rid,
 )
@@ -76,7 +85,7 @@ from controlplane.transport.admin import Handler, admin_only
 from controlplane.transport.event_stream import DirectWriter
 from controlplane.transport.guard import BodyError, RequestGuard, ServerLimits
 from engine_sidecar.engine import EngineAdapter, EngineError, EngineInfo
-from engine_sidecar.forward import Forwarder
+from engine_sidecar.forward import LedgerWatch
 from engine_sidecar.intake import (
     ENGINE_PATH,
     Intake,
@@ -87,7 +96,7 @@ from engine_sidecar.intake import (
     parse_json,
 )
 from engine_sidecar.ledger import COMMITTED, Flight, Ledger, OverloadError
-from engine_sidecar.metrics import SidecarMetrics, length_bucket
+from engine_sidecar.metrics import SidecarMetrics
 from engine_sidecar.policy import (
     H200_LLAMA_8B,
     RESERVATION_TTL_S,
@@ -105,16 +114,12 @@ from engine_sidecar.policy import (
     plan_relief,
 )
 from engine_sidecar.quota import KVQuota
-from engine_sidecar.relay import MalformedEventError, StreamReader, finish_reason
 
 log = logging.getLogger("weir.sidecar")
 _S = RequestState
 _TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
-_SSE_HEADERS = {"content-type": "text/event-stream", "cache-control": "no-cache"}
-DONE = b"data: [DONE]\n\n"
 _RESUMABLE = frozenset({_S.DECODING, _S.DECODE_READY})
 _MODES = ("recompute", "offload", "migrate", "terminate")
-PREEMPTED_EVENT = b"event: weir.preempted\n"
 TOO_LARGE = "too_large"  # admission's reason for a request that can never fit
 
 
@@ -125,18 +130,15 @@ RESERVE_PATH = "/weir/v1/reserve"
 Reserve = Callable[[EndpointState, RoomReservation], Awaitable[tuple[RoomReservation | None, int]]]
 
 
-def error_body(kind: str, message: str, **extra: str) -> bytes:
-    """An OpenAI-shaped error, naming the request being handled, if any."""
-    error = {"type": kind, "message": message, **extra}
-    if (request_id := current_request.get()) != NO_REQUEST:
-        error.setdefault("request_id", request_id)
-    return msgspec.json.encode({"error": error})
+def _error(kind: str, message: str, **extra: str | int) -> bytes:
+    """The error body, naming the request being handled, if any."""
+    return error_body(kind, message, **{"request_id": handled_request(), **extra})
 
 
 def overload_response(reason: str, retry_after_s: int, message: str) -> web.Response:
     return web.Response(
         status=429,
-        body=error_body("overload", message, reason=reason),
+        body=_error("overload", message, reason=reason),
         content_type="application/json",
         headers={"Retry-After": str(retry_after_s)},
     )
@@ -149,7 +151,7 @@ def body_refused(exc: BodyError) -> web.Response:
     headers = {"Retry-After": str(max(1, round(exc.retry_after_s)))} if exc.retry_after_s else {}
     return web.Response(
         status=exc.status,
-        body=error_body(kind, exc.message, reason=exc.reason),
+        body=_error(kind, exc.message, reason=exc.reason),
         content_type="application/json",
         headers=headers,
     )
@@ -159,7 +161,7 @@ def _bad(exc: RequestError) -> web.Response:
     extra = {"reason": exc.reason, **({"param": exc.param} if exc.param else {})}
     return web.Response(
         status=exc.status,
-        body=error_body(exc.kind, str(exc), **extra),
+        body=_error(exc.kind, str(exc), **extra),
         content_type="application/json",
     )
 
@@ -281,7 +283,7 @@ class SidecarService:
             return _bad(exc)
         except BodyError as exc:
             return body_refused(exc)
-        reader = StreamReader(
+        reader = Splicer(
             cont.api,
             offset_tokens=cont.generated,
             prefix_ids=list(cont.generated_ids),
@@ -349,7 +351,7 @@ class SidecarService:
         if story is None:
             return web.Response(
                 status=404,
-                body=error_body("not_found", f"no record of request {request_id} here"),
+                body=_error("not_found", f"no record of request {request_id} here"),
                 content_type="application/json",
             )
         return web.json_response(story)
@@ -368,7 +370,7 @@ class SidecarService:
             return body_refused(exc)
         if rid not in self.ledger.flights:
             return web.Response(
-                status=404, body=error_body("not_found", f"no request {rid}"),
+                status=404, body=_error("not_found", f"no request {rid}"),
                 content_type="application/json",
             )  # fmt: skip
         done = await self.preempt(rid, mode, "ordered through /weir/v1/preempt")
@@ -421,12 +423,9 @@ class SidecarService:
             message = f"no room for {asked.tokens} tokens here ({room} reservable)"
             return web.Response(
                 status=409,
-                body=msgspec.json.encode(
-                    {"error": {"type": "conflict", "reason": "no_room", "message": message,
-                               "room_tokens": room}}
-                ),
+                body=_error("conflict", message, reason="no_room", room_tokens=room),
                 content_type="application/json",
-            )  # fmt: skip
+            )
         answer = msgspec.structs.replace(asked, reservation_id=granted.reservation_id)
         return web.Response(body=encode_json(answer), content_type="application/json")
 
@@ -446,7 +445,7 @@ class SidecarService:
         request: web.Request,
         intake: Intake,
         origin: _Origin,
-        reader: StreamReader | None = None,
+        reader: Splicer | None = None,
         preemptions: int = 0,
         client_rid: str = "",
         *,
@@ -516,7 +515,7 @@ class SidecarService:
                 return overload_response(exc.reason, exc.retry_after_s, str(exc))
             self._note_admission(flight)
             if streamed:
-                return await self._stream(request, flight, reader or StreamReader(intake.api))
+                return await self._stream(request, flight, reader or Splicer(intake.api))
             return await self._unary(flight)
         except (asyncio.CancelledError, ConnectionResetError):
             # The client went away. The cancellation runs to its end even if this handler
@@ -541,7 +540,7 @@ class SidecarService:
     def _engine_body(
         self,
         flight: Flight,
-        reader: StreamReader,
+        reader: Splicer,
         segment: int,
         resume: Continuation | None,
     ) -> tuple[EngineAPI, dict[str, Any]]:
@@ -555,8 +554,8 @@ class SidecarService:
         flight.engine_rid = f"{rec.rid}s{segment:03d}"
         body["rid"] = flight.engine_rid
         body["stream"] = flight.intake.stream
-        if flight.intake.stream and api is not EngineAPI.GENERATE:
-            self._ask_for_ids(api, body)
+        if flight.intake.stream:
+            ask_for_counts(api, body, token_ids=self.info.openai_token_ids)
         if self.policy.scheduling.priority_scheduling:
             now = self.ledger.clock()
             slack = rec.deadline_at - now if rec.deadline_at else None
@@ -565,36 +564,20 @@ class SidecarService:
             )
         return api, body
 
-    def _ask_for_ids(self, api: EngineAPI, body: dict[str, Any]) -> None:
-        """An OpenAI stream resumes token for token only from its token ids: ask the engine
-        for them where it can say them (SGLang 0.5.23), and for a token count in every
-        chunk (an engine that does not say ids still counts). The reader takes out of the
-        client's stream what it did not ask for."""
-        options = body.get("stream_options")
-        asked = dict(options) if isinstance(options, dict) else {}
-        body["stream_options"] = asked | {"include_usage": True, "continuous_usage_stats": True}
-        if not self.info.openai_token_ids:
-            return
-        if api is EngineAPI.COMPLETIONS:
-            body["return_token_ids"] = True  # in every chunk, and the prompt's in the first
-        else:  # chat: in one chunk after the last
-            body["return_input_ids_in_sglext"] = body["return_output_ids_in_sglext"] = True
-
-    async def continuation(self, flight: Flight, reader: StreamReader) -> Continuation:
+    async def continuation(self, flight: Flight, reader: Splicer) -> Continuation:
         """Everything another engine request needs to carry on where the client is: token
         ids wherever they are known (the engine then resumes token for token), else text."""
         rec = flight.record
         origin = self._origins[rec.rid]
-        ids = reader.generated_ids()
-        complete_ids = bool(ids) and len(ids) == reader.generated
+        ids = reader.exact_ids()
         return Continuation(
             request_id=rec.rid,
             tenant=rec.tenant,
             model=rec.model,
             api=flight.intake.api,
             body=origin.body,
-            prompt_ids=await self._prompt_ids(flight, reader) if complete_ids else (),
-            generated_ids=tuple(ids) if complete_ids else (),
+            prompt_ids=await self._prompt_ids(flight, reader) if ids else (),
+            generated_ids=tuple(ids),
             generated_text=reader.generated_text(),
             generated_tokens=reader.generated,
             max_new_tokens=reader.generated + rec.remaining_tokens,
@@ -608,7 +591,7 @@ class SidecarService:
             reservation=flight.target_reservation,
         )
 
-    async def _prompt_ids(self, flight: Flight, reader: StreamReader) -> tuple[int, ...]:
+    async def _prompt_ids(self, flight: Flight, reader: Splicer) -> tuple[int, ...]:
         """The prompt as the engine tokenized it: the client's ids, the ids the engine
         reported, or (a /generate text prompt) the engine's own tokenization of it, kept
         only if it has as many tokens as the engine counted."""
@@ -647,20 +630,11 @@ class SidecarService:
         self.ledger.add_tokens(flight, generated_here)
 
     async def _stream(
-        self, request: web.Request, flight: Flight, reader: StreamReader
+        self, request: web.Request, flight: Flight, reader: Splicer
     ) -> web.StreamResponse:
         reader.incremental_text = self.info.incremental_streaming
         reader.ids_delta = self.ids_delta
-        client = flight.intake.body
-        options = client.get("stream_options")
-        options = options if isinstance(options, dict) else {}
-        reader.client_usage = options.get("include_usage") is True
-        reader.client_chunk_usage = options.get("continuous_usage_stats") is True
-        reader.client_token_ids = client.get("return_token_ids") is True
-        reader.client_sglext = any(
-            client.get(key) is True
-            for key in ("return_input_ids_in_sglext", "return_output_ids_in_sglext")
-        )
+        reader.asks = Asks.of(flight.intake.body)
         reader.engine_api = flight.intake.engine_api
         base = reader.offset_tokens
         response: web.StreamResponse | None = None
@@ -672,7 +646,7 @@ class SidecarService:
             path = ENGINE_PATH[api]
             if flight.record.state is _S.PREFILL_READY:
                 self.ledger.move(flight, _S.PREFILL_RUNNING)
-            finish, lost = "", False
+            ending, lost = Ending.BROKEN, False
             try:
                 async with self.engine.open(path, body) as stream:
                     if stream.status != 200:
@@ -690,19 +664,19 @@ class SidecarService:
                             out = await DirectWriter.open(
                                 request,
                                 {
-                                    **_SSE_HEADERS,
                                     wire.REQUEST_ID: flight.rid,
                                     wire.CLIENT_REQUEST_ID: request_id_of(flight.rid),
                                 },
                             )
                             response = out.response
-                        forwarder = Forwarder(reader, flight, self.ledger, self._note_tokens, base)
-                        finish = await forwarder.run(stream, out)
+                        watch = LedgerWatch(reader, flight, self.ledger, self._note_tokens, base)
+                        ending = await Relay(reader, watch).run(stream.push, out)
             except (EngineError, MalformedEventError) as exc:
                 log.warning("request %s lost its engine stream: %s", flight.rid, exc)
                 lost = True
             if reader.ids_delta is not None:
                 self.ids_delta = reader.ids_delta  # learnt once per engine
+            finish = "deadline" if ending is Ending.DEADLINE else reader.finish
             if not finish and not lost:
                 lost = True  # the stream ended without a finish: the engine went away
             if response is None:
@@ -710,7 +684,7 @@ class SidecarService:
                 self._end(flight, _S.ABORTED, FinishReason.ERROR, "engine_unavailable")
                 return web.Response(
                     status=503,
-                    body=error_body("engine_unavailable", "the engine did not answer"),
+                    body=_error("engine_unavailable", "the engine did not answer"),
                     content_type="application/json",
                     headers={"Retry-After": "1"},
                 )
@@ -721,7 +695,7 @@ class SidecarService:
                 )
                 return response
             if finish and not (finish == "abort" and mode):
-                await response.write_eof(DONE)
+                await response.write_eof(DONE_FRAME)
                 self._finish(flight, finish_reason(finish))
                 return response
             if lost and not mode and flight.record.migratable and flight.record.state in _RESUMABLE:
@@ -775,7 +749,7 @@ class SidecarService:
     ) -> None:
         """End this response with the continuation, for the router to resume elsewhere."""
         data = encode_json(cont)
-        await response.write_eof(PREEMPTED_EVENT + b"data: " + data + b"\n\n")
+        await response.write_eof(preempted_frame(data))
         self.metrics.count("weir_sidecar_transferred_bytes_total", amount=len(data))
         self._note(flight, "handed_back", continuation_bytes=len(data))
         self._end(flight, _S.FINISHED, FinishReason.PREEMPTED)
@@ -798,7 +772,7 @@ class SidecarService:
         )
         return web.Response(
             status=400,
-            body=error_body("invalid_request", message, reason=TOO_LARGE),
+            body=_error("invalid_request", message, reason=TOO_LARGE),
             content_type="application/json",
         )
 
@@ -840,21 +814,21 @@ class SidecarService:
             self._end(flight, _S.ABORTED, reason, kind)
         body = error_body(kind, message, request_id=request_id_of(flight.rid))
         with contextlib.suppress(ConnectionResetError):
-            await response.write_eof(b"data: " + body + b"\n\n" + DONE)
+            await response.write_eof(sse(body) + DONE_FRAME)
 
     async def _unary(self, flight: Flight) -> web.Response:
-        api = flight.intake.api
+        reader = Splicer(flight.intake.api)
         self.ledger.move(flight, _S.PREFILL_RUNNING)
-        api, body = self._engine_body(flight, StreamReader(api), 0, None)
+        api, body = self._engine_body(flight, reader, 0, None)
         async with self.engine.open(ENGINE_PATH[api], body) as stream:
             status, payload = stream.status, await stream.body()
         if status != 200:
             self._end(flight, _S.ABORTED, FinishReason.ERROR, "engine_refused")
             return web.Response(status=status, body=payload, content_type="application/json")
-        finish, generated, prompt = _unary_outcome(api, payload)
-        if prompt:
-            self.ledger.set_prompt_tokens(flight, prompt)
-        self._note_tokens(flight, generated)
+        finish = reader.take_answer(payload)
+        if reader.engine_prompt_tokens:
+            self.ledger.set_prompt_tokens(flight, reader.engine_prompt_tokens)
+        self._note_tokens(flight, reader.generated)
         self._finish(flight, finish_reason(finish))
         return web.Response(
             body=payload,
@@ -1140,28 +1114,3 @@ def _deadline(header: str | None) -> float:
     if not 0.0 < value <= 86_400_000.0:
         raise RequestError(f"{wire.DEADLINE_MS} must be in (0, 86400000], got {header!r}")
     return value / 1000.0
-
-
-def _unary_outcome(api: EngineAPI, payload: bytes) -> tuple[str, int, int]:
-    """(finish, completion tokens, prompt tokens) of a non-streamed engine answer."""
-    try:
-        body = msgspec.json.decode(payload)
-    except msgspec.DecodeError:
-        return "", 0, 0
-    if not isinstance(body, dict):
-        return "", 0, 0
-    if api is EngineAPI.GENERATE:
-        meta = body.get("meta_info") or {}
-        fin = meta.get("finish_reason")
-        return (
-            str(fin.get("type", "")) if isinstance(fin, dict) else "",
-            int(meta.get("completion_tokens") or 0),
-            int(meta.get("prompt_tokens") or 0),
-        )
-    usage = body.get("usage") or {}
-    choices = body.get("choices") or [{}]
-    return (
-        str(choices[0].get("finish_reason") or ""),
-        int(usage.get("completion_tokens") or 0),
-        int(usage.get("prompt_tokens") or 0),
-    )

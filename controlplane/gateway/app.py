@@ -10,7 +10,7 @@ endpoint. An overload or a
 connection failure before the first byte moves the request to the next fallback (the
 secondary owner first). After bytes were streamed, a dead engine or a `weir.preempted`
 event resumes the request as a continuation elsewhere, spliced into the same client
-stream (`controlplane.gateway.relay`). A client that goes away aborts the request upstream
+stream (`controlplane.stream`). A client that goes away aborts the request upstream
 at once (the connection is closed and `/abort_request` is sent for its rid).
 
 Where a request goes, when it waits, and when it is refused is the dispatch core's
@@ -48,13 +48,13 @@ from controlplane.contract import (
     TenantQuota,
 )
 from controlplane.contract import headers as wire
+from controlplane.contract.vocabulary import DONE_FRAME, error_body, sse
 from controlplane.gateway.credits import HandoffGate
 from controlplane.gateway.errors import GatewayError, body_refused, refusal_error, unavailable
-from controlplane.gateway.metrics import RouterMetrics, length_bucket
+from controlplane.gateway.metrics import RouterMetrics
 from controlplane.gateway.pd import Pairing
 from controlplane.gateway.pool import PoolView, new_reports
 from controlplane.gateway.quotas import QuotaGate
-from controlplane.gateway.relay import Received, SegmentRelay, Splicer, sse
 from controlplane.gateway.requests import ClientRequest, Limits, decode_body, parse, resume_body
 from controlplane.gateway.tenants import TENANT_HEADER, TenantKeys
 from controlplane.ownership import block_hashes, prefix_key
@@ -72,11 +72,13 @@ from controlplane.routing import (
     profile_from_config,
 )
 from controlplane.routing.dispatch import Event
+from controlplane.stream import Asks, MalformedEventError, Splicer, ask_for_counts
+from controlplane.stream.relay import Ending, Relay, SegmentWatch
+from controlplane.telemetry.catalog import length_bucket
 from controlplane.trace.middleware import REQUEST_ID, request_ids
 from controlplane.trace.spans import CLIENT, TRACER, outgoing
 from controlplane.trace.trail import Trail
 from controlplane.transport import (
-    DONE,
     MAX_CONNECTIONS_PER_ORIGIN,
     HTTPClient,
     Response,
@@ -236,6 +238,19 @@ class _ClientGoneError(Exception):
     """The client closed its connection while we wrote to it."""
 
 
+class _FirstToken(SegmentWatch):
+    """The router's part in relaying a segment: when its client had the first token."""
+
+    def __init__(self, ex: _Exchange, clock: Callable[[], float]) -> None:
+        self._ex = ex
+        self._clock = clock
+
+    def delivered(self) -> None:
+        ex = self._ex
+        if not ex.first_token_at and ex.splicer.generated:
+            ex.first_token_at = self._clock()
+
+
 @dataclass(slots=True)
 class _Exchange:
     """One client request in flight."""
@@ -244,8 +259,7 @@ class _Exchange:
     route: RouteRequest
     tenant: str
     started: float
-    received: Received
-    splicer: Splicer
+    splicer: Splicer  # what the client has received
     out: DirectWriter | None = None  # the client's stream, once one started
     endpoint: str = ""
     address: str = ""
@@ -305,6 +319,9 @@ class Gateway:
             )  # fmt: skip
         self._served = self._models_of(view.snapshot)
         self._adapters = _adapters_of(view.snapshot)
+        # Whether the pool's /generate streams carry each event's ids only (SGLang 0.5.5)
+        # or all so far (0.5.23): learnt from the first stream that shows it.
+        self._ids_delta: bool | None = None
         view.on_change(self._snapshot_changed)
         self.guard = RequestGuard(
             config.server.for_context(config.limits.context_length),
@@ -411,7 +428,7 @@ class Gateway:
             broken = outcome == "broken"
             target = _target_of(ex.continuation) if ex.continuation else ""
             events = self.dispatch.handed_back(
-                rid, ex.received.tokens, now, snapshot, broken=broken, target=target
+                rid, ex.splicer.generated, now, snapshot, broken=broken, target=target
             )
         self._deliver(events)
         return await self._placed(ex, placed, now)
@@ -424,7 +441,7 @@ class Gateway:
         now = self.clock()
         self._deliver(
             self.dispatch.finished(
-                ex.route.request_id, ex.received.tokens, now, self._routable(now)
+                ex.route.request_id, ex.splicer.generated, now, self._routable(now)
             )
         )
 
@@ -539,9 +556,10 @@ class Gateway:
             return self._refuse(exc, tenant, request[REQUEST_ID])
         except BodyError as exc:
             return self._refuse(body_refused(exc), tenant, request[REQUEST_ID])
-        received = Received(api, prompt_tokens=client.prompt_tokens)
-        splicer = Splicer(received, self.config.limits.bytes_per_token)
-        ex = _Exchange(client, route, tenant, started, received, splicer)
+        splicer = Splicer(
+            api, Asks.of(client.body), prompt_tokens=client.prompt_tokens, ids_delta=self._ids_delta
+        )
+        ex = _Exchange(client, route, tenant, started, splicer)
         try:
             if self.pairing is not None:
                 await self.pairing.admit(ex)
@@ -593,13 +611,13 @@ class Gateway:
                     return result
                 if outcome != "refused":
                     # Broken or preempted after bytes reached the client: resume elsewhere.
-                    if ex.received.finish_reason or resumes >= self.config.max_resumes:
-                        return await self._end_stream(ex, complete=bool(ex.received.finish_reason))
+                    if ex.splicer.finish or resumes >= self.config.max_resumes:
+                        return await self._end_stream(ex, complete=bool(ex.splicer.finish))
                     resumes += 1
                     self.metrics.resumes.labels(self.config.pool, outcome).inc()
                     self.trail.record(
                         ex.route.request_id, "resume", cause=outcome, away_from=ex.endpoint,
-                        generated_tokens=ex.received.tokens,
+                        generated_tokens=ex.splicer.generated,
                     )  # fmt: skip
                     if not (outcome == "preempted" and ex.continuation):
                         # Rebuilt from what the client holds. A sidecar's own continuation
@@ -610,7 +628,7 @@ class Gateway:
                             body = resume_body(self._continuation(ex))
                         except GatewayError as exc:  # e.g. a prompt the router cannot rebuild
                             return await self._end_stream(ex, complete=False, refusal=exc)
-                        ex.splicer.resumed()
+                        ex.splicer.next_segment()
                 try:
                     endpoint_id = await self._redispatch(ex, outcome)
                 except GatewayError as exc:
@@ -623,8 +641,10 @@ class Gateway:
             raise
         finally:
             self._finish(ex)
-            self._release_quota(ex.route.request_id, ex.client.prompt_tokens, ex.received.tokens)
+            self._release_quota(ex.route.request_id, ex.client.prompt_tokens, ex.splicer.generated)
             self._account(ex)
+            if ex.splicer.ids_delta is not None:
+                self._ids_delta = ex.splicer.ids_delta
 
     async def answer_refusal(self, ex: _Exchange, exc: GatewayError) -> web.StreamResponse:
         """No endpoint took the request: its client is told, in the stream it has (a
@@ -639,8 +659,7 @@ class Gateway:
 
     def _continuation(self, ex: _Exchange) -> Continuation:
         """What the client holds, as the contract's continuation record."""
-        client = ex.client
-        ex.received.settle()
+        client, splicer = ex.client, ex.splicer
         return Continuation(
             request_id=ex.route.request_id,
             tenant=ex.tenant,
@@ -648,9 +667,9 @@ class Gateway:
             api=client.api,
             body=client.body,
             prompt_ids=client.prompt_ids,
-            generated_ids=tuple(ex.received.ids),
-            generated_text=ex.received.text,
-            generated_tokens=ex.received.tokens,
+            generated_ids=tuple(splicer.exact_ids()),
+            generated_text=splicer.generated_text(),
+            generated_tokens=splicer.generated,
             max_new_tokens=client.max_new_tokens,
             priority=client.priority,
         )
@@ -667,10 +686,13 @@ class Gateway:
         ex.endpoint, ex.address = endpoint_id, view.state.address
         ex.upstream_rid = uuid.uuid4().hex
         client = ex.client
+        sent = dict(body)
+        if client.stream:  # counted from the engine's own counts (`controlplane.stream`)
+            ask_for_counts(client.api, sent, token_ids=False)
         if ex.continuation:  # a sidecar's continuation: its next sidecar resumes it
             payload, path = ex.continuation, CONTINUE_PATH
         else:
-            payload = msgspec.json.encode({**body, "rid": ex.upstream_rid, "stream": client.stream})
+            payload = msgspec.json.encode({**sent, "rid": ex.upstream_rid, "stream": client.stream})
             path = _API_PATHS[client.api]
         headers = {
             "Content-Type": "application/json",
@@ -690,7 +712,7 @@ class Gateway:
         ):  # fmt: skip
             if self.pairing is not None:  # a P/D pair: this endpoint prefills
                 outcome = await self.pairing.attempt(
-                    self, request, ex, view, body, outgoing(headers), path
+                    self, request, ex, view, sent, outgoing(headers), path
                 )
             else:
                 outcome = await self._call(
@@ -745,6 +767,9 @@ class Gateway:
                     )
                 relaying = True
                 return await self._relay(request, ex, upstream)
+        except MalformedEventError as exc:  # read by the relay: the client's stream began
+            log.info("endpoint %s sent an unreadable stream: %s", endpoint_id, exc)
+            return "broken", None
         except TransportError as exc:
             log.info("endpoint %s failed: %s", endpoint_id, exc)
             if not relaying:
@@ -765,7 +790,9 @@ class Gateway:
         self, ex: _Exchange, endpoint_id: str, raw: bytes, status: int, content_type: str
     ) -> web.Response:
         """An endpoint's whole answer, counted and passed on."""
-        self._count_unary(ex, raw, status)
+        ex.finish = "error"
+        if status == 200:  # a whole answer that names no finish: "stop"
+            ex.finish = ex.splicer.take_answer(raw) or "stop"
         return web.Response(
             status=status, body=raw, content_type=content_type,
             headers={wire.ENDPOINT: endpoint_id},
@@ -786,47 +813,23 @@ class Gateway:
     ) -> tuple[str, web.StreamResponse | None]:
         if ex.out is None:
             ex.out = await DirectWriter.open(
-                request,
-                {
-                    "Content-Type": "text/event-stream",
-                    "Cache-Control": "no-cache",
-                    wire.ENDPOINT: ex.endpoint,
-                    wire.CLIENT_REQUEST_ID: ex.route.request_id,
-                },
+                request, {wire.ENDPOINT: ex.endpoint, wire.CLIENT_REQUEST_ID: ex.route.request_id}
             )
         out = ex.out
-        response = out.response
-
-        def first_token() -> None:
-            ex.first_token_at = self.clock()
-
-        relay = SegmentRelay(ex.splicer, out, first_token)
+        relay = Relay(ex.splicer, _FirstToken(ex, self.clock))
         try:
-            while True:
-                body_ended: bool = False
-                if first:  # read before the relay began: fed as if just read
-                    relay.feed(first)
-                    first = None
-                else:
-                    wire_sink = relay.feed_wire if relay.cuts_through else None
-                    body_ended = await upstream.push_events(relay.feed, wire_sink)
-                if relay.pending:
-                    data, relay.pending = bytes(relay.pending), bytearray()
-                    await out.write_first(data)
-                if relay.outcome == "preempted":
-                    ex.continuation = relay.continuation
-                    return "preempted", None
-                if relay.outcome == "done":
-                    ex.finish = ex.received.finish_reason or (
-                        "error" if ex.received.error else "stop"
-                    )
-                    await response.write_eof()
-                    return "done", response
-                if body_ended:
-                    return "broken", None  # the upstream stream ended without [DONE]
-                await out.drain()  # stopped for a full client buffer (or the first write)
+            ending = await relay.run(upstream.push_events, out, first)
+            if ending is Ending.DONE:
+                splicer = ex.splicer
+                ex.finish = splicer.finish or ("error" if splicer.failed else "stop")
+                await out.response.write_eof(DONE_FRAME)
+                return "done", out.response
         except (ConnectionResetError, aiohttp.ClientConnectionResetError) as exc:
             raise _ClientGoneError() from exc
+        if ending is Ending.PREEMPTED:
+            ex.continuation = relay.continuation
+            return "preempted", None
+        return "broken", None  # the upstream stream ended without [DONE]
 
     async def _end_stream(
         self, ex: _Exchange, *, complete: bool, refusal: GatewayError | None = None
@@ -837,7 +840,7 @@ class Gateway:
         response = ex.response
         assert response is not None
         if complete:
-            ex.finish = ex.received.finish_reason
+            ex.finish = ex.splicer.finish
         else:
             ex.finish = "error"
             reason, message = (
@@ -845,14 +848,11 @@ class Gateway:
                 if refusal is not None
                 else ("resume_failed", "the engine failed and no endpoint could resume")
             )
-            error = {
-                "error": {
-                    "type": "unavailable", "reason": reason, "message": message,
-                    "request_id": ex.route.request_id,
-                }
-            }  # fmt: skip
-            await _write(response, sse(msgspec.json.encode(error)))
-        await _write(response, sse(DONE))
+            error = error_body(
+                "unavailable", message, reason=reason, request_id=ex.route.request_id
+            )
+            await _write(response, sse(error))
+        await _write(response, DONE_FRAME)
         await response.write_eof()
         return response
 
@@ -885,26 +885,10 @@ class Gateway:
 
         self._spawn(abort())
 
-    def _count_unary(self, ex: _Exchange, raw: bytes, status: int) -> None:
-        """A whole answer's finish reason and output tokens, for the metrics."""
-        ex.finish = "error"
-        if status != 200:
-            return
-        try:
-            reply = msgspec.json.decode(raw)
-        except msgspec.DecodeError:
-            return
-        if not isinstance(reply, dict):
-            return
-        ex.finish = _unary_finish(reply)
-        usage = reply.get("usage") or reply.get("meta_info") or {}
-        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-            ex.received.tokens = usage["completion_tokens"]
-
     def _account(self, ex: _Exchange) -> None:
         m, pool, tenant = self.metrics, self.config.pool, ex.tenant
         now = self.clock()
-        out = ex.received.tokens
+        out = ex.splicer.generated
         self.trail.record(
             ex.route.request_id, "end", finish=ex.finish, endpoint=ex.endpoint or None,
             output_tokens=out, e2e_s=round(now - ex.started, 6),
@@ -1066,19 +1050,6 @@ def _endpoint_rows(
         }
         for e in snapshot.endpoints
     ]
-
-
-def _unary_finish(reply: dict[str, Any]) -> str:
-    """The finish reason of a whole OpenAI or /generate answer ("stop" when unnamed)."""
-    choices = reply.get("choices")
-    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
-        reason = choices[0].get("finish_reason")
-        return reason if isinstance(reason, str) else "stop"
-    meta = reply.get("meta_info")
-    finish = meta.get("finish_reason") if isinstance(meta, dict) else None
-    if isinstance(finish, dict) and isinstance(finish.get("type"), str):
-        return str(finish["type"])
-    return "stop"
 
 
 class _Held(msgspec.Struct):

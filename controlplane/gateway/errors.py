@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import math
 
-import msgspec
 from aiohttp import web
 
 from controlplane.contract.request_checks import RequestCheckError
+from controlplane.contract.vocabulary import error_body
 from controlplane.routing import Refusal
-from controlplane.trace.trail import NO_REQUEST, current_request
+from controlplane.trace.trail import handled_request
 from controlplane.transport.guard import BodyError
 
 
@@ -42,20 +42,16 @@ class GatewayError(Exception):
         self.upstream_reason: str | None = None
 
     def response(self) -> web.Response:
-        error = {"type": self.error_type, "reason": self.reason, "message": self.message}
-        if self.param is not None:
-            error["param"] = self.param
-        if self.upstream_reason is not None:
-            error["upstream_reason"] = self.upstream_reason
-        if (request_id := current_request.get()) != NO_REQUEST:
-            error["request_id"] = request_id
-        body = {"error": error}
+        body = error_body(
+            self.error_type, self.message, reason=self.reason, param=self.param,
+            upstream_reason=self.upstream_reason, request_id=handled_request(),
+        )  # fmt: skip
         headers = {}
         if self.retry_after_s is not None:
             headers["Retry-After"] = str(max(1, math.ceil(self.retry_after_s)))
         return web.Response(
             status=self.status,
-            body=msgspec.json.encode(body),
+            body=body,
             content_type="application/json",
             headers=headers,
         )

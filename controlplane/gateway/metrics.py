@@ -16,15 +16,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from controlplane.telemetry.catalog import ROUTER, MetricKind
 from controlplane.transport import TRANSPORT_REASONS
 
-
-def length_bucket(tokens: int) -> str:
-    """Input/output length label: powers of four, so the series count stays small."""
-    for bound in (256, 1024, 4096, 16384):
-        if tokens <= bound:
-            return f"le{bound}"
-    return "gt16384"
-
-
 # The label values the gateway produces, by family (reasons are the `reason` of its
 # refusals: `controlplane.gateway.errors`, the quota store's limits, the fair queue; a
 # retry's, the upstream's status or the transport failure's kind).

@@ -43,11 +43,11 @@ from aiohttp import web
 
 from controlplane.contract import Role
 from controlplane.contract import headers as wire
+from controlplane.contract.vocabulary import PREEMPTED_EVENT
 from controlplane.gateway.credits import HandoffGate
 from controlplane.gateway.errors import GatewayError, overload, refusal_error
 from controlplane.gateway.metrics import RouterMetrics
 from controlplane.gateway.pool import PoolView, new_reports
-from controlplane.gateway.relay import PREEMPTED_EVENT
 from controlplane.routing import (
     Dispatcher,
     EndpointView,
@@ -57,8 +57,9 @@ from controlplane.routing import (
     Refused,
     RouteRequest,
 )
+from controlplane.stream.events import opens_answer
 from controlplane.trace.trail import Trail
-from controlplane.transport import DONE, HTTPClient, Response, SSEEvent, TransportError
+from controlplane.transport import HTTPClient, Response, SSEEvent, TransportError
 
 if TYPE_CHECKING:
     from controlplane.gateway.app import _Exchange
@@ -154,7 +155,7 @@ class Pairing:
         rid = ex.route.request_id
         name = rid if not pair.taken else f"{rid}.{pair.taken}"
         # A resume ships the prompt and what the client holds so far.
-        tokens = ex.client.prompt_tokens + ex.received.tokens
+        tokens = ex.client.prompt_tokens + ex.splicer.generated
         try:
             pair.credit = (await self.gate.take(name, tokens)).credit_id
         except GatewayError:
@@ -209,7 +210,7 @@ class Pairing:
                 finally:
                     now = self.clock()
                     self.dispatch.finished(
-                        ex.route.request_id, ex.received.tokens, now, self._snapshot(now)
+                        ex.route.request_id, ex.splicer.generated, now, self._snapshot(now)
                     )
                 if outcome[0] != _DECODE_FAILED:
                     return outcome
@@ -234,7 +235,7 @@ class Pairing:
         now = self.clock()
         snapshot = self.view.current(now)
         client, route = ex.client, ex.route
-        generated = ex.received.tokens
+        generated = ex.splicer.generated
         decode_route = RouteRequest(
             request_id=route.request_id,
             model=client.model,
@@ -444,21 +445,9 @@ def _has_started(events: list[SSEEvent]) -> bool:
     """The decode stream began with an answer (its first token, or a chat's role), not
     an error, an abort or a sidecar's hand-back."""
     for event in events:
-        if event.event == PREEMPTED_EVENT or event.data == DONE:
+        if event.event == PREEMPTED_EVENT or event.done:
             return False
-        try:
-            chunk = msgspec.json.decode(event.data)
-        except msgspec.DecodeError:
-            return False
-        if not isinstance(chunk, dict) or "error" in chunk:
-            return False
-        meta = chunk.get("meta_info")
-        finish = meta.get("finish_reason") if isinstance(meta, dict) else None
-        if isinstance(finish, dict) and finish.get("type") == "abort":
-            return False
-        choices = chunk.get("choices")
-        first = choices[0] if isinstance(choices, list) and choices else None
-        return not (isinstance(first, dict) and first.get("finish_reason") == "abort")
+        return opens_answer(event.data)
     return False
 
 

@@ -46,6 +46,19 @@ MS_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 1000.0)
 _G, _C, _H = MetricKind.GAUGE, MetricKind.COUNTER, MetricKind.HISTOGRAM
 _EP = ("pool", "endpoint")
 _LEN = ("input_bucket", "output_bucket")
+_LENGTH_BOUNDS = (256, 1024, 4096, 16384)
+LENGTH_BUCKETS = (*(f"le{bound}" for bound in _LENGTH_BOUNDS), f"gt{_LENGTH_BOUNDS[-1]}")
+"""Every value of `input_bucket` and `output_bucket`, shortest first."""
+
+
+def length_bucket(tokens: int) -> str:
+    """The `input_bucket`/`output_bucket` of a length in tokens, the same at every hop so
+    that router and sidecar series join: powers of four, so the series count stays small."""
+    for bound, name in zip(_LENGTH_BOUNDS, LENGTH_BUCKETS, strict=False):
+        if tokens <= bound:
+            return name
+    return LENGTH_BUCKETS[-1]
+
 
 SIDECAR: tuple[MetricSpec, ...] = (
     MetricSpec(
@@ -337,4 +350,17 @@ def render_markdown() -> str:
             f"| `{s.name}` | {s.kind} | {', '.join(f'`{label}`' for label in s.labels)} | {s.help} |"
             for s in specs
         ]
+    values = ", ".join(f"`{name}`" for name in LENGTH_BUCKETS)
+    lines += [
+        "",
+        "## Length buckets",
+        "",
+        "`input_bucket` (the prompt's tokens) and `output_bucket` take the same values at the",
+        f"router and the sidecar, so their series join: {values}.",
+        "At the router `output_bucket` counts the tokens the client received; at the sidecar,",
+        "the tokens the request asked for (`max_new_tokens`: its time to first token is",
+        "observed before the output is known). The sidecar's values were `le1k`, `le4k`,",
+        "`le16k` and `gt16k` before they were shared: a query or recording rule that names",
+        "those needs the new ones.",
+    ]
     return "\n".join(lines) + "\n"

@@ -40,6 +40,12 @@ DECISIONS = logging.getLogger("weir.decisions")
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s [%(request_id)s] %(message)s"
 
 
+def handled_request() -> str | None:
+    """The id of the request being handled, None outside one (for its error bodies)."""
+    request_id = current_request.get()
+    return None if request_id == NO_REQUEST else request_id
+
+
 def carried_request_id(given: str | None) -> str:
     """`given` when Weir can carry it across the hops (1 to 64 of `A-Za-z0-9._:-`), else
     a fresh id: a client's malformed tracing header never fails its request."""

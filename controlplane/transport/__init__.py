@@ -22,10 +22,9 @@ from controlplane.transport.http import (
     Response,
     TransportError,
 )
-from controlplane.transport.sse import DONE, SSEEvent, SSEFramer
+from controlplane.transport.sse import SSEEvent, SSEFramer
 
 __all__ = [
-    "DONE",
     "MAX_CONNECTIONS_PER_ORIGIN",
     "TRANSPORT_REASONS",
     "ClosedError",

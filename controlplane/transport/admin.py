@@ -5,8 +5,9 @@ from __future__ import annotations
 import hmac
 from collections.abc import Awaitable, Callable
 
-import msgspec
 from aiohttp import web
+
+from controlplane.contract.vocabulary import error_body
 
 Handler = Callable[[web.Request], Awaitable[web.Response]]
 
@@ -26,15 +27,14 @@ def admin_only(token: str, service: str, handler: Handler) -> Handler:
             scheme.lower() == "bearer"
         ):
             return await handler(request)
-        error = {
-            "type": "unauthorized",
-            "message": f"this admin route needs the {service}'s admin token "
-            "(Authorization: Bearer TOKEN)",
-            "reason": "invalid_admin_token" if given else "missing_admin_token",
-        }
+        body = error_body(
+            "unauthorized",
+            f"this admin route needs the {service}'s admin token (Authorization: Bearer TOKEN)",
+            reason="invalid_admin_token" if given else "missing_admin_token",
+        )
         return web.Response(
             status=401,
-            body=msgspec.json.encode({"error": error}),
+            body=body,
             content_type="application/json",
             headers={"WWW-Authenticate": f'Bearer realm="weir-{service}"'},
         )

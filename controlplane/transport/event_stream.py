@@ -14,6 +14,8 @@ import asyncio
 
 from aiohttp import web
 
+_EVENT_STREAM = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
 
 class EventStreamResponse(web.StreamResponse):
     """A streamed reply whose headers leave with its first event."""
@@ -35,8 +37,9 @@ class DirectWriter:
 
     @classmethod
     async def open(cls, request: web.Request, headers: dict[str, str]) -> DirectWriter:
-        """Start an event stream (its headers leave with its first event) and its writer."""
-        response = EventStreamResponse(headers=headers)
+        """Start an event stream (its headers, `headers` besides the stream's own, leave
+        with its first event) and its writer."""
+        response = EventStreamResponse(headers=_EVENT_STREAM | headers)
         await response.prepare(request)
         return cls(request, response)
 

@@ -48,8 +48,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import TypeVar, cast
 
-import msgspec
 from aiohttp import StreamReader, web
+
+from controlplane.contract.vocabulary import error_body
 
 log = logging.getLogger(__name__)
 
@@ -372,8 +373,7 @@ class RequestGuard:
             f"this server has {limits.max_connections} connections open, its most: "
             "retry shortly, or on another connection you keep open"
         )
-        error = {"type": "unavailable", "reason": "too_many_connections", "message": message}
-        body = msgspec.json.encode({"error": error})
+        body = error_body("unavailable", message, reason="too_many_connections")
         self.refusal = (
             b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
             b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%b"

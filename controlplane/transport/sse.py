@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-DONE = b"[DONE]"
+from controlplane.contract.vocabulary import DONE
 
 
 @dataclass(slots=True)  # not frozen: built for every relayed event, and frozen costs 2×

@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 from controlplane.telemetry import CATALOG, MetricKind, metric_names
-from controlplane.telemetry.catalog import render_markdown
+from controlplane.telemetry.catalog import LENGTH_BUCKETS, length_bucket, render_markdown
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,3 +32,12 @@ def test_metrics_doc_is_generated_from_the_catalogue() -> None:
     assert doc == render_markdown(), (
         "regenerate: python -m controlplane.telemetry > docs/metrics.md"
     )
+
+
+def test_router_and_sidecar_label_lengths_alike() -> None:
+    """One labelling for both hops (`input_bucket`, `output_bucket`), so series join."""
+    lengths = (1, 256, 257, 1024, 4096, 16384, 16385)
+    assert [length_bucket(n) for n in lengths] == [
+        "le256", "le256", "le1024", "le1024", "le4096", "le16384", "gt16384",
+    ]  # fmt: skip
+    assert set(map(length_bucket, lengths)) == set(LENGTH_BUCKETS)

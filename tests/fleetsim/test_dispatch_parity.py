@@ -32,7 +32,6 @@ from controlplane.contract import (
 )
 from controlplane.gateway import ClientRequest, Gateway, GatewayConfig, GatewayError, PoolView
 from controlplane.gateway.app import REPORT_LAG_S, _Exchange
-from controlplane.gateway.relay import Received, Splicer
 from controlplane.ownership import Membership, OwnershipRing
 from controlplane.routing import (
     Dispatcher,
@@ -43,6 +42,7 @@ from controlplane.routing import (
     default_config,
     profile_from_config,
 )
+from controlplane.stream import Splicer
 from fleetsim.sim.config import MODEL, FleetConfig
 from fleetsim.sim.flight import Flight, Stage
 from fleetsim.sim.gate import RouterGate
@@ -342,8 +342,8 @@ def _exchange(route: RouteRequest) -> _Exchange:
         max_new_tokens=route.max_new_tokens, priority=route.priority,
         deadline_s=route.deadline_s,
     )  # fmt: skip
-    received = Received(EngineAPI.GENERATE, prompt_tokens=route.prompt_tokens)
-    return _Exchange(client, route, route.tenant, 0.0, received, Splicer(received, 1.0))
+    splicer = Splicer(EngineAPI.GENERATE, prompt_tokens=route.prompt_tokens)
+    return _Exchange(client, route, route.tenant, 0.0, splicer)
 
 
 async def _live(script: tuple[Event, ...], routes: dict[str, RouteRequest]) -> Decisions:
@@ -362,12 +362,12 @@ async def _live(script: tuple[Event, ...], routes: dict[str, RouteRequest]) -> D
             live.follow(ex, gateway._admit(ex))
         elif isinstance(event, Finish):
             ex = exchanges[event.rid]
-            ex.received.tokens = event.generated
+            ex.splicer.seg_tokens = event.generated
             finished.add(event.rid)
             gateway._finish(ex)
         elif isinstance(event, Preempt):
             ex = exchanges[event.rid]
-            ex.received.tokens = event.generated
+            ex.splicer.seg_tokens = event.generated
             # The sidecar's continuation, as the relay hands it over: it names the target.
             ex.continuation = encode_json(_continuation(event)) if event.target else b""
             live.follow(ex, gateway._redispatch(ex, "preempted"))
@@ -376,7 +376,7 @@ async def _live(script: tuple[Event, ...], routes: dict[str, RouteRequest]) -> D
             live.dead.add(endpoint)
             for rid in _streaming(live.decisions, endpoint, finished):
                 ex = exchanges[rid]
-                ex.received.tokens = FAILED_AFTER
+                ex.splicer.seg_tokens = FAILED_AFTER
                 live.follow(ex, gateway._redispatch(ex, "broken"))
         await live.settle()
     if gateway._wakeup is not None:

@@ -41,9 +41,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add("--profile", metavar="FILE", help="routing profile (YAML/JSON; see controlplane.routing)")
     add("--context-length", type=int, help="default: the policy's, else 32768")
     add("--bytes-per-token", type=float, default=4.0,
-        help="UTF-8 prompt bytes per token for the router's estimates (context check, "
-             "prefix blocks, resume counts): ~4 for real tokenizers, 1 for the reference "
-             "engine, whose tokens are bytes")  # fmt: skip
+        help="UTF-8 prompt bytes per token for the router's estimates of a prompt (context "
+             "check, prefix blocks; output is counted from the engine's own counts): ~4 for "
+             "real tokenizers, 1 for the reference engine, whose tokens are bytes")  # fmt: skip
     add("--staleness-s", type=float,
         help="route on the last snapshot this long while Redis is unreachable, then refuse "
              "(default: the policy's routing.snapshot_staleness_s, else 10)")  # fmt: skip

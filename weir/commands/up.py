@@ -129,6 +129,7 @@ def _sample(fleet: object, i: int) -> bool:
     import urllib.error
     import urllib.request
 
+    from controlplane.contract.vocabulary import DONE_FRAME
     from weir.local.fleet import LocalFleet
 
     assert isinstance(fleet, LocalFleet)
@@ -150,7 +151,7 @@ def _sample(fleet: object, i: int) -> bool:
             done = False
             for raw in reply:
                 line = raw.strip()
-                if line == b"data: [DONE]":
+                if line == DONE_FRAME.strip():
                     done = True
                 elif line.startswith(b"data: "):
                     chunk = json.loads(line[6:])
