@@ -389,8 +389,11 @@ class EngineServer:
         }
 
     def _native_chunk(self, stream: Stream, last: bool) -> list[object]:
-        """Cumulative text; output_ids cumulative on 0.5.23, only the new ones on 0.5.5;
-        with --incremental-streaming-output (0.5.23) only the new text and ids."""
+        """Cumulative text; output_ids cumulative on 0.5.23, on 0.5.5 only those of the
+        latest step: its tokenizer manager keeps each step's new ids in a list and a
+        stream reads only the list's last entry, so when steps coalesce (a client slower
+        than the engine) the ids of all but the last are lost, as there. With
+        --incremental-streaming-output (0.5.23) only the new text and ids."""
         req, shown = stream.req, stream.shown
         first = stream.first_sent_at < 0
         if self.new_api and self.config.incremental_streaming_output:
@@ -399,7 +402,7 @@ class EngineServer:
                 return []
         else:
             text = req.output_text() if last else decode(req.output_ids[:shown])
-            ids = req.output_ids[0 if self.new_api else stream.sent : shown]
+            ids = req.output_ids[0 if self.new_api else max(stream.sent, stream.step_from) : shown]
             stream.sent = shown
         return [{"text": text, "output_ids": ids, "meta_info": self._meta(stream, first)}]
 

@@ -45,6 +45,7 @@ class Stream:
         "sent",
         "sent_text",
         "shown",
+        "step_from",
         "streaming",
     )
 
@@ -54,6 +55,7 @@ class Stream:
         self.measured = measured  # counted in /metrics (SGLang's health checks are not)
         self.event = asyncio.Event()
         self.shown = 0  # output tokens published to handlers
+        self.step_from = 0  # where the latest publish's tokens start
         self.finished = False  # the finish is published
         self.sent = 0  # output tokens already written to the client
         self.sent_text = 0  # characters of output text already written
@@ -61,7 +63,9 @@ class Stream:
         self.first_sent_at = -1.0  # when the first chunk went out (SGLang's response_sent)
 
     def publish(self, finished: bool = False) -> None:
-        self.shown = len(self.req.output_ids)
+        shown = len(self.req.output_ids)
+        if shown > self.shown:
+            self.step_from, self.shown = self.shown, shown
         self.finished = self.finished or finished
         self.event.set()
 

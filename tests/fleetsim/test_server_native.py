@@ -10,9 +10,13 @@ from typing import Any
 import aiohttp
 import pytest
 
+from fleetsim.engine import EngineModel
 from fleetsim.server import RunningEngine, serve_engine
+from fleetsim.server.app import EngineServer
+from fleetsim.server.driver import EngineDriver, Stream
+from fleetsim.server.metrics import EngineMetrics
 
-from .conftest import small_config, until
+from .conftest import FAST, small_config, submit, until
 
 
 async def post(http: aiohttp.ClientSession, url: str, body: object) -> tuple[int, Any]:
@@ -376,3 +380,30 @@ async def test_health_answers_once_the_engine_produced_output(engine: RunningEng
         assert not engine.driver.held  # the check's request went with it
         await post(http, f"{engine.url}/continue_generation", {})
         assert (await get(http, f"{engine.url}/health_generate"))[0] == 200
+
+
+@pytest.mark.parametrize("version", ["0.5.5", "0.5.23"])
+async def test_steps_that_coalesce_keep_only_the_last_step_s_ids_on_0_5_5(version: str) -> None:
+    """Several decode steps in one chunk (the client read slower than the engine wrote):
+    0.5.23's cumulative ids hold every token; 0.5.5's hold only the latest step's, as
+    SGLang 0.5.5's tokenizer manager sends them (a stream reads only the last of the
+    outputs queued for it), so the ids of the steps before are lost to the client."""
+    config = small_config()
+    model = EngineModel(config)
+    metrics = EngineMetrics(model, version)
+    server = EngineServer(model, EngineDriver(model, metrics, FAST), metrics, version)
+    req = submit(model, "slow-reader", "coalesce", 10)
+    stream = Stream(req, streaming=True)
+    now, chunks = 0.0, []
+    for tokens in (1, 4, 10):  # the client reads after the 1st, 4th and 10th token
+        while len(req.output_ids) < tokens:
+            now += model.step(now).duration
+            stream.publish(finished=req.finished)
+        chunks += server._native_chunk(stream, last=stream.finished)
+    counts = [c["meta_info"]["completion_tokens"] for c in chunks]  # type: ignore[index]
+    ids = [c["output_ids"] for c in chunks]  # type: ignore[index]
+    assert counts == [1, 4, 10]
+    if version == "0.5.23":
+        assert ids == [req.output_ids[:1], req.output_ids[:4], req.output_ids[:10]]
+    else:
+        assert ids == [req.output_ids[:1], req.output_ids[3:4], req.output_ids[9:10]]

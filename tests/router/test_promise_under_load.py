@@ -115,12 +115,14 @@ async def test_two_sidecars_that_want_one_peer_s_room_do_not_both_move_into_it(
     takes the room), the other resumes its victim in place once its own room returns.
     Both streams end whole; every reservation is consumed or expires. (The test holds
     room itself to steer: the second stream away from the first's endpoint, and both
-    endpoints into exhaustion at once.)"""
+    endpoints into exhaustion at once.) The engines are slow enough (speed 10 grew the
+    first stream past the steering hold on a fast machine) that the first stream neither
+    outgrows the hold nor ends before the second is well along; it is the longer one."""
     kv = 20_000  # 1,000 tokens of safety, 2,000 between critical and exhausted
-    bodies = [request_body(i, 3000) for i in range(2)]
+    bodies = [request_body(0, 3700), request_body(1, 3000)]
     expected = await _expected(bodies)
     async with (
-        live_fleet(redis_url, kv_tokens=kv, speed_factor=10.0) as fleet,
+        live_fleet(redis_url, kv_tokens=kv, speed_factor=3.0) as fleet,
         aiohttp.ClientSession() as session,
     ):
         view = fleet.router.gateway.view
@@ -134,10 +136,11 @@ async def test_two_sidecars_that_want_one_peer_s_room_do_not_both_move_into_it(
         await asyncio.wait_for(streams[0].progress.wait(), 30.0)
         x = streams[0].endpoint
         (y,) = set(fleet.sidecars) - {x}
-        # x out of routing for a while (room held, critical, 1,800 tokens short of
-        # exhausted): the second stream goes to y.
+        # x out of routing for a while (room held, critical, 1,900 tokens short of
+        # exhausted; at most ~300 tokens a second at this pace, the first stream grows
+        # ~900 in the hold's 3 s): the second stream goes to y.
         ledger_x = fleet.sidecars[x].service.ledger
-        assert ledger_x.reserve("pin", ledger_x.room_tokens() - 1_800, ttl_s=3.0) is not None
+        assert ledger_x.reserve("pin", ledger_x.room_tokens() - 1_900, ttl_s=3.0) is not None
         await until(lambda: published(x).watermark is WatermarkState.CRITICAL, "x critical")
         second = asyncio.create_task(read_stream(session, url, bodies[1], streams[1]))
         await asyncio.wait_for(streams[1].progress.wait(), 30.0)
@@ -150,6 +153,7 @@ async def test_two_sidecars_that_want_one_peer_s_room_do_not_both_move_into_it(
                 (held := lg.candidates()) and held[0].generated_tokens >= 1_500 for lg in ledgers
             ),
             "both streams well along",
+            timeout_s=60.0,
         )
         # A third endpoint with room for either continuation, not for both.
         sizes = [continuation_tokens(lg.candidates()[0], POOL_KV) for lg in ledgers]
@@ -160,7 +164,7 @@ async def test_two_sidecars_that_want_one_peer_s_room_do_not_both_move_into_it(
         # Both exhausted at once (all their room held): both relieve, both want s2.
         for ledger in ledgers:
             assert ledger.reserve("exhaust", ledger.room_tokens(), ttl_s=1.5) is not None
-        await asyncio.wait_for(asyncio.gather(first, second), 120.0)
+        await asyncio.wait_for(asyncio.gather(first, second), 180.0)
         _assert_whole(streams, expected)
         moved = {
             mode: sum(
@@ -344,13 +348,17 @@ async def test_a_fleet_on_a_redis_cluster_keeps_every_stream_while_the_pool_s_sl
     """Router and sidecars given only a redis+cluster:// URL (with AUTH), the tenant's
     quota on: mid-stream, the pool's hash slot migrates to another primary key by key.
     Every stream ends whole, the quota is exact before and after the move and back to
-    zero once the streams end, and new requests are admitted."""
-    bodies = [request_body(i, 400) for i in range(8)]
+    zero once the streams end, and new requests are admitted. (The streams are long and
+    the engines slow so that they outlast the move on any machine: at speed 20 and 400
+    tokens they ended before it on a fast one.)"""
+    bodies = [request_body(i, 1500) for i in range(8)]
     expected = await _expected(bodies)
     quotas = QuotaStore(connect(RedisSettings.from_url(redis_cluster_url)), POOL)
     tenant = TenantQuota(name="default", max_concurrency=10)
     async with (
-        live_fleet(redis_cluster_url, kv_tokens=20_000, tenants=(tenant,)) as fleet,
+        live_fleet(
+            redis_cluster_url, kv_tokens=20_000, speed_factor=5.0, tenants=(tenant,)
+        ) as fleet,
         aiohttp.ClientSession() as session,
     ):
         streams = [Stream() for _ in bodies]
