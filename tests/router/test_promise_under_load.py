@@ -49,10 +49,8 @@ async def _expected(bodies: list[dict[str, object]]) -> list[str]:
 
 
 async def _settled(fleet: LiveFleet) -> None:
-    gateway = fleet.router.gateway
-    await until(
-        lambda: gateway.dispatch.inflight.total == 0, "the router to release every endpoint"
-    )
+    router = fleet.router.router
+    await until(lambda: router.dispatch.inflight.total == 0, "the router to release every endpoint")
     for sidecar in fleet.sidecars.values():
         await until(lambda s=sidecar: not s.service.ledger.flights, "the sidecars to empty")
         assert sidecar.service.ledger.own_used == 0
@@ -69,7 +67,7 @@ def _idle(engine: RunningEngine) -> bool:
 
 
 def _router_count(fleet: LiveFleet, name: str, **labels: str) -> float:
-    registry = fleet.router.gateway.metrics.registry
+    registry = fleet.router.router.metrics.registry
     return registry.get_sample_value(name, {"pool": POOL, **labels}) or 0.0
 
 
@@ -125,7 +123,7 @@ async def test_two_sidecars_that_want_one_peer_s_room_do_not_both_move_into_it(
         live_fleet(redis_url, kv_tokens=kv, speed_factor=3.0) as fleet,
         aiohttp.ClientSession() as session,
     ):
-        view = fleet.router.gateway.view
+        view = fleet.router.router.view
 
         def published(endpoint_id: str) -> EndpointState:
             return view.snapshot.by_id[endpoint_id].state

@@ -13,8 +13,8 @@ import pytest
 import redis
 
 from controlplane.contract import TenantQuota
-from controlplane.gateway.errors import GatewayError
-from controlplane.gateway.quotas import QuotaGate
+from controlplane.router.errors import RouterError
+from controlplane.router.quotas import QuotaGate
 from controlplane.store import QuotaStore, RedisSettings, cancel_loops, connect
 from tests.router.conftest import MODEL, POOL, eventually, make_fleet
 from weir.local.redis_server import RedisServer
@@ -39,7 +39,7 @@ async def _gate(server: RedisServer, lease_ttl_s: float = 30.0) -> AsyncIterator
     gate = QuotaGate(QuotaStore(client, POOL), (BATCH,), lease_ttl_s)
     try:
         await gate.publish()
-        await gate.store.renew_holder(gate.holder, lease_ttl_s)  # as serve_gateway does
+        await gate.store.renew_holder(gate.holder, lease_ttl_s)  # as serve_router does
         yield gate
     finally:
         await client.aclose()
@@ -84,7 +84,7 @@ async def test_releases_made_while_redis_is_down_land_once_it_answers_again() ->
             store = gate.store
             for i in range(8):
                 await gate.charge("batch", f"r{i}", 10, 100)
-            with pytest.raises(GatewayError) as full:
+            with pytest.raises(RouterError) as full:
                 await gate.charge("batch", "r-late", 10, 100)
             assert (full.value.status, full.value.reason) == (429, "concurrency")
 
@@ -125,7 +125,7 @@ async def test_charges_a_lagging_failover_brings_back_are_reconciled_away() -> N
             assert await _in_use(store) == 1
 
             await asyncio.to_thread(server.stop)  # no save at shutdown: the snapshot stays
-            with pytest.raises(GatewayError) as unavailable:  # a request during the failover
+            with pytest.raises(RouterError) as unavailable:  # a request during the failover
                 await gate.charge("batch", "during", 10, 100)
             assert (unavailable.value.status, unavailable.value.reason) == (
                 503, "quota_unavailable",
@@ -184,7 +184,7 @@ async def test_streams_that_end_while_redis_is_down_give_their_slots_back() -> N
             ) as fleet,
             aiohttp.ClientSession() as session,
         ):
-            gateway = fleet.gateway.gateway
+            router = fleet.router.router
             streams = []
             for _ in range(4):
                 reply = await session.post(
@@ -210,7 +210,7 @@ async def test_streams_that_end_while_redis_is_down_give_their_slots_back() -> N
             )
 
             def released() -> bool:
-                return ended in gateway.metrics.exposition().decode() and not gateway._background
+                return ended in router.metrics.exposition().decode() and not router._background
 
             await _until(_true_when(released), "the releases to be tried")
             await asyncio.to_thread(server.start)

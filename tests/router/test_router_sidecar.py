@@ -11,7 +11,7 @@ import json
 import aiohttp
 import pytest
 
-from controlplane.gateway import GatewayConfig, TenantKeys, serve_gateway
+from controlplane.router import RouterConfig, TenantKeys, serve_router
 from engine_sidecar.server import SidecarConfig, serve_sidecar
 from fleetsim.engine import EngineConfig
 from fleetsim.server import serve_engine
@@ -37,14 +37,14 @@ async def test_a_migrated_request_resumes_elsewhere_with_the_same_tokens(redis_u
                     )
                 )
             )  # fmt: skip
-        running = await serve_gateway(
-            GatewayConfig(pool=POOL, model=MODEL),
+        running = await serve_router(
+            RouterConfig(pool=POOL, model=MODEL),
             redis_url=redis_url,
             keys=TenantKeys({"sk-team-a": "team-a"}),
         )
         stack.push_async_callback(running.close)
-        gateway = running.gateway
-        await until(lambda: len(gateway.view.snapshot.endpoints) == 2, "both sidecars")
+        router = running.router
+        await until(lambda: len(router.view.snapshot.endpoints) == 2, "both sidecars")
 
         body = {
             "model": MODEL, "prompt": "The weir keeper said: ", "stream": True,
@@ -66,7 +66,7 @@ async def test_a_migrated_request_resumes_elsewhere_with_the_same_tokens(redis_u
         assert [line for line in lines if line.strip()][-1] == b"data: [DONE]\n"
         assert _text(lines) == direct
         assert len(direct) == 120
-        resumed = gateway.metrics.registry.get_sample_value(
+        resumed = router.metrics.registry.get_sample_value(
             "weir_router_resumes_total", {"pool": POOL, "reason": "preempted"}
         )
         assert resumed == 1
@@ -105,9 +105,9 @@ async def test_a_client_that_leaves_while_queued_at_the_sidecar_is_cancelled_the
                 )
             )
         )  # fmt: skip
-        running = await serve_gateway(GatewayConfig(pool=POOL, model=MODEL), redis_url=redis_url)
+        running = await serve_router(RouterConfig(pool=POOL, model=MODEL), redis_url=redis_url)
         stack.push_async_callback(running.close)
-        await until(lambda: len(running.gateway.view.snapshot.endpoints) == 1, "the sidecar")
+        await until(lambda: len(running.router.view.snapshot.endpoints) == 1, "the sidecar")
         body = {
             "model": MODEL, "prompt": "The weir keeper said: " * 70, "stream": True,
             "max_tokens": 1000, "ignore_eos": True,
@@ -148,9 +148,9 @@ async def test_a_prompt_no_sidecar_can_ever_fit_reaches_the_client_as_400(redis_
                     )
                 )
             )  # fmt: skip
-        running = await serve_gateway(GatewayConfig(pool=POOL, model=MODEL), redis_url=redis_url)
+        running = await serve_router(RouterConfig(pool=POOL, model=MODEL), redis_url=redis_url)
         stack.push_async_callback(running.close)
-        await until(lambda: len(running.gateway.view.snapshot.endpoints) == 2, "both sidecars")
+        await until(lambda: len(running.router.view.snapshot.endpoints) == 2, "both sidecars")
         async with aiohttp.ClientSession() as session:
             for stream in (True, False):
                 body = {"model": MODEL, "prompt": [7] * 3000, "max_tokens": 8, "stream": stream}

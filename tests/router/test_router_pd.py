@@ -1,7 +1,7 @@
 """A prefill pool's router serves each request as a P/D pair over real reference engines
 (each its own endpoint, on a real Redis): one request, two legs, one client stream, with a
 decode credit taken before, consumed when the KV lands and released when the pair ends
-first (controlplane/gateway/pd.py)."""
+first (controlplane/router/pd.py)."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ async def pd(
         make_fleet(redis_url, engines=prefill, role=Role.PREFILL, decode_pool=DECODE,
                    engine=engine, kv_bytes_per_token=1000) as prefill_pool,
     ):  # fmt: skip
-        pairing = prefill_pool.gateway.gateway.pairing
+        pairing = prefill_pool.router.router.pairing
         assert pairing is not None
         await until(lambda: len(pairing.view.snapshot.endpoints) == decode, "the decode pool")
         credits = CreditStore(decode_pool.registry.redis, DECODE)

@@ -1,9 +1,9 @@
-"""The gateway: an OpenAI- and SGLang-compatible HTTP front for one pool.
+"""The router: an OpenAI- and SGLang-compatible HTTP front for one pool.
 
-A request travels: API key → tenant (401; on a gateway without keys, a declared
+A request travels: API key → tenant (401; on a router without keys, a declared
 `x-weir-tenant` or `default`, 403 for an undeclared one) → validation (400; 404 for a model
 or a `lora_path` adapter that no endpoint serves) → the
-tenant's quota (429, when enforced; 403 for a tenant without one) → a decode handoff credit (prefill pools, whose requests are P/D pairs: `controlplane.gateway.pd`) → the pool snapshot (503
+tenant's quota (429, when enforced; 403 for a tenant without one) → a decode handoff credit (prefill pools, whose requests are P/D pairs: `controlplane.router.pd`) → the pool snapshot (503
 when stale) → a routing decision, or the tenant-fair queue when every candidate is
 saturated (429 `overload` when full or timed out, 504 past its deadline) → the picked
 endpoint. An overload or a
@@ -14,9 +14,9 @@ stream (`controlplane.stream`). A client that goes away aborts the request upstr
 at once (the connection is closed and `/abort_request` is sent for its rid).
 
 Where a request goes, when it waits, and when it is refused is the dispatch core's
-(`controlplane.routing.Dispatcher`, which the fleet simulator drives too): the gateway
+(`controlplane.routing.Dispatcher`, which the fleet simulator drives too): the router
 feeds it arrivals, attempts' outcomes, ends and reports, and turns its events into
-answers. Waiting is the gateway's: a future per placement, and one timer for the core's
+answers. Waiting is the router's: a future per placement, and one timer for the core's
 next wakeup. Decisions are pure and synchronous over the in-memory snapshot; besides the
 upstream call, the hot path's only I/O is the quota charge (and a prefill pool's credit).
 """
@@ -49,15 +49,15 @@ from controlplane.contract import (
 )
 from controlplane.contract import headers as wire
 from controlplane.contract.vocabulary import DONE_FRAME, error_body, sse
-from controlplane.gateway.credits import HandoffGate
-from controlplane.gateway.errors import GatewayError, body_refused, refusal_error, unavailable
-from controlplane.gateway.metrics import RouterMetrics
-from controlplane.gateway.pd import Pairing
-from controlplane.gateway.pool import PoolView, new_reports
-from controlplane.gateway.quotas import QuotaGate
-from controlplane.gateway.requests import ClientRequest, Limits, decode_body, parse, resume_body
-from controlplane.gateway.tenants import TENANT_HEADER, TenantKeys
 from controlplane.ownership import block_hashes, prefix_key
+from controlplane.router.credits import HandoffGate
+from controlplane.router.errors import RouterError, body_refused, refusal_error, unavailable
+from controlplane.router.metrics import RouterMetrics
+from controlplane.router.pd import Pairing
+from controlplane.router.pool import PoolView, new_reports
+from controlplane.router.quotas import QuotaGate
+from controlplane.router.requests import ClientRequest, Limits, decode_body, parse, resume_body
+from controlplane.router.tenants import TENANT_HEADER, TenantKeys
 from controlplane.routing import (
     Decision,
     Dispatcher,
@@ -105,8 +105,8 @@ _API_PATHS = {
 
 
 @dataclass(frozen=True, slots=True)
-class GatewayConfig:
-    """How one gateway serves one pool. `max_resumes` bounds continuations after the
+class RouterConfig:
+    """How one router serves one pool. `max_resumes` bounds continuations after the
     first byte (an engine or sidecar lost, a migration); the fair queue's size and time to
     live, the tries before the first byte and how long a resume waits for an endpoint are
     the pool policy's (`routing`), shared with the simulator.
@@ -146,7 +146,7 @@ class GatewayConfig:
     admin_token: str = field(default="", repr=False)
 
     @classmethod
-    def from_policy(cls, policy: PoolPolicy, **overrides: Any) -> GatewayConfig:
+    def from_policy(cls, policy: PoolPolicy, **overrides: Any) -> RouterConfig:
         """The router settings of a pool policy (the operator's `<pool>-policy`
         ConfigMap): pool, model, context length, routing, role and tenant quotas, which
         are enforced when the policy declares any. `overrides` win."""
@@ -276,10 +276,10 @@ class _Exchange:
         return self.out.response if self.out is not None else None
 
 
-class Gateway:
+class Router:
     def __init__(
         self,
-        config: GatewayConfig,
+        config: RouterConfig,
         view: PoolView,
         keys: TenantKeys | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -287,7 +287,7 @@ class Gateway:
         credits: HandoffGate | None = None,
         decode_view: PoolView | None = None,
     ) -> None:
-        """A prefill pool's gateway (`credits` on the decode pool, whose endpoints
+        """A prefill pool's router (`credits` on the decode pool, whose endpoints
         `decode_view` follows) serves every request as a P/D pair."""
         self.config = config
         self.view = view
@@ -310,7 +310,7 @@ class Gateway:
         self._background: set[asyncio.Task[None]] = set()
         self.pairing: Pairing | None = None
         if (credits is None) != (decode_view is None):
-            raise ValueError("a P/D gateway needs both handoff credits and the decode pool's view")
+            raise ValueError("a P/D router needs both handoff credits and the decode pool's view")
         if credits is not None and decode_view is not None:
             decide = _CountedProfile(self.profile, self.metrics, decode_view.pool, self.trail)
             self.pairing = Pairing(
@@ -407,7 +407,7 @@ class Gateway:
 
     async def _admit(self, ex: _Exchange) -> str:
         """The endpoint a new request goes to first: at once, or once it has waited in
-        the fair queue. Raises `GatewayError` when it is refused."""
+        the fair queue. Raises `RouterError` when it is refused."""
         now = self.clock()
         snapshot = self.view.current(now)
         placed = self._placement(ex)
@@ -493,7 +493,7 @@ class Gateway:
         """The snapshot to place requests on, None while it is too stale."""
         try:
             return self.view.current(now)
-        except GatewayError:
+        except RouterError:
             return None
 
     def _snapshot_changed(self, snapshot: PoolSnapshot, removed: tuple[EndpointView, ...]) -> None:
@@ -552,7 +552,7 @@ class Gateway:
                 await self.quotas.charge(
                     tenant, route.request_id, client.prompt_tokens, client.max_new_tokens
                 )
-        except GatewayError as exc:
+        except RouterError as exc:
             return self._refuse(exc, tenant, request[REQUEST_ID])
         except BodyError as exc:
             return self._refuse(body_refused(exc), tenant, request[REQUEST_ID])
@@ -567,7 +567,7 @@ class Gateway:
         except BaseException as exc:
             self._finish(ex)  # e.g. a client that left while its request was queued
             self._release_quota(route.request_id, 0, 0)
-            if isinstance(exc, GatewayError):
+            if isinstance(exc, RouterError):
                 return self._refuse(exc, tenant, route.request_id)
             raise
         return await self._serve(request, ex, endpoint_id)
@@ -577,13 +577,13 @@ class Gateway:
         no endpoint of the model at all, routing answers (503: nothing can serve it now)."""
         if (model, adapter) in self._adapters or (model, "") not in self._adapters:
             return
-        raise GatewayError(
+        raise RouterError(
             404, "not_found_error", "unknown_adapter",
             f"no endpoint of pool {self.config.pool!r} serves the adapter 'lora_path' "
             f"{adapter!r} of model {model!r}", param="lora_path",
         )  # fmt: skip
 
-    def _refuse(self, exc: GatewayError, tenant: str, request_id: str) -> web.Response:
+    def _refuse(self, exc: RouterError, tenant: str, request_id: str) -> web.Response:
         self._note_refusal(request_id, exc)
         pool = self.config.pool
         if exc.status in (429, 503):
@@ -592,7 +592,7 @@ class Gateway:
         self.metrics.requests.labels(pool, tenant, reason).inc()
         return exc.response()
 
-    def _note_refusal(self, request_id: str, exc: GatewayError) -> None:
+    def _note_refusal(self, request_id: str, exc: RouterError) -> None:
         self.trail.record(
             request_id, "refused", status=exc.status, reason=exc.reason, message=exc.message,
             upstream_reason=exc.upstream_reason,
@@ -626,12 +626,12 @@ class Gateway:
                         ex.continuation = b""
                         try:
                             body = resume_body(self._continuation(ex))
-                        except GatewayError as exc:  # e.g. a prompt the router cannot rebuild
+                        except RouterError as exc:  # e.g. a prompt the router cannot rebuild
                             return await self._end_stream(ex, complete=False, refusal=exc)
                         ex.splicer.next_segment()
                 try:
                     endpoint_id = await self._redispatch(ex, outcome)
-                except GatewayError as exc:
+                except RouterError as exc:
                     return await self.answer_refusal(ex, exc)
         except (asyncio.CancelledError, _ClientGoneError):
             ex.finish = "cancelled"
@@ -646,7 +646,7 @@ class Gateway:
             if ex.splicer.ids_delta is not None:
                 self._ids_delta = ex.splicer.ids_delta
 
-    async def answer_refusal(self, ex: _Exchange, exc: GatewayError) -> web.StreamResponse:
+    async def answer_refusal(self, ex: _Exchange, exc: RouterError) -> web.StreamResponse:
         """No endpoint took the request: its client is told, in the stream it has (a
         resume no endpoint took in time) or in the answer."""
         if ex.response is not None:
@@ -832,7 +832,7 @@ class Gateway:
         return "broken", None  # the upstream stream ended without [DONE]
 
     async def _end_stream(
-        self, ex: _Exchange, *, complete: bool, refusal: GatewayError | None = None
+        self, ex: _Exchange, *, complete: bool, refusal: RouterError | None = None
     ) -> web.StreamResponse:
         """Close a stream that cannot continue: `[DONE]` when the last event already
         carried a finish reason, else an error event naming why (`refusal`: the resume
@@ -922,7 +922,7 @@ class Gateway:
     async def _ready(self, _request: web.Request) -> web.Response:
         try:
             snapshot = self.view.current(self.clock())
-        except GatewayError as exc:
+        except RouterError as exc:
             return exc.response()
         if not snapshot.preferred:
             return unavailable("no_endpoint", "no ready endpoint in the pool").response()
@@ -962,7 +962,7 @@ class Gateway:
         request_id = request.match_info["request_id"]
         story = self.trail.story(request_id)
         if story is None:
-            return GatewayError(
+            return RouterError(
                 404, "not_found_error", "unknown_request",
                 f"no record of request {request_id!r} here (unknown, or forgotten: the "
                 f"router keeps its last {self.trail.max_requests} requests)",

@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 
 from controlplane.contract import KVPolicy, Role, TenantQuota, WatermarkState
-from controlplane.gateway import GatewayConfig, RunningGateway, TenantKeys, serve_gateway
+from controlplane.router import RouterConfig, RunningRouter, TenantKeys, serve_router
 from controlplane.store import CreditStore, QuotaStore
 from tests.router.conftest import MODEL, POOL, Fleet, eventually, make_fleet, until
 
@@ -27,20 +27,20 @@ def _auth(key: str) -> dict[str, str]:
 
 
 @contextlib.asynccontextmanager
-async def _two_routers(redis_url: str) -> AsyncIterator[tuple[Fleet, RunningGateway]]:
+async def _two_routers(redis_url: str) -> AsyncIterator[tuple[Fleet, RunningRouter]]:
     async with make_fleet(
         redis_url, engines=2, speed_factor=1.0, keys=KEYS, enforce_quotas=True
     ) as fleet:
         quotas = QuotaStore(fleet.registry.redis, POOL)
         await quotas.set_quota(TenantQuota(name="team-a", max_concurrency=2))
         await quotas.set_quota(TenantQuota(name="team-rate", input_tokens_per_min=100))
-        second = await serve_gateway(
-            GatewayConfig(pool=POOL, model=MODEL, enforce_quotas=True),
+        second = await serve_router(
+            RouterConfig(pool=POOL, model=MODEL, enforce_quotas=True),
             redis_url=redis_url,
             keys=KEYS,
         )
         try:
-            await until(lambda: len(second.gateway.view.snapshot.endpoints) == 2, "replica 2")
+            await until(lambda: len(second.router.view.snapshot.endpoints) == 2, "replica 2")
             yield fleet, second
         finally:
             await second.close()
