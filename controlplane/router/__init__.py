@@ -9,7 +9,8 @@ fields and headers are documented in `controlplane.router.requests`; errors in
 `controlplane.router.errors`.
 """
 
-from controlplane.router.app import Router, RouterConfig
+from controlplane.router.app import Router
+from controlplane.router.config import RouterConfig
 from controlplane.router.errors import RouterError
 from controlplane.router.pool import PoolView, StoreFeed, static_endpoints
 from controlplane.router.requests import ClientRequest, Limits

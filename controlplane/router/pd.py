@@ -62,7 +62,7 @@ from controlplane.trace.trail import Trail
 from controlplane.transport import HTTPClient, Response, SSEEvent, TransportError
 
 if TYPE_CHECKING:
-    from controlplane.router.app import _Exchange
+    from controlplane.router.exchange import Exchange
 
 log = logging.getLogger(__name__)
 
@@ -79,14 +79,14 @@ class PairHost(Protocol):
     def upstream(self) -> HTTPClient: ...
 
     async def relay(
-        self, request: web.Request, ex: _Exchange, upstream: Response, first: list[SSEEvent]
+        self, request: web.Request, ex: Exchange, upstream: Response, first: list[SSEEvent]
     ) -> tuple[str, web.StreamResponse | None]: ...
 
     def unary_answer(
-        self, ex: _Exchange, endpoint_id: str, raw: bytes, status: int, content_type: str
+        self, ex: Exchange, endpoint_id: str, raw: bytes, status: int, content_type: str
     ) -> web.Response: ...
 
-    async def answer_refusal(self, ex: _Exchange, exc: RouterError) -> web.StreamResponse: ...
+    async def answer_refusal(self, ex: Exchange, exc: RouterError) -> web.StreamResponse: ...
 
 
 @dataclass(slots=True)
@@ -105,7 +105,7 @@ class _Attempt:
 
     host: PairHost
     request: web.Request
-    ex: _Exchange
+    ex: Exchange
     prefill: EndpointView
     body: Mapping[str, Any]
     headers: Mapping[str, str]
@@ -125,7 +125,7 @@ class Pairing:
 
     gate: HandoffGate
     view: PoolView
-    dispatch: Dispatcher[_Exchange]
+    dispatch: Dispatcher[Exchange]
     clock: Callable[[], float]
     metrics: RouterMetrics
     pool: str
@@ -145,13 +145,13 @@ class Pairing:
 
     # -- credits -------------------------------------------------------------------------
 
-    async def admit(self, ex: _Exchange) -> None:
+    async def admit(self, ex: Exchange) -> None:
         """The request's first credit, before anything of it runs (a `RouterError` when
         the decode pool cannot promise room for it)."""
         pair = self._pairs.setdefault(ex.route.request_id, _Pair())
         await self._take(ex, pair)
 
-    async def _take(self, ex: _Exchange, pair: _Pair) -> None:
+    async def _take(self, ex: Exchange, pair: _Pair) -> None:
         rid = ex.route.request_id
         name = rid if not pair.taken else f"{rid}.{pair.taken}"
         # A resume ships the prompt and what the client holds so far.
@@ -178,7 +178,7 @@ class Pairing:
 
         self.spawn(settle())
 
-    def ended(self, ex: _Exchange) -> None:
+    def ended(self, ex: Exchange) -> None:
         """The request is over: a credit it still holds goes back at once."""
         pair = self._pairs.pop(ex.route.request_id, None)
         if pair is not None:
@@ -190,7 +190,7 @@ class Pairing:
         self,
         host: PairHost,
         request: web.Request,
-        ex: _Exchange,
+        ex: Exchange,
         prefill: EndpointView,
         body: Mapping[str, Any],
         headers: Mapping[str, str],
@@ -229,7 +229,7 @@ class Pairing:
         except RouterError:
             return None
 
-    def _place(self, ex: _Exchange, pair: _Pair) -> EndpointView:
+    def _place(self, ex: Exchange, pair: _Pair) -> EndpointView:
         """A decode endpoint for the request now, by the routing core; a `RouterError`
         when none can take it (a prefill is never started for a decode that would wait)."""
         now = self.clock()
@@ -382,7 +382,7 @@ class Pairing:
         return "done", host.unary_answer(ex, ex.endpoint, raw, status, upstream.content_type)
 
     def _prefill_failed(
-        self, http: HTTPClient, ex: _Exchange, prefill: EndpointView, failure: str
+        self, http: HTTPClient, ex: Exchange, prefill: EndpointView, failure: str
     ) -> tuple[str, web.StreamResponse | None]:
         """The prefill leg failed before the client had a byte: the decode leg is ended
         and the router offers the request to its next prefill endpoint."""
@@ -390,7 +390,7 @@ class Pairing:
         self._abort(http, ex.address, ex.upstream_rid)
         return "refused", None
 
-    def _landed(self, host: PairHost, ex: _Exchange, pair: _Pair, prefill: EndpointView) -> None:
+    def _landed(self, host: PairHost, ex: Exchange, pair: _Pair, prefill: EndpointView) -> None:
         """The KV is on the decode side: the credit is consumed, and the prompt is in the
         prefill endpoint's cache."""
         if not pair.credit:

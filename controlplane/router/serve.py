@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from controlplane.contract import Role
-from controlplane.router.app import Router, RouterConfig
+from controlplane.router.app import Router
+from controlplane.router.config import RouterConfig
 from controlplane.router.credits import HandoffGate, publish_budget
 from controlplane.router.pool import PoolView, RingOwners, StoreFeed, static_endpoints
 from controlplane.router.quotas import QuotaGate

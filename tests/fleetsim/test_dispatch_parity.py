@@ -32,7 +32,8 @@ from controlplane.contract import (
 )
 from controlplane.ownership import Membership, OwnershipRing
 from controlplane.router import ClientRequest, PoolView, Router, RouterConfig, RouterError
-from controlplane.router.app import REPORT_LAG_S, _Exchange
+from controlplane.router.app import REPORT_LAG_S
+from controlplane.router.exchange import Exchange
 from controlplane.routing import (
     Dispatcher,
     EndpointView,
@@ -299,10 +300,10 @@ class _Live:
         self.endpoints[state.endpoint_id] = EndpointView(state, self.now + LEASE_S)
         self.view.update([self.endpoints[e] for e in sorted(self.endpoints)], self.now)
 
-    def follow(self, ex: _Exchange, step: Coroutine[Any, Any, str]) -> None:
+    def follow(self, ex: Exchange, step: Coroutine[Any, Any, str]) -> None:
         self.tasks.append(asyncio.create_task(self._placed(ex, step)))
 
-    async def _placed(self, ex: _Exchange, step: Coroutine[Any, Any, str]) -> None:
+    async def _placed(self, ex: Exchange, step: Coroutine[Any, Any, str]) -> None:
         rid = ex.route.request_id
         try:
             endpoint = await step
@@ -311,7 +312,7 @@ class _Live:
             return
         if endpoint in self.dead:  # the connection is refused: nothing reached the client
             self.decisions.append((self.now, rid, f"refused by {endpoint}"))
-            self.follow(ex, self.router._redispatch(ex, "refused"))
+            self.follow(ex, self.router.redispatch(ex, "refused"))
             return
         self.decisions.append((self.now, rid, endpoint))
 
@@ -335,7 +336,7 @@ def _continuation(event: Preempt) -> Continuation:
     )  # fmt: skip
 
 
-def _exchange(route: RouteRequest) -> _Exchange:
+def _exchange(route: RouteRequest) -> Exchange:
     client = ClientRequest(
         api=EngineAPI.GENERATE, model=MODEL, body={}, stream=True, prompt_text="",
         prompt_ids=(1,) * route.prompt_tokens, prompt_tokens=route.prompt_tokens,
@@ -343,13 +344,13 @@ def _exchange(route: RouteRequest) -> _Exchange:
         deadline_s=route.deadline_s,
     )  # fmt: skip
     splicer = Splicer(EngineAPI.GENERATE, prompt_tokens=route.prompt_tokens)
-    return _Exchange(client, route, route.tenant, 0.0, splicer)
+    return Exchange(client, route, route.tenant, 0.0, splicer)
 
 
 async def _live(script: tuple[Event, ...], routes: dict[str, RouteRequest]) -> Decisions:
     live = _Live()
     router = live.router
-    exchanges: dict[str, _Exchange] = {}
+    exchanges: dict[str, Exchange] = {}
     finished: set[str] = set()
     version = 0
     for event in script:
@@ -364,20 +365,20 @@ async def _live(script: tuple[Event, ...], routes: dict[str, RouteRequest]) -> D
             ex = exchanges[event.rid]
             ex.splicer.seg_tokens = event.generated
             finished.add(event.rid)
-            router._finish(ex)
+            router.finish(ex)
         elif isinstance(event, Preempt):
             ex = exchanges[event.rid]
             ex.splicer.seg_tokens = event.generated
             # The sidecar's continuation, as the relay hands it over: it names the target.
             ex.continuation = encode_json(_continuation(event)) if event.target else b""
-            live.follow(ex, router._redispatch(ex, "preempted"))
+            live.follow(ex, router.redispatch(ex, "preempted"))
         elif isinstance(event, Fail):
             endpoint = f"engine-{event.endpoint}"
             live.dead.add(endpoint)
             for rid in _streaming(live.decisions, endpoint, finished):
                 ex = exchanges[rid]
                 ex.splicer.seg_tokens = FAILED_AFTER
-                live.follow(ex, router._redispatch(ex, "broken"))
+                live.follow(ex, router.redispatch(ex, "broken"))
         await live.settle()
     if router._wakeup is not None:
         router._wakeup.cancel()
