@@ -144,7 +144,7 @@ def record_resumes(pool: Fleet) -> list[tuple[str, str, dict[str, Any]]]:
     sent: list[tuple[str, str, dict[str, Any]]] = []
     for lane in pool.lanes.values():
         service, url = lane.sidecar.service, lane.engine.url
-        original = service._engine_body
+        original = service.segments._engine_body
 
         def recording(*args: Any, original: Any = original, url: str = url) -> Any:
             api, body = original(*args)
@@ -152,7 +152,7 @@ def record_resumes(pool: Fleet) -> list[tuple[str, str, dict[str, Any]]]:
                 sent.append((url, API_PATHS[api], dict(body)))
             return api, body
 
-        service._engine_body = recording  # type: ignore[method-assign,assignment]
+        service.segments._engine_body = recording  # type: ignore[method-assign,assignment]
     return sent
 
 
