@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from controlplane.contract import Command, CommandKind, EndpointState, RoomReservation
 from controlplane.trace.trail import request_id_of
-from engine_sidecar.ledger import Flight
+from engine_sidecar.ledger import Flight, Preemption
 from engine_sidecar.policy import (
     RESERVATION_TTL_S,
     ReliefCosts,
@@ -48,7 +48,7 @@ class Actions:
         self.ledger = service.ledger
         self.policy = service.policy
 
-    def begin_preempt(self, rid: str, mode: str, why: str) -> Flight | None:
+    def begin_preempt(self, rid: str, mode: Preemption, why: str) -> Flight | None:
         """Mark a decoding request for preemption (recompute, offload, migrate or
         terminate) for the reason `why` (recorded); the engine abort follows. None when it
         is not decoding, already being preempted, over its preemption cap, or the mode is
@@ -57,13 +57,13 @@ class Actions:
         if flight is None or flight.preempt_mode or flight.record.state is not _S.DECODING:
             return None
         rec = flight.record
-        if mode == "migrate" and not rec.migratable:
+        if mode is Preemption.MIGRATE and not rec.migratable:
             return None
-        if mode == "recompute" and not (rec.recomputable and self._service.may_recompute):
+        if mode is Preemption.RECOMPUTE and not (rec.recomputable and self._service.may_recompute):
             return None
-        if mode == "offload" and not (rec.recomputable and self._service.may_offload):
+        if mode is Preemption.OFFLOAD and not (rec.recomputable and self._service.may_offload):
             return None
-        if mode != "terminate" and not self._segments.resumable(flight):
+        if mode is not Preemption.TERMINATE and not self._segments.resumable(flight):
             return None
         flight.preempt_mode = mode
         self._segments.note(
@@ -71,7 +71,7 @@ class Actions:
         )
         return flight
 
-    async def preempt(self, rid: str, mode: str, why: str) -> bool:
+    async def preempt(self, rid: str, mode: Preemption, why: str) -> bool:
         flight = self.begin_preempt(rid, mode, why)
         if flight is None:
             return False
@@ -104,7 +104,9 @@ class Actions:
     async def _preempt_best(self, rid: str) -> bool:
         """Migrate when the request can move, else recompute in place."""
         why = "ordered by the control plane"
-        return await self.preempt(rid, "migrate", why) or await self.preempt(rid, "recompute", why)
+        return await self.preempt(rid, Preemption.MIGRATE, why) or await self.preempt(
+            rid, Preemption.RECOMPUTE, why
+        )
 
     async def relieve(
         self, peers: Sequence[EndpointState] = (), reserve: Reserve | None = None
@@ -147,7 +149,7 @@ class Actions:
                 notes.append(f"{victim.rid} left running: {why}")
                 continue
             notes.append(f"{victim.rid} → {mode.value}: {victim.score.explain()}")
-            flight = self.begin_preempt(victim.rid, mode.value, why)
+            flight = self.begin_preempt(victim.rid, Preemption(mode.value), why)
             if flight is not None:
                 flight.target, flight.target_reservation = held or ("", "")
                 self._segments.spawn(self._segments.abort_engine(flight))
@@ -192,9 +194,9 @@ class Actions:
         await self.ledger.wait_idle(deadline_s)
         migrated = aborted = 0
         for rid, flight in list(self.ledger.flights.items()):
-            if flight.record.migratable and await self.preempt(rid, "migrate", "drain"):
+            if flight.record.migratable and await self.preempt(rid, Preemption.MIGRATE, "drain"):
                 migrated += 1
-            elif await self.preempt(rid, "terminate", "drain deadline"):
+            elif await self.preempt(rid, Preemption.TERMINATE, "drain deadline"):
                 aborted += 1
             else:
                 await self._segments.abort_engine(flight)

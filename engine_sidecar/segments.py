@@ -34,7 +34,7 @@ from engine_sidecar.engine import EngineError
 from engine_sidecar.errors import TOO_LARGE, bad_request, error_json, overload_response
 from engine_sidecar.forward import LedgerWatch
 from engine_sidecar.intake import ENGINE_PATH, Intake, RequestError
-from engine_sidecar.ledger import COMMITTED, Flight, OverloadError
+from engine_sidecar.ledger import COMMITTED, Flight, OverloadError, Preemption
 from engine_sidecar.policy import (
     RequestRecord,
     RequestState,
@@ -341,22 +341,22 @@ class Segments:
             if lost and not mode and flight.record.migratable and flight.record.state in _RESUMABLE:
                 # The router can resume it elsewhere at once: waiting here for the engine
                 # to come back would stall the client's stream, perhaps for good.
-                mode = "migrate"
-            if lost and not mode:
+                mode = Preemption.MIGRATE
+            if mode is None:  # so lost: no preemption was ordered, the engine went away
                 if not (flight.record.recomputable and self.resumable(flight)):
                     await self._end_stream(
                         response, flight, "engine_lost", "the engine stream broke"
                     )
                     return response
-                mode = "recompute"
+                mode = Preemption.RECOMPUTE
                 if not await self._engine_back():
                     await self._end_stream(response, flight, "engine_lost", "the engine is gone")
                     return response
             self._preempted(flight, mode)
-            if mode == "migrate":
+            if mode is Preemption.MIGRATE:
                 await self._hand_back(response, flight, await self._continuation(flight, reader))
                 return response
-            if mode == "terminate":
+            if mode is Preemption.TERMINATE:
                 await self._end_stream(response, flight, "aborted", "terminated by relief policy")
                 return response
             resume = await self._continuation(flight, reader)
@@ -378,7 +378,7 @@ class Segments:
             self._note_admission(flight)
             self.metrics.count(
                 "weir_sidecar_offloaded_tokens_total"
-                if mode == "offload"
+                if mode is Preemption.OFFLOAD
                 else "weir_sidecar_recomputed_tokens_total",
                 amount=flight.record.prompt_tokens + flight.record.generated_tokens,
             )
@@ -434,10 +434,10 @@ class Segments:
                 await asyncio.sleep(0.1)
         return False
 
-    def _preempted(self, flight: Flight, mode: str) -> None:
+    def _preempted(self, flight: Flight, mode: Preemption) -> None:
         self.ledger.move(flight, _S.DECODE_PREEMPTED)
-        flight.preempt_mode = ""
-        if mode == "offload":
+        flight.preempt_mode = None
+        if mode is Preemption.OFFLOAD:
             flight.offloaded = flight.record.prompt_tokens + flight.record.generated_tokens
         self.metrics.count("weir_sidecar_preemptions_total", mode)
 

@@ -74,7 +74,7 @@ from engine_sidecar.intake import (
     parse,
     parse_json,
 )
-from engine_sidecar.ledger import Ledger
+from engine_sidecar.ledger import Ledger, Preemption
 from engine_sidecar.metrics import SidecarMetrics
 from engine_sidecar.policy import H200_LLAMA_8B, ReliefCosts, Reservation
 from engine_sidecar.quota import KVQuota
@@ -82,7 +82,7 @@ from engine_sidecar.segments import Origin, Segments
 
 CONTINUE_PATH = "/weir/v1/continue"
 RESERVE_PATH = "/weir/v1/reserve"
-_MODES = ("recompute", "offload", "migrate", "terminate")
+_MODES = tuple(Preemption)
 
 
 class SidecarService:
@@ -270,7 +270,7 @@ class SidecarService:
     async def handle_preempt(self, request: web.Request) -> web.Response:
         try:
             body = await self.guard.read(request, parse_json)
-            rid, mode = body.get("rid"), body.get("mode", "recompute")
+            rid, mode = body.get("rid"), body.get("mode", Preemption.RECOMPUTE)
             if not isinstance(rid, str) or mode not in _MODES:
                 raise RequestError(
                     'expected {"rid": str, "mode": "recompute"|"offload"|"migrate"|"terminate"}'
@@ -284,7 +284,7 @@ class SidecarService:
                 status=404, body=error_json("not_found", f"no request {rid}"),
                 content_type="application/json",
             )  # fmt: skip
-        done = await self.preempt(rid, mode, "ordered through /weir/v1/preempt")
+        done = await self.preempt(rid, Preemption(mode), "ordered through /weir/v1/preempt")
         return web.json_response({"preempted": done}, status=200 if done else 409)
 
     async def handle_abort(self, request: web.Request) -> web.Response:
@@ -351,7 +351,7 @@ class SidecarService:
 
     # -- what the server and the control-plane link drive -----------------------------
 
-    async def preempt(self, rid: str, mode: str, why: str) -> bool:
+    async def preempt(self, rid: str, mode: Preemption, why: str) -> bool:
         return await self.actions.preempt(rid, mode, why)
 
     async def execute(self, command: Command) -> bool:

@@ -22,6 +22,7 @@ import redis
 
 from controlplane.contract import EndpointState, KVPolicy, TenantQuota, WatermarkState
 from controlplane.store import PoolKeys, QuotaStore, RedisSettings, connect
+from engine_sidecar.ledger import Preemption
 from engine_sidecar.policy.relief import continuation_tokens
 from fleetsim.engine import EngineConfig
 from fleetsim.server import RunningEngine, serve_engine
@@ -212,7 +213,7 @@ async def test_a_stream_that_cannot_resume_in_place_in_time_goes_back_to_its_rou
         held = ledger.reserve("someone-else", ledger.room_tokens() - 1_200, ttl_s=5.0)
         assert held is not None
         assert ledger.watermark is WatermarkState.CRITICAL
-        assert await service.preempt(rid, "recompute", "ordered by the test")
+        assert await service.preempt(rid, Preemption.RECOMPUTE, "ordered by the test")
         await asyncio.wait_for(running, 60.0)
         _assert_whole([stream], [expected])
         assert _router_count(fleet, "weir_router_resumes_total", reason="preempted") == 1
