@@ -4,9 +4,8 @@ the pool's change feed."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import msgspec
@@ -24,6 +23,7 @@ from controlplane.store import EndpointRegistry, RedisSettings, connect
 from fleetsim.engine import EngineConfig
 from fleetsim.engine.config import DisaggregationMode
 from fleetsim.server import RunningEngine, serve_engine
+from tests.polling import until
 
 MODEL = "ref-model"
 POOL = "router-test"
@@ -54,25 +54,6 @@ class Fleet:
     def _seen(self, endpoint_id: str, version: int) -> bool:
         view = self.router.router.view.snapshot.by_id.get(endpoint_id)
         return view is not None and view.state.version >= version
-
-
-async def until(condition: Callable[[], bool], what: str, timeout_s: float = 15.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not condition():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
-
-
-async def eventually(
-    attempt: Callable[[], Awaitable[bool]], what: str, timeout_s: float = 15.0
-) -> None:
-    """Retry `attempt` (a real request, say) until it succeeds or the timeout passes."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not await attempt():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 @contextlib.asynccontextmanager

@@ -22,7 +22,8 @@ from controlplane.router import RouterConfig, RunningRouter, serve_router
 from engine_sidecar.server import RunningSidecar, SidecarConfig, serve_sidecar
 from fleetsim.engine import EngineConfig
 from fleetsim.server import RunningEngine, serve_engine
-from tests.router.conftest import MODEL, until
+from tests.polling import until
+from tests.router.conftest import MODEL
 
 POOL = "promise"
 KV_TOKENS = 6_000

@@ -8,7 +8,8 @@ import aiohttp
 import pytest
 
 from controlplane.routing import InFlight
-from tests.router.conftest import MODEL, make_fleet, until
+from tests.polling import until
+from tests.router.conftest import MODEL, make_fleet
 
 
 def test_a_dispatch_counts_until_a_report_shows_it_or_it_ends() -> None:

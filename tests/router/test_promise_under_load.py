@@ -28,7 +28,8 @@ from fleetsim.engine import EngineConfig
 from fleetsim.server import RunningEngine, serve_engine
 from tests.controlplane.cluster_topology import ClusterTopology
 from tests.controlplane.sentinel_topology import SentinelTopology
-from tests.router.conftest import MODEL, eventually, until
+from tests.polling import until
+from tests.router.conftest import MODEL
 from tests.router.live_fleet import (
     POOL,
     LiveFleet,
@@ -325,7 +326,7 @@ async def test_a_redis_failover_loses_no_stream_and_leaks_no_quota() -> None:
                     answers.append(r.status)
                     return r.status == 200
 
-            await eventually(admitted, "a request admitted after the failover", timeout_s=60)
+            await until(admitted, "a request admitted after the failover", timeout_s=60)
             refused_s = asyncio.get_running_loop().time() - died
             await asyncio.wait_for(running, 60.0)
             _assert_whole(streams, expected)
@@ -337,7 +338,7 @@ async def test_a_redis_failover_loses_no_stream_and_leaks_no_quota() -> None:
             async def released() -> bool:
                 return (await quotas.usage("default")).concurrency == 0
 
-            await eventually(released, "every quota slot to come back", timeout_s=30)
+            await until(released, "every quota slot to come back", timeout_s=30)
         await quotas.redis.aclose()
 
 
@@ -382,7 +383,7 @@ async def test_a_fleet_on_a_redis_cluster_keeps_every_stream_while_the_pool_s_sl
             async with session.post(fleet.router.url + "/v1/completions", json=probe) as r:
                 return r.status == 200
 
-        await eventually(admitted, "a request admitted after the move", timeout_s=30)
+        await until(admitted, "a request admitted after the move", timeout_s=30)
         await asyncio.wait_for(running, 60.0)
         _assert_whole(streams, expected)
         print(f"\nslot migration under a fleet: {moved} keys moved mid-stream")
@@ -391,5 +392,5 @@ async def test_a_fleet_on_a_redis_cluster_keeps_every_stream_while_the_pool_s_sl
         async def released() -> bool:
             return (await quotas.usage("default")).concurrency == 0
 
-        await eventually(released, "every quota slot to come back", timeout_s=30)
+        await until(released, "every quota slot to come back", timeout_s=30)
     await quotas.redis.aclose()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
@@ -16,7 +16,8 @@ from controlplane.contract import TenantQuota
 from controlplane.router.errors import RouterError
 from controlplane.router.quotas import QuotaGate
 from controlplane.store import QuotaStore, RedisSettings, cancel_loops, connect
-from tests.router.conftest import MODEL, POOL, eventually, make_fleet
+from tests.polling import until
+from tests.router.conftest import MODEL, POOL, make_fleet
 from weir.local.redis_server import RedisServer
 
 pytestmark = pytest.mark.redis
@@ -54,16 +55,6 @@ async def _keeping_lease(gate: QuotaGate) -> AsyncIterator[None]:
         await cancel_loops([task])
 
 
-async def _until(check: Callable[[], Awaitable[bool]], what: str, timeout_s: float = 30) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while True:
-        with contextlib.suppress(redis.RedisError):
-            if await check():
-                return
-        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.05)
-
-
 async def _held(gate: QuotaGate) -> set[str]:
     """The request ids the store holds charges for under the router's holder."""
     store = gate.store
@@ -99,7 +90,7 @@ async def test_releases_made_while_redis_is_down_land_once_it_answers_again() ->
                 async def returned() -> bool:
                     return await _in_use(store) == 0
 
-                await _until(returned, "the releases to land")
+                await until(returned, "the releases to land", 30, ignoring=(redis.RedisError,))
             assert await _held(gate) == set()
             await gate.charge("batch", "r-next", 10, 100)  # granted
             assert await _in_use(store) == 1
@@ -137,7 +128,9 @@ async def test_charges_a_lagging_failover_brings_back_are_reconciled_away() -> N
                 async def reconciled() -> bool:
                     return await _in_use(store) == 1
 
-                await _until(reconciled, "the stray charges to be released")
+                await until(
+                    reconciled, "the stray charges to be released", 30, ignoring=(redis.RedisError,)
+                )
             assert await _held(gate) == {"live"}
             await gate.release("live", 10, 100)
             assert await _in_use(store) == 0
@@ -212,7 +205,7 @@ async def test_streams_that_end_while_redis_is_down_give_their_slots_back() -> N
             def released() -> bool:
                 return ended in router.metrics.exposition().decode() and not router._background
 
-            await _until(_true_when(released), "the releases to be tried")
+            await until(released, "the releases to be tried", 30, ignoring=(redis.RedisError,))
             await asyncio.to_thread(server.start)
 
             async def admitted() -> bool:
@@ -223,11 +216,4 @@ async def test_streams_that_end_while_redis_is_down_give_their_slots_back() -> N
                     assert reply.status in (200, 429, 503), await reply.text()
                     return reply.status == 200
 
-            await eventually(admitted, "the tenant's slots to come back", timeout_s=30)
-
-
-def _true_when(condition: Callable[[], bool]) -> Callable[[], Awaitable[bool]]:
-    async def check() -> bool:
-        return condition()
-
-    return check
+            await until(admitted, "the tenant's slots to come back", timeout_s=30)

@@ -13,7 +13,8 @@ from openai import AsyncOpenAI, AsyncStream
 
 from controlplane.contract import CacheIdentity, RoutingPolicy, WatermarkState
 from controlplane.ownership import Membership, OwnershipRing, prefix_key
-from tests.router.conftest import MODEL, Fleet, make_fleet, until
+from tests.polling import until
+from tests.router.conftest import MODEL, Fleet, make_fleet
 
 pytestmark = pytest.mark.redis
 

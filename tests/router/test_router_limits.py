@@ -20,7 +20,8 @@ from controlplane.transport.guard import LARGE_BODY, ServerLimits, body_limit
 from engine_sidecar.server import SidecarConfig, serve_sidecar
 from fleetsim.engine import EngineConfig
 from fleetsim.server import serve_engine
-from tests.router.conftest import MODEL, until
+from tests.polling import until
+from tests.router.conftest import MODEL
 from tests.transport.raw_client import RawConnection, chunk, request_head
 
 CONTEXT = 1000

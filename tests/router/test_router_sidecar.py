@@ -15,7 +15,8 @@ from controlplane.router import RouterConfig, TenantKeys, serve_router
 from engine_sidecar.server import SidecarConfig, serve_sidecar
 from fleetsim.engine import EngineConfig
 from fleetsim.server import serve_engine
-from tests.router.conftest import MODEL, until
+from tests.polling import until
+from tests.router.conftest import MODEL
 
 pytestmark = pytest.mark.redis
 POOL = "sidecar-test"

@@ -20,7 +20,7 @@ import pytest
 from controlplane.contract import EngineAPI, KVPolicy, PoolPolicy, SchedulingPolicy
 from controlplane.router import RouterConfig, RunningRouter, serve_router
 from engine_sidecar.server import RunningSidecar, SidecarConfig, serve_sidecar
-from tests.router.conftest import until
+from tests.polling import until
 from tests.sglang.server import SGLangServer
 
 pytestmark = [pytest.mark.sglang, pytest.mark.redis, pytest.mark.timeout(600)]
