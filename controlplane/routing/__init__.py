@@ -29,8 +29,8 @@ from controlplane.routing.fair_queue import (
     FairQueue,
     QueueEntry,
     QueueFullError,
-    service_correction,
-    service_estimate,
+    kv_cost,
+    kv_cost_estimate,
 )
 from controlplane.routing.framework import (
     Cycle,
@@ -91,9 +91,9 @@ __all__ = [
     "Scorer",
     "WeightedScorer",
     "default_config",
+    "kv_cost",
+    "kv_cost_estimate",
     "profile_from_config",
     "register",
     "registered",
-    "service_correction",
-    "service_estimate",
 ]

@@ -13,7 +13,9 @@ A request's life here:
 
 - **Arrival.** Placed at once unless something of its class or above waits (nobody
   jumps the queue of their own class). Placed means reserved (`InFlight`) and its
-  tenant charged `service_estimate` in the fair queue's counters, once per request.
+  tenant charged, once per request, the KV cost it is expected to pin in the fair
+  queue's counters (`kv_cost_estimate`, from the service times the endpoint it was
+  placed at publishes).
   When only saturation stood in the way (`Decision.saturated`) it waits in the `FairQueue`
   (full: 429 `queue_full`); any other refusal means nothing could serve it: 503 named by
   the filter that removed the most candidates.
@@ -39,8 +41,9 @@ A request's life here:
 - **Reached.** Once the endpoint it was placed at has it, the caller says so (`reached`):
   the profile's post-decision hooks learn where it went (the prefix plugin records its
   prompt's blocks there, for the next decisions to find).
-- **End.** Its reservation released, its charge settled (`service_correction`), the
-  freed room pumped.
+- **End.** Its reservation released, its charge settled to what it really cost
+  (`kv_cost`: its prompt and the output it generated, held from its first placement to
+  its end), the freed room pumped.
 
 Configuration comes from the pool policy's `RoutingPolicy` on both sides.
 """
@@ -54,8 +57,8 @@ from controlplane.contract import RoutingPolicy
 from controlplane.routing.fair_queue import (
     FairQueue,
     QueueFullError,
-    service_correction,
-    service_estimate,
+    kv_cost,
+    kv_cost_estimate,
 )
 from controlplane.routing.framework import Decision
 from controlplane.routing.inflight import InFlight
@@ -133,7 +136,8 @@ class _Request(Generic[P]):
     arrived_at: float
     waiting_since: float  # arrival, or the last hand-back: a wait counts from it
     endpoint: str = ""  # reserved for it now
-    charged: bool = False
+    charged: float | None = None  # the KV cost charged when it was first placed
+    placed_at: float = 0.0  # when it was first placed: its KV cost counts from then
     decision: Decision | None = None  # its first placement, for fallbacks
     failed: set[str] = field(default_factory=set)  # never offered it again
     avoided: dict[str, float] = field(default_factory=dict)  # endpoint -> avoided until
@@ -189,8 +193,7 @@ class Dispatcher(Generic[P]):
         else:
             decision = self._decide(request, now, snapshot)
             if decision.endpoint_id:
-                self.queue.charge(route.tenant, _estimate(route))
-                request.charged = True
+                self.queue.charge(route.tenant, self._charge(request, decision, now, snapshot))
                 self._reserve(request, decision, now, events)
             elif decision.saturated:
                 self._enqueue(request, now, events)
@@ -199,7 +202,7 @@ class Dispatcher(Generic[P]):
                     f"no endpoint of pool {snapshot.pool!r} can serve model {route.model!r} "
                     f"now ({decision.refusal})"
                 )
-                self._drop(request, Refusal(503, decision.refusal, 1.0, message), events)
+                self._drop(request, Refusal(503, decision.refusal, 1.0, message), events, now)
         return events
 
     def adopt(
@@ -248,7 +251,7 @@ class Dispatcher(Generic[P]):
                     f"{len(request.failed)} endpoint(s) refused or failed before the first byte"
                 )
                 refusal = Refusal(429, ENDPOINTS_OVERLOADED, request.retry_after_s or 1.0, message)
-                self._drop(request, refusal, events)
+                self._drop(request, refusal, events, now)
             else:
                 self._reserve(request, request.decision, now, events, targets[0])
         self._pump(now, snapshot, events)
@@ -298,11 +301,7 @@ class Dispatcher(Generic[P]):
         if self.queue.remove(request_id) is None:
             self._resuming.pop(request_id, None)
         self._release(request)
-        if request.charged:
-            route = request.route
-            self.queue.charge(
-                route.tenant, service_correction(route.max_new_tokens, generated_tokens)
-            )
+        self._settle(request, generated_tokens, now)
         return self.pump(now, snapshot)
 
     def reached(self, route: RouteRequest, endpoint_id: str) -> None:
@@ -356,8 +355,7 @@ class Dispatcher(Generic[P]):
             if not decision.endpoint_id:
                 blocked = True  # the head holds the line for new work
                 continue
-            queue.pop()  # charges the tenant the entry's cost
-            request.charged = True
+            queue.pop(self._charge(request, decision, now, snapshot))  # charges its tenant
             self._reserve(request, decision, now, events)
 
     def _expire(self, now: float, events: list[Event[P]]) -> None:
@@ -374,7 +372,7 @@ class Dispatcher(Generic[P]):
                 else:
                     message = f"every endpoint stayed saturated for {queue.max_wait_s:g}s"
                     refusal = Refusal(429, QUEUE_TIMEOUT, retry_after_s, message)
-                self._drop(entry.payload, refusal, events)
+                self._drop(entry.payload, refusal, events, now)
         if not self._resuming:
             return
         resume_wait_s = self.policy.resume_wait_s
@@ -382,7 +380,7 @@ class Dispatcher(Generic[P]):
             if request.waiting_since + resume_wait_s <= now:
                 del self._resuming[request.route.request_id]
                 message = f"no endpoint could resume the stream within {resume_wait_s:g}s"
-                self._drop(request, Refusal(503, RESUME_FAILED, 1.0, message), events)
+                self._drop(request, Refusal(503, RESUME_FAILED, 1.0, message), events, now)
             elif request.avoided:
                 request.avoided = {e: t for e, t in request.avoided.items() if t > now}
 
@@ -390,12 +388,12 @@ class Dispatcher(Generic[P]):
         route = request.route
         try:
             self.queue.offer(
-                route.request_id, route.tenant, route.priority, _estimate(route), now, request,
+                route.request_id, route.tenant, route.priority, now, request,
                 max_wait_s=self._deadline_left(request, now) or None,
             )  # fmt: skip
         except QueueFullError as exc:
             message = "every endpoint is saturated and the queue is full"
-            self._drop(request, Refusal(429, QUEUE_FULL, exc.retry_after_s, message), events)
+            self._drop(request, Refusal(429, QUEUE_FULL, exc.retry_after_s, message), events, now)
 
     def _place_resume(
         self, request: _Request[P], now: float, snapshot: PoolSnapshot, events: list[Event[P]]
@@ -442,6 +440,25 @@ class Dispatcher(Generic[P]):
         decide = self.decider.decide_resume if resume else self.decider.decide
         return decide(route, ctx)
 
+    def _charge(
+        self, request: _Request[P], decision: Decision, now: float, snapshot: PoolSnapshot
+    ) -> float:
+        """The KV cost a new request is charged as it is placed, remembered for its end."""
+        route, view = request.route, snapshot.by_id[decision.endpoint_id]
+        request.placed_at = now
+        request.charged = kv_cost_estimate(
+            route.prompt_tokens, route.max_new_tokens, view.predicted_ttft_s, view.predicted_tpot_s
+        )
+        return request.charged
+
+    def _settle(self, request: _Request[P], generated_tokens: int, now: float) -> None:
+        """A request's life here is over: its tenant's charge becomes what it really cost."""
+        if request.charged is not None:
+            route = request.route
+            cost = kv_cost(route.prompt_tokens, generated_tokens, now - request.placed_at)
+            self.queue.charge(route.tenant, cost - request.charged)
+            request.charged = None
+
     def _deadline_left(self, request: _Request[P], now: float) -> float:
         """The request's time budget left (0: it has none)."""
         budget = request.route.deadline_s
@@ -470,10 +487,9 @@ class Dispatcher(Generic[P]):
             self.inflight.remove(endpoint, request.route.request_id)
         return endpoint
 
-    def _drop(self, request: _Request[P], refusal: Refusal, events: list[Event[P]]) -> None:
+    def _drop(
+        self, request: _Request[P], refusal: Refusal, events: list[Event[P]], now: float
+    ) -> None:
         self._requests.pop(request.route.request_id, None)
+        self._settle(request, request.generated, now)
         events.append(Refused(request.payload, refusal))
-
-
-def _estimate(route: RouteRequest) -> float:
-    return service_estimate(route.prompt_tokens, route.max_new_tokens)

@@ -3,10 +3,17 @@
 When every candidate is saturated a request waits here instead of being sent into an
 overloaded engine. Bands are served strictly by priority, highest first. Inside a band,
 tenants share by cost in the spirit of the virtual token counter (Sheng et al., "Fairness
-in Serving Large Language Models"): each tenant has a counter of the service it received
-(tokens: its prompt plus its output, divided by its weight; see `service_estimate`), the tenant with the smallest
-counter goes next, and a tenant that becomes active is lifted to the smallest active
-counter so idle time cannot be banked into a burst later.
+in Serving Large Language Models"): each tenant has a counter of the service it received,
+divided by its weight, the tenant with the smallest counter goes next, and a tenant that
+becomes active is lifted to the smallest active counter so idle time cannot be banked
+into a burst later.
+
+Service is KV cost, not tokens: the KV token-seconds a request pins, its prompt plus its
+output growth (reserved from admission on) held for its life (`kv_cost`). A tenant of
+long answers pays for the memory it holds while it decodes, which a token count misses:
+1,000 output tokens hold their prompt's KV a thousand decode steps. The caller charges
+an estimate when it places a request (`kv_cost_estimate`: the endpoint's published
+service times) and the difference to what it really cost when it ends.
 
 Each entry has a time to live (`max_wait_s`): past it, `expire` hands it back to be
 refused with `overload` and a Retry-After, never silently dropped. Pure: the caller
@@ -29,22 +36,41 @@ class QueueEntry(Generic[T]):
     key: str
     tenant: str
     priority: int
-    cost: float
     enqueued_at: float
     expires_at: float
     payload: T
 
 
-def service_estimate(prompt_tokens: int, max_new_tokens: int) -> float:
-    """A request's service as charged when it is dispatched: its prompt plus half its
-    output limit (`service_correction` settles it when it ends)."""
-    return prompt_tokens + max_new_tokens / 2
+# The share of its output limit a request is assumed to generate until it ends (the cost
+# model's `expected_output_fraction`).
+EXPECTED_OUTPUT_FRACTION = 0.5
+# The time per output token assumed of an endpoint that publishes none: the sidecar's own
+# starting estimate, before a request has finished there.
+UNKNOWN_TPOT_S = 0.02
 
 
-def service_correction(max_new_tokens: int, generated_tokens: int) -> float:
-    """What to add to a tenant's counter once its request ended: the output it really
-    generated in place of the estimate's half of the limit."""
-    return generated_tokens - max_new_tokens / 2
+def kv_cost(prompt_tokens: int, output_tokens: float, held_s: float) -> float:
+    """A request's KV cost in token-seconds: its prompt plus its output, the growth its
+    endpoint reserves for it from admission on, held for `held_s`. What the router
+    exports per tenant (`weir_router_kv_token_seconds_total`) is this, with the output
+    generated and the time from dispatch to end."""
+    if held_s < 0 or output_tokens < 0:
+        raise ValueError(
+            f"a KV cost needs output >= 0 and time >= 0, got {output_tokens}, {held_s}"
+        )
+    return (prompt_tokens + output_tokens) * held_s
+
+
+def kv_cost_estimate(
+    prompt_tokens: int, max_new_tokens: int, ttft_s: float, tpot_s: float
+) -> float:
+    """The KV cost charged when a request is placed: its expected output (a fixed share
+    of its limit) held from dispatch until that output is done — the first token after
+    `ttft_s`, then `tpot_s` per token, as the endpoint publishes them (`UNKNOWN_TPOT_S`
+    where it publishes no TPOT)."""
+    output = max_new_tokens * EXPECTED_OUTPUT_FRACTION
+    tpot = tpot_s if tpot_s > 0 else UNKNOWN_TPOT_S
+    return kv_cost(prompt_tokens, output, max(0.0, ttft_s) + output * tpot)
 
 
 class QueueFullError(Exception):
@@ -98,7 +124,6 @@ class FairQueue(Generic[T]):
         key: str,
         tenant: str,
         priority: int,
-        cost: float,
         now: float,
         payload: T,
         max_wait_s: float | None = None,
@@ -117,7 +142,7 @@ class FairQueue(Generic[T]):
             self._counters[tenant] = max(self._counters.get(tenant, 0.0), floor)
             waiting = band.tenants[tenant] = deque()
         wait_s = self.max_wait_s if max_wait_s is None else min(max_wait_s, self.max_wait_s)
-        entry = QueueEntry(key, tenant, priority, cost, now, now + wait_s, payload)
+        entry = QueueEntry(key, tenant, priority, now, now + wait_s, payload)
         waiting.append(entry)
         band.size += 1
         self._index[key] = entry
@@ -133,12 +158,13 @@ class FairQueue(Generic[T]):
             return band.tenants[tenant][0]
         return None
 
-    def pop(self) -> QueueEntry[T] | None:
-        """Take the next entry and charge its tenant for it."""
+    def pop(self, cost: float) -> QueueEntry[T] | None:
+        """Take the next entry and charge its tenant `cost` for it: what placing it costs,
+        known once the caller has decided where it goes."""
         entry = self.peek()
         if entry is not None:
             self._remove(entry)
-            self.charge(entry.tenant, entry.cost)
+            self.charge(entry.tenant, cost)
         return entry
 
     def remove(self, key: str) -> QueueEntry[T] | None:
@@ -156,8 +182,8 @@ class FairQueue(Generic[T]):
         return expired
 
     def charge(self, tenant: str, cost: float) -> None:
-        """Add service to a tenant's counter (dispatch, or a correction once the real
-        output is known)."""
+        """Add service to a tenant's counter (dispatch, or a correction, perhaps negative,
+        once the real cost is known)."""
         weight = self.weights.get(tenant, 1.0)
         self._counters[tenant] = self._counters.get(tenant, 0.0) + cost / max(weight, 1e-9)
 

@@ -4,6 +4,8 @@ an explicit clock."""
 
 from __future__ import annotations
 
+import pytest
+
 from controlplane.contract import EndpointState, Lifecycle, RoutingPolicy, WatermarkState
 from controlplane.routing import (
     Dispatcher,
@@ -30,6 +32,8 @@ def _snapshot(**endpoints: str) -> PoolSnapshot:
             address=f"http://{endpoint_id}",
             model="m",
             kv_capacity_tokens=100_000,
+            predicted_ttft_s=0.5,
+            predicted_tpot_s=0.02,
             watermark=WatermarkState.CRITICAL if kind == CRITICAL else WatermarkState.NORMAL,
             lifecycle=Lifecycle.DRAINING if kind == DRAINING else Lifecycle.READY,
         )
@@ -58,12 +62,14 @@ def test_a_placed_request_is_reserved_charged_once_and_settled_when_it_ends() ->
     (placed,) = core.arrive(_route("r1", owners=("e1",)), "p1", 0.0, snapshot)
     assert isinstance(placed, Placed)
     assert (placed.payload, placed.endpoint_id) == ("p1", "e1")
-    assert (core.inflight.count("e1"), core.queue.counter("a")) == (1, 100 + 50 / 2)
-    assert core.finished("r1", 10, 1.0, snapshot) == []
-    # The estimate's half of the output limit (25) became the 10 it really generated.
-    assert (core.inflight.total, core.queue.counter("a")) == (0, 110)
-    assert core.finished("r1", 10, 1.0, snapshot) == []  # once
-    assert core.queue.counter("a") == 110
+    # Charged the KV it is expected to pin: its prompt and half its output limit (25),
+    # held for the endpoint's TTFT (0.5 s) and 25 tokens at its TPOT (20 ms).
+    assert (core.inflight.count("e1"), core.queue.counter("a")) == (1, (100 + 25) * 1.0)
+    assert core.finished("r1", 10, 2.0, snapshot) == []
+    # Settled to what it really pinned: its prompt and the 10 tokens generated, 2 s.
+    assert (core.inflight.total, core.queue.counter("a")) == (0, pytest.approx(110 * 2.0))
+    assert core.finished("r1", 10, 3.0, snapshot) == []  # once
+    assert core.queue.counter("a") == pytest.approx(220)
 
 
 def test_saturated_requests_wait_and_room_goes_to_the_least_served_tenant_first() -> None:
@@ -141,6 +147,8 @@ def test_an_endpoint_that_refuses_before_the_first_byte_passes_it_to_the_next() 
     assert (refused.refusal.status, refused.refusal.reason) == (429, "endpoints_overloaded")
     assert refused.refusal.retry_after_s == 3.0  # the longest an endpoint asked for
     assert core.inflight.total == 0
+    # Refused before its first byte, it pinned only its prompt while it was out (0.2 s).
+    assert core.queue.counter("a") == pytest.approx(100 * 0.2)
 
 
 def test_a_resume_is_never_sent_back_where_it_broke_and_waits_only_so_long() -> None:
@@ -158,6 +166,8 @@ def test_a_resume_is_never_sent_back_where_it_broke_and_waits_only_so_long() -> 
     assert (lost.refusal.status, lost.refusal.reason) == (503, "resume_failed")
     assert core.inflight.total == 0
     assert core.next_wakeup() is None
+    # Its tenant pays for the 80 tokens it streamed, from its placement until it was lost.
+    assert core.queue.counter("a") == pytest.approx((100 + 80) * 62.0)
 
 
 def test_an_endpoint_that_migrated_or_refused_a_resume_is_avoided_a_backoff() -> None:

@@ -27,8 +27,11 @@ from controlplane.routing import (
     RoutingContext,
     WeightedScorer,
     default_config,
+    kv_cost,
+    kv_cost_estimate,
     profile_from_config,
 )
+from controlplane.routing.fair_queue import UNKNOWN_TPOT_S
 from controlplane.routing.pickers import MaxScore
 
 
@@ -442,23 +445,48 @@ def test_bad_profiles_are_refused_naming_the_entry(config: object, message: str)
 def test_the_fair_queue_serves_bands_by_priority_and_tenants_by_cost() -> None:
     queue: FairQueue[str] = FairQueue(capacity_per_band=10, max_wait_s=5.0)
     for i in range(3):
-        queue.offer(f"big{i}", "big", 0, 1000.0, 0.0, f"big{i}")
-    queue.offer("small0", "small", 0, 10.0, 0.0, "small0")
-    queue.offer("small1", "small", 0, 10.0, 0.0, "small1")
-    queue.offer("urgent", "big", 5, 1000.0, 0.0, "urgent")
-    order = [entry.key for entry in iter(queue.pop, None)]
+        queue.offer(f"big{i}", "big", 0, 0.0, f"big{i}")
+    queue.offer("small0", "small", 0, 0.0, "small0")
+    queue.offer("small1", "small", 0, 0.0, "small1")
+    queue.offer("urgent", "big", 5, 0.0, "urgent")
+    cost = {"big": 1000.0, "small": 10.0}
+    order = []
+    while (head := queue.peek()) is not None:
+        popped = queue.pop(cost[head.tenant])
+        assert popped is head
+        order.append(head.key)
     assert order[0] == "urgent"
     # After "big" is charged for its urgent request, the small tenant catches up first.
     assert order[1:3] == ["small0", "small1"]
     assert order[3:] == ["big0", "big1", "big2"]
 
 
+def test_a_request_is_charged_the_kv_it_pins_not_its_tokens() -> None:
+    """Two requests of 2,000 tokens each: the long answer holds its KV through 1,000
+    decode steps, the short one through 100, and is charged for it."""
+    long_answer = kv_cost_estimate(1000, 2000, ttft_s=0.0, tpot_s=0.02)
+    short_answer = kv_cost_estimate(1800, 400, ttft_s=0.0, tpot_s=0.02)
+    # Half the limit expected: 2,000 tokens held 20 s, against 2,000 held 4 s.
+    assert (long_answer, short_answer) == (pytest.approx(2000 * 20.0), pytest.approx(2000 * 4.0))
+    # Time to the first token counts; an endpoint that publishes no TPOT is assumed at
+    # the sidecar's own starting estimate.
+    assert kv_cost_estimate(100, 0, ttft_s=1.5, tpot_s=0.0) == pytest.approx(150)
+    assert kv_cost_estimate(0, 100, ttft_s=0.0, tpot_s=0.0) == pytest.approx(
+        50 * 50 * UNKNOWN_TPOT_S
+    )
+    # Settled with what it generated, held from dispatch to end.
+    assert kv_cost(1000, 1500, 12.0) == 2500 * 12.0
+    assert kv_cost(1000, 0, 0.0) == 0.0
+    with pytest.raises(ValueError, match="time >= 0"):
+        kv_cost(1000, 10, -1.0)
+
+
 def test_the_fair_queue_is_bounded_and_expires_with_a_retry_after() -> None:
     queue: FairQueue[int] = FairQueue(capacity_per_band=2, max_wait_s=5.0)
-    queue.offer("a", "t", 0, 1.0, 0.0, 1)
-    queue.offer("b", "t", 0, 1.0, 1.0, 2)
+    queue.offer("a", "t", 0, 0.0, 1)
+    queue.offer("b", "t", 0, 1.0, 2)
     with pytest.raises(QueueFullError) as refused:
-        queue.offer("c", "t", 0, 1.0, 2.0, 3)
+        queue.offer("c", "t", 0, 2.0, 3)
     assert refused.value.retry_after_s == pytest.approx(3.0)
     assert [e.key for e in queue.expire(5.5)] == ["a"]
     assert queue.remove("b") is not None
