@@ -101,7 +101,8 @@ def run_cell(spec: CellSpec) -> Cell:
     per_token = (
         2.0 * timing.model.params / (timing.hardware.flops * timing.hardware.compute_efficiency)
     )
-    summary = summarize(result, config.slo, per_token)
+    weights = {quota.name: quota.weight for quota in config.policy.tenants}
+    summary = summarize(result, config.slo, per_token, weights)
     summary["capacity_rps"] = capacity
     summary["load"] = spec.load
     short = sorted(f.ttft_s for f in result.flights if f.completed and not f.spec.is_long)

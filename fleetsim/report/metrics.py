@@ -25,6 +25,14 @@ Definitions (the report and docs/fleet-simulation.md use exactly these):
   decode engine (KV transfer plus waiting for the decode side). client retries: 429/503
   refusals (Weir's tenant quotas and handoff credits) that a patient client sent again
   after Retry-After.
+- fairness: Jain's index over the tenants with demand (at least one request offered) of
+  their normalised service x_t = KV token-seconds delivered to t / t's weight:
+  (Σ x_t)² / (n · Σ x_t²), 1 when every tenant got the same share, 1/n when one got all.
+  A request's KV token-seconds are what Weir's fair queue charges (`controlplane.routing.
+  kv_cost`): its prompt plus the tokens it generated, held from its first dispatch to an
+  engine until it ended (or the run stopped). Tenants whose demand is below their fair
+  share lower the index under any policy: it compares policies on one workload, it is
+  not a grade on its own.
 - starvation: over low-priority requests (priority 0), the share that completed, the
   share whose first token came within their `max_wait_s`, and the longest wait for a first
   token (or until the request ended without one). Requests their clients cancelled are
@@ -35,10 +43,11 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from controlplane.contract import FinishReason
+from controlplane.routing import kv_cost
 from fleetsim.sim import SLO, Flight, SimResult
 from fleetsim.workloads import LENGTH_BUCKETS, length_bucket
 
@@ -108,8 +117,38 @@ def is_lost(flight: Flight) -> bool:
     return not is_rejected(flight)
 
 
-def summarize(result: SimResult, slo: SLO, prefill_s_per_token: float) -> dict[str, Any]:
+def kv_service(flights: Iterable[Flight], end_s: float) -> dict[str, float]:
+    """KV token-seconds delivered per tenant with demand (see the module's docstring)."""
+    service: dict[str, float] = {}
+    for f in flights:
+        delivered = 0.0
+        if f.dispatched_at >= 0:
+            ended = f.finished_at if f.done else end_s
+            delivered = kv_cost(f.spec.input_tokens, f.generated, ended - f.dispatched_at)
+        service[f.spec.tenant] = service.get(f.spec.tenant, 0.0) + delivered
+    return service
+
+
+def jain_index(shares: Iterable[float]) -> float:
+    """Jain's fairness index of `shares`: 1 when all are equal; NaN with none."""
+    values = list(shares)
+    squares = sum(x * x for x in values)
+    if not values or squares == 0:
+        return math.nan
+    return sum(values) ** 2 / (len(values) * squares)
+
+
+def summarize(
+    result: SimResult,
+    slo: SLO,
+    prefill_s_per_token: float,
+    weights: Mapping[str, float] | None = None,
+) -> dict[str, Any]:
+    """The run's measures; `weights` are the tenants' fair-share weights (1 unless
+    given), for the fairness index."""
     flights = result.flights
+    weight = weights or {}
+    kv_by_tenant = kv_service(flights, result.end_s)
     span = max(result.duration_s, 1e-9)
     completed = [f for f in flights if f.completed]
     good = [f for f in completed if meets_slo(f, slo)]
@@ -168,6 +207,8 @@ def summarize(result: SimResult, slo: SLO, prefill_s_per_token: float) -> dict[s
         "cache_hit_share": cached / inputs if inputs else 0.0,
         "prefill_s_saved": cached * prefill_s_per_token,
         "tenant_share": {t: n / total_served for t, n in sorted(served.items())},
+        "tenant_kv_token_s": dict(sorted(kv_by_tenant.items())),
+        "fairness_jain": jain_index(kv / weight.get(t, 1.0) for t, kv in kv_by_tenant.items()),
         "starvation": _starvation(low),
         "end_s": result.end_s,
     }
