@@ -38,9 +38,7 @@ from engine_sidecar.ledger import COMMITTED, Flight, OverloadError, Preemption
 from engine_sidecar.policy import (
     RequestRecord,
     RequestState,
-    SequenceOutlook,
     engine_priority,
-    growth_reserve,
 )
 
 if TYPE_CHECKING:
@@ -395,20 +393,19 @@ class Segments:
         self._end(flight, _S.FINISHED, FinishReason.PREEMPTED)
 
     def _too_large(self, flight: Flight) -> web.Response:
-        """400 for a request whose prompt and least growth exceed what this endpoint's KV
-        can ever hold (as SGLang and OpenAI answer a prompt over the context length)."""
+        """400 for a request whose prompt and output limit exceed what this endpoint's KV
+        can ever hold, even alone (as SGLang and OpenAI answer a prompt over the context
+        length)."""
         rec = flight.record
-        capacity = self.ledger.capacity_tokens
-        usable = capacity - self.policy.kv.safety_tokens(capacity)
-        outlook = SequenceOutlook(rec.generated_tokens, rec.max_new_tokens, flight.predicted_total)
-        needed = rec.prompt_tokens + growth_reserve(outlook, self.policy.kv.growth_horizon_steps)
+        assert flight.admission is not None  # the decision that refused it
         counted = (
             "" if flight.intake.prompt_ids else " (counted as its UTF-8 bytes, an upper bound)"
         )
         message = (
-            f"the prompt of {rec.prompt_tokens} tokens{counted} needs {needed} tokens of KV "
-            f"with the output growth admission reserves; this endpoint's KV cache can hold "
-            f"at most {usable} (of {capacity}): shorten the prompt"
+            f"the prompt of {rec.prompt_tokens} tokens{counted} and up to "
+            f"{rec.max_new_tokens} output tokens need {flight.admission.needed_tokens} tokens "
+            f"of KV; this endpoint's KV cache holds {self.ledger.capacity_tokens}: shorten "
+            f"the prompt or lower max_tokens"
         )
         return web.Response(
             status=400,

@@ -11,6 +11,17 @@ absolute `headroom_tokens`. When the watermark is already critical or worse the 
 admits nothing new (the relief ladder's second rung) whatever the arithmetic says — except
 a continuation for which it held room (a migration's reservation, `RESERVED`): that room
 was counted as committed when it was granted, so taking it changes no watermark.
+
+A request larger than the margin allows — its prompt and reserve past capacity minus
+safety — is still one the engine can serve if its prompt and its whole output limit fit
+the KV (`alone_tokens`): it runs alone (`ALONE`), admitted once what the endpoint holds
+leaves room for all of it, and waits until then. Only one that could not fit an empty
+engine is refused as `too_large`. The whole output limit, not the predicted output,
+because that is what the engine's own scheduler reserves before it schedules a prompt:
+one admitted on a shorter prediction would wait in the engine for room it never gets.
+Relief never preempts such a request (`relief.resumable_anywhere`: no endpoint's margin
+would take its continuation); the requests beside it are the victims if it grows into
+the emergency band.
 """
 
 from __future__ import annotations
@@ -60,6 +71,9 @@ class AdmissionDecision:
 
 # The reason of an admission into room held for the request (a consumed reservation).
 RESERVED = "reserved"
+# The reason of a request past the margin that fits the whole KV: admitted, or waiting,
+# to run alone.
+ALONE = "alone"
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +85,13 @@ class PoolOutlook:
     reserved_growth_tokens: int
     watermark: WatermarkState
     admission_open: bool = True
+
+
+def alone_tokens(candidate: SequenceOutlook, prompt_tokens: int, policy: KVPolicy) -> int:
+    """The KV a request needs to run on an otherwise empty engine: its prompt, its whole
+    remaining output limit and the page the engine's scheduler adds to each request."""
+    remaining = max(1, candidate.max_new_tokens - candidate.generated_tokens)
+    return prompt_tokens + remaining + policy.page_size
 
 
 def decide_admission(
@@ -85,14 +106,20 @@ def decide_admission(
     `held`: this endpoint held room for it until now (a reservation just consumed, no
     longer counted in `pool`): only the arithmetic decides, not the watermark or a pause."""
     needed = prompt_tokens + growth_reserve(candidate, policy.growth_horizon_steps)
-    safety = policy.safety_tokens(pool.capacity_tokens)
-    available = max(
-        0, pool.capacity_tokens - pool.used_tokens - pool.reserved_growth_tokens - safety
-    )
-    if pool.capacity_tokens <= 0:
+    capacity = pool.capacity_tokens
+    safety = policy.safety_tokens(capacity)
+    available = max(0, capacity - pool.used_tokens - pool.reserved_growth_tokens - safety)
+    if capacity <= 0:
         return AdmissionDecision(AdmissionVerdict.WAIT, "capacity_unknown", needed, 0)
-    if needed > pool.capacity_tokens - safety:
-        return AdmissionDecision(AdmissionVerdict.REFUSE, "too_large", needed, available)
+    if needed > capacity - safety:
+        alone = alone_tokens(candidate, prompt_tokens, policy)
+        room = max(0, capacity - pool.used_tokens - pool.reserved_growth_tokens)
+        # The engine's scheduler takes a prompt only into strictly more room than this.
+        if alone >= capacity:
+            return AdmissionDecision(AdmissionVerdict.REFUSE, "too_large", alone, room)
+        if alone >= room or not pool.admission_open:
+            return AdmissionDecision(AdmissionVerdict.WAIT, ALONE, alone, room)
+        return AdmissionDecision(AdmissionVerdict.ADMIT, ALONE, alone, room)
     if held and needed <= available:
         return AdmissionDecision(AdmissionVerdict.ADMIT, RESERVED, needed, available)
     if not pool.admission_open:

@@ -101,7 +101,6 @@ def queue_order(
                 -effective_priority(q.priority, now - q.enqueued_at, aging_per_second)
                 - (RESUME_LEAD if q.resumed else 0.0),
                 q.enqueued_at,
-                q.rid,
             ),
         )
     )

@@ -16,6 +16,7 @@ from engine_sidecar.policy import (
     retry_after_s,
     total_growth_reserve,
 )
+from engine_sidecar.policy.admission import ALONE, alone_tokens
 
 POLICY = KVPolicy(emergency_watermark=0.95, growth_horizon_steps=100, headroom_tokens=10)
 
@@ -63,6 +64,41 @@ def test_refuses_what_never_fits_and_waits_when_closed_or_critical() -> None:
     assert unknown.verdict is AdmissionVerdict.WAIT
 
 
+def test_a_request_past_the_margin_that_fits_the_whole_kv_runs_alone() -> None:
+    """Capacity 1,000, safety 60, pages of 16, a reserve of 20 of a 50-token limit: the
+    margin takes prompts up to 920; past it a prompt is admitted to run alone while its
+    prompt, its whole limit and a page fit what the endpoint does not hold (strictly:
+    the engine's own scheduler wants more room than that), and refused only when an
+    empty engine could not take it."""
+    cand = SequenceOutlook(0, 50, 20)
+    assert decide_admission(cand, 920, _pool(0), POLICY).reason == "fits"
+    assert alone_tokens(cand, 921, POLICY) == 921 + 50 + 16
+    alone = decide_admission(cand, 921, _pool(0), POLICY)
+    assert (alone.verdict, alone.reason, alone.needed_tokens) == (
+        AdmissionVerdict.ADMIT,
+        ALONE,
+        987,
+    )
+    # 933 + 50 + 16 = 999: alone on an empty endpoint; it waits while anything is held.
+    assert decide_admission(cand, 933, _pool(0), POLICY).verdict is AdmissionVerdict.ADMIT
+    for used, reserved in ((1, 0), (0, 1), (500, 100)):
+        waits = decide_admission(cand, 933, _pool(used, reserved), POLICY)
+        assert (waits.verdict, waits.reason) == (AdmissionVerdict.WAIT, ALONE)
+    paused = decide_admission(cand, 933, _pool(0, admission_open=False), POLICY)
+    assert (paused.verdict, paused.reason) == (AdmissionVerdict.WAIT, ALONE)
+    # 934 + 50 + 16 = 1,000: no engine of this size could ever schedule it.
+    never = decide_admission(cand, 934, _pool(0), POLICY)
+    assert (never.verdict, never.reason, never.needed_tokens) == (
+        AdmissionVerdict.REFUSE,
+        "too_large",
+        1000,
+    )
+    # A continuation needs only the limit it has left: 40 of 50 generated, 10 to go.
+    resumed = SequenceOutlook(40, 50, 60)
+    assert decide_admission(resumed, 973, _pool(0), POLICY).verdict is AdmissionVerdict.ADMIT
+    assert decide_admission(resumed, 974, _pool(0), POLICY).verdict is AdmissionVerdict.REFUSE
+
+
 def test_queue_orders_by_aged_priority_and_expires() -> None:
     old_low = QueuedRequest("a", priority=0, enqueued_at=0.0, expires_at=100.0, prompt_tokens=1)
     new_high = QueuedRequest("b", priority=5, enqueued_at=8.0, expires_at=9.0, prompt_tokens=1)
@@ -76,6 +112,10 @@ def test_queue_orders_by_aged_priority_and_expires() -> None:
     same = QueuedRequest("s", 0, 1.0, 100.0, 1)
     above = QueuedRequest("t", 2, 9.0, 100.0, 1)
     assert [q.rid for q in queue_order((same, resume, above), 9.0, 0.0)] == ["t", "r", "s"]
+    # Requests that came at the same instant (a router's queue let go at once) keep the
+    # order they came in: the router's fair order, not their ids'.
+    late, early = QueuedRequest("z", 0, 5.0, 100.0, 1), QueuedRequest("a", 0, 5.0, 100.0, 1)
+    assert [q.rid for q in queue_order((late, early), 9.0, 0.0)] == ["z", "a"]
 
 
 def test_engine_priority_rises_with_wait_and_urgency() -> None:

@@ -11,8 +11,11 @@ import pytest
 
 from controlplane.contract import Continuation, EngineAPI, encode_json
 from controlplane.telemetry.catalog import SIDECAR
+from engine_sidecar.policy import AdmissionVerdict
+from engine_sidecar.policy.admission import ALONE
 from engine_sidecar.server import RunningSidecar, SidecarConfig, serve_sidecar
 from fleetsim.server import RunningEngine, serve_engine
+from tests.polling import until
 from tests.sidecar.conftest import MODEL, engine_config, pool_policy
 
 
@@ -322,3 +325,57 @@ async def test_a_prompt_that_can_never_fit_is_a_client_error_a_continuation_stay
         ledger = sc.service.ledger
         assert (ledger.flights, ledger.own_used, ledger.reserved) == ({}, 0, 0)
         assert engine.engine.loads().num_running_reqs == 0
+
+
+async def test_a_prompt_past_the_margin_that_the_kv_holds_runs_alone_with_exact_tokens() -> None:
+    """A 950-token prompt on a 1,000-token KV: past capacity minus the emergency band
+    (950), within the whole KV with its 8-token limit and a page. The sidecar does not
+    refuse it as too_large: it waits while another request runs, is admitted once that
+    one has left, and streams exactly what the engine answers it directly."""
+    big = {
+        "input_ids": [7] * 950,
+        "sampling_params": {"max_new_tokens": 8, "ignore_eos": True},
+        "stream": True,
+    }
+    small = {
+        "input_ids": [5] * 100,
+        "sampling_params": {"max_new_tokens": 400, "ignore_eos": True},
+        "stream": True,
+    }
+    # At 4x real time the small request decodes for a second or so: the big one comes
+    # while it runs.
+    async with (
+        serve_engine(engine_config(max_total_tokens=1000, speed_factor=4.0)) as engine,
+        serve_sidecar(SidecarConfig(engine_url=engine.url, pool="p", policy=pool_policy())) as sc,
+        aiohttp.ClientSession() as http,
+    ):
+        async with http.post(engine.url + "/generate", json=big) as resp:
+            assert resp.status == 200
+            direct = (await sse(resp))[-1]
+        ledger, order = sc.service.ledger, []
+
+        async def send(name: str, body: dict[str, Any]) -> dict[str, Any]:
+            async with http.post(sc.url + "/generate", json=body) as resp:
+                assert resp.status == 200
+                events = await sse(resp)
+            order.append(name)
+            return events[-1]
+
+        def waits_alone() -> bool:
+            return any(
+                f.admission is not None
+                and (f.admission.verdict, f.admission.reason) == (AdmissionVerdict.WAIT, ALONE)
+                for f in ledger.flights.values()
+            )
+
+        ahead = asyncio.create_task(send("small", small))
+        await until(lambda: ledger.flights, "the small request admitted", every_s=0.001)
+        behind = asyncio.create_task(send("big", big))
+        await until(waits_alone, "the big request waiting to run alone", every_s=0.001)
+        alone = await behind
+        await ahead
+        assert order == ["small", "big"]
+        assert alone["output_ids"] == direct["output_ids"]
+        assert len(alone["output_ids"]) == 8
+        assert alone["meta_info"]["finish_reason"]["type"] == "length"
+        assert (ledger.flights, ledger.own_used, ledger.reserved) == ({}, 0, 0)
