@@ -100,6 +100,7 @@ from engine_sidecar.metrics import SidecarMetrics
 from engine_sidecar.policy import (
     H200_LLAMA_8B,
     RESERVATION_TTL_S,
+    HostPrefixes,
     ReliefCosts,
     RequestRecord,
     RequestState,
@@ -118,6 +119,7 @@ from engine_sidecar.quota import KVQuota
 log = logging.getLogger("weir.sidecar")
 _S = RequestState
 _TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
+_HEX16 = re.compile(r"[0-9a-f]{16}")
 _RESUMABLE = frozenset({_S.DECODING, _S.DECODE_READY})
 _MODES = ("recompute", "offload", "migrate", "terminate")
 TOO_LARGE = "too_large"  # admission's reason for a request that can never fit
@@ -227,6 +229,7 @@ class SidecarService:
         )
         if not self.host_tier_tokens:
             self.costs = replace(self.costs, host_bytes_per_s=0.0)
+        self.host_prefixes = HostPrefixes(self.host_tier_tokens)  # published in heartbeats
         # Whether the engine's /generate streams carry each event's ids only (SGLang
         # 0.5.5) or all so far (0.5.23): learnt from the first stream that shows it.
         self.ids_delta: bool | None = None
@@ -457,6 +460,7 @@ class SidecarService:
             return _bad(RequestError(f"{wire.TENANT} must be a short name ([A-Za-z0-9_.:-])"))
         try:
             deadline_s = _deadline(request.headers.get(wire.DEADLINE_MS))
+            prefix_block = _prefix_block(request.headers.get(wire.PREFIX_BLOCK))
         except RequestError as exc:
             return _bad(exc)
         if self.draining:
@@ -486,7 +490,7 @@ class SidecarService:
         )
         flight = Flight(
             intake, record, arrived_mono=now, client_rid=client_rid, resumed=resumed,
-            reservation=reservation,
+            reservation=reservation, prefix_block=prefix_block,
         )  # fmt: skip
         flight.task = asyncio.current_task()
         self.ledger.add(flight)
@@ -736,6 +740,8 @@ class SidecarService:
             finally:
                 flight.offloaded = 0  # resumed or ended: its host pages are claimed no more
             self._note_admission(flight)
+            if mode == "offload":
+                self.host_prefixes.loaded(flight.prefix_block)
             self.metrics.count(
                 "weir_sidecar_offloaded_tokens_total"
                 if mode == "offload"
@@ -799,6 +805,7 @@ class SidecarService:
         flight.preempt_mode = ""
         if mode == "offload":
             flight.offloaded = flight.record.prompt_tokens + flight.record.generated_tokens
+            self.host_prefixes.offloaded(flight.prefix_block, flight.offloaded)
         self.metrics.count("weir_sidecar_preemptions_total", mode)
 
     async def _end_stream(
@@ -1099,6 +1106,15 @@ def _decode_reservation(raw: bytes) -> RoomReservation:
 
 def _parse_json_or_empty(raw: bytes) -> dict[str, Any]:
     return parse_json(raw or b"{}")
+
+
+def _prefix_block(header: str | None) -> int:
+    """The router's key of the prompt (16 hex digits; 0: none sent)."""
+    if header is None:
+        return 0
+    if not _HEX16.fullmatch(header):
+        raise RequestError(f"{wire.PREFIX_BLOCK} must be 16 hex digits, got {header!r}")
+    return int(header, 16)
 
 
 def _deadline(header: str | None) -> float:

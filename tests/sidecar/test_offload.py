@@ -11,6 +11,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from controlplane.contract import PoolPolicy, PreemptionMode, SchedulingPolicy
+from controlplane.contract import headers as wire
 from engine_sidecar.server import SidecarConfig, serve_sidecar
 from fleetsim.server import serve_engine
 from tests.sidecar.conftest import MODEL, engine_config
@@ -18,6 +19,7 @@ from tests.sidecar.streams import Received, read_sse
 from tests.sidecar.test_preemption import uninterrupted
 
 PROMPT = 1500
+KEY = 0xFEEDFACE0000CAFE  # the router's key of the prompt: its last block hash
 MAX_NEW = 240
 
 
@@ -55,10 +57,13 @@ async def test_an_offloaded_request_resumes_from_the_host_tier_exactly() -> None
         assert service.host_tier_tokens == 8192  # --hicache-ratio 2 of 4,096, from server info
         expected = await uninterrupted(http, plain.url, "/generate", generate(1, MAX_NEW))
         async with http.post(
-            sidecar.url + "/generate", json=generate(1, MAX_NEW) | {"stream": True}
+            sidecar.url + "/generate",
+            json=generate(1, MAX_NEW) | {"stream": True},
+            headers={wire.PREFIX_BLOCK: f"{KEY:016x}"},
         ) as resp:
             rid = resp.headers["x-weir-request-id"]
             first = await read_sse(resp, stop_after=20)
+            assert service.host_prefixes.published() == ()
             # Relief's second rung holds the continuation back while other work runs.
             service.ledger.set_admission(False)
             async with http.post(
@@ -71,6 +76,8 @@ async def test_an_offloaded_request_resumes_from_the_host_tier_exactly() -> None
             offloaded = service.ledger.flights[rid].offloaded
             assert offloaded >= PROMPT + 20
             assert service.relief_costs().host_room_tokens == 8192 - offloaded
+            # Its heartbeat tells routers where its pages are, by the router's key.
+            assert service.host_prefixes.published() == (KEY,)
             loaded = host.load_back_tokens_total
             service.ledger.set_admission(True)
             rest = await read_sse(resp)
@@ -83,6 +90,7 @@ async def test_an_offloaded_request_resumes_from_the_host_tier_exactly() -> None
     # The continuation's history came back from the host tier, whole pages of it.
     assert host.load_back_tokens_total - loaded >= PROMPT // 16 * 16
     assert service.relief_costs().host_room_tokens == 8192
+    assert service.host_prefixes.published() == ()  # back on the device
     samples = {
         (s.name, s.labels.get("mode", "")): s.value
         for family in text_string_to_metric_families(metrics)
@@ -103,6 +111,12 @@ async def test_an_engine_without_a_host_tier_refuses_offload() -> None:
     ):
         assert sidecar.service.host_tier_tokens == 0
         assert sidecar.service.relief_costs().offload_s(1000) is None
+        for bad in ("12", "0x0000000000000a", "FEEDFACE0000CAFE"):
+            async with http.post(
+                sidecar.url + "/generate", json=generate(1, 1), headers={wire.PREFIX_BLOCK: bad}
+            ) as refused:
+                assert refused.status == 400
+                assert wire.PREFIX_BLOCK in (await refused.json())["error"]["message"]
         async with http.post(
             sidecar.url + "/generate", json=generate(1, MAX_NEW) | {"stream": True}
         ) as resp:
