@@ -221,8 +221,14 @@ class SidecarService:
         self._may_recompute = in_place and PreemptionMode.RECOMPUTE in modes
         self._may_migrate = PreemptionMode.MIGRATE in modes
         # Offload is a resume in place whose pages wait in the engine's host tier: it
-        # needs one, and relief weighs it against recompute and migrate by cost.
-        self.costs = H200_LLAMA_8B
+        # needs one, and relief weighs it against recompute and migrate by cost: the
+        # engine's own figures where it says them (KV bytes a token, its page; its host
+        # bandwidth once it has timed a copy, `observe_host_bandwidth`), else an H200's.
+        self.costs = replace(
+            H200_LLAMA_8B,
+            kv_bytes_per_token=info.kv_bytes_per_token or H200_LLAMA_8B.kv_bytes_per_token,
+            page_tokens=info.page_size,
+        )
         self.host_tier_tokens = info.host_tier_tokens(self.costs.kv_bytes_per_token)
         self._may_offload = (
             in_place and PreemptionMode.OFFLOAD in modes and self.host_tier_tokens > 0
@@ -1061,6 +1067,12 @@ class SidecarService:
             if granted is not None:
                 return target, granted.reservation_id
         return None
+
+    def observe_host_bandwidth(self, bytes_per_s: float) -> None:
+        """The engine's measured device-host bandwidth replaces the default (0: it has
+        timed no copy yet)."""
+        if bytes_per_s > 0 and self.host_tier_tokens:
+            self.costs = replace(self.costs, host_bytes_per_s=bytes_per_s)
 
     def relief_costs(self) -> ReliefCosts:
         """The costs relief weighs, with the host room offloads may still claim: the host

@@ -260,6 +260,7 @@ def relief_costs(config: EngineConfig) -> ReliefCosts | None:
         kv_bytes_per_token=model.kv_bytes_per_token,
         host_bytes_per_s=hw.host_bytes_per_s,
         host_room_tokens=config.host_total_tokens,
+        page_tokens=config.page_size,
     )
 
 

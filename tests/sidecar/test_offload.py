@@ -6,19 +6,24 @@ uninterrupted run gives."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import aiohttp
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from controlplane.contract import PoolPolicy, PreemptionMode, SchedulingPolicy
 from controlplane.contract import headers as wire
-from engine_sidecar.server import SidecarConfig, serve_sidecar
+from engine_sidecar.policy import H200_LLAMA_8B
+from engine_sidecar.server import SidecarConfig, read_host_bandwidth, serve_sidecar
+from fleetsim.engine.timing import H200, LLAMA_8B, TimingModel
 from fleetsim.server import serve_engine
 from tests.sidecar.conftest import MODEL, engine_config
 from tests.sidecar.streams import Received, read_sse
 from tests.sidecar.test_preemption import uninterrupted
 
 PROMPT = 1500
+KV_BYTES = 2 * 80 * 8 * 128 * 2  # Llama-3.1-70B's: 80 layers of 8 KV heads, bf16
 KEY = 0xFEEDFACE0000CAFE  # the router's key of the prompt: its last block hash
 MAX_NEW = 240
 
@@ -42,9 +47,17 @@ POLICY = PoolPolicy(
 
 
 async def test_an_offloaded_request_resumes_from_the_host_tier_exactly() -> None:
-    tiered = engine_config(
-        max_total_tokens=4096, page_size=16, speed_factor=4.0, enable_hierarchical_cache=True
+    """On an engine whose figures are not the defaults (a 70B model's KV a token, host
+    memory behind 8 GB/s, pages of 16): relief's costs take them from its server info
+    and, once it has timed copies, from its metrics."""
+    timing = TimingModel(
+        model=replace(LLAMA_8B, kv_bytes_per_token=KV_BYTES),
+        hardware=replace(H200, host_bytes_per_s=8e9),
     )
+    tiered = engine_config(
+        max_total_tokens=4096, page_size=16, speed_factor=4.0, enable_hierarchical_cache=True,
+        timing=timing,
+    )  # fmt: skip
     policy = POLICY
     async with (
         serve_engine(engine_config()) as plain,
@@ -55,6 +68,10 @@ async def test_an_offloaded_request_resumes_from_the_host_tier_exactly() -> None
         service, host = sidecar.service, engine.engine.host
         assert host is not None
         assert service.host_tier_tokens == 8192  # --hicache-ratio 2 of 4,096, from server info
+        assert service.costs.kv_bytes_per_token == pytest.approx(KV_BYTES, rel=1e-3)
+        assert service.costs.page_tokens == 16
+        await read_host_bandwidth(service)  # no copy timed yet: the default stands
+        assert service.costs.host_bytes_per_s == H200_LLAMA_8B.host_bytes_per_s
         expected = await uninterrupted(http, plain.url, "/generate", generate(1, MAX_NEW))
         async with http.post(
             sidecar.url + "/generate",
@@ -83,6 +100,7 @@ async def test_an_offloaded_request_resumes_from_the_host_tier_exactly() -> None
             rest = await read_sse(resp)
         async with http.get(sidecar.url + "/metrics") as scraped:
             metrics = await scraped.text()
+        await read_host_bandwidth(service)  # the engine has timed its copies now
     got = Received(first.events + rest.events, rest.done)
     assert got.done
     assert got.text() == expected.text()
@@ -91,6 +109,7 @@ async def test_an_offloaded_request_resumes_from_the_host_tier_exactly() -> None
     assert host.load_back_tokens_total - loaded >= PROMPT // 16 * 16
     assert service.relief_costs().host_room_tokens == 8192
     assert service.host_prefixes.published() == ()  # back on the device
+    assert service.costs.host_bytes_per_s == pytest.approx(8e9)
     samples = {
         (s.name, s.labels.get("mode", "")): s.value
         for family in text_string_to_metric_families(metrics)
