@@ -5,6 +5,7 @@ uninterrupted run gives."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 from dataclasses import replace
 
@@ -12,7 +13,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from controlplane.contract import PoolPolicy, PreemptionMode, SchedulingPolicy
+from controlplane.contract import KVPolicy, PoolPolicy, PreemptionMode, SchedulingPolicy
 from controlplane.contract import headers as wire
 from engine_sidecar.policy import H200_LLAMA_8B
 from engine_sidecar.server import SidecarConfig, read_host_bandwidth, serve_sidecar
@@ -147,3 +148,84 @@ async def test_an_engine_without_a_host_tier_refuses_offload() -> None:
                 ) as answer:
                     assert answer.status == status
             assert (await read_sse(resp)).done
+
+
+BURST_POLICY = PoolPolicy(
+    pool="p",
+    model=MODEL,
+    context_length=4096,
+    # A 15 % emergency band: room for relief to act before the engine itself runs out.
+    kv=KVPolicy(low_watermark=0.6, high_watermark=0.75, emergency_watermark=0.85),
+    scheduling=SchedulingPolicy(
+        preemption_modes=(PreemptionMode.RECOMPUTE, PreemptionMode.OFFLOAD)
+    ),
+)
+LONG = 3000  # the victim's prompt: the burst's one long context, and its lowest priority
+
+
+def burst_body(seed: int) -> dict[str, object]:
+    """The long context (seed 0), or one of the short prompts that grow past their room."""
+    rng = random.Random(seed)
+    prompt = LONG if seed == 0 else 400
+    return {
+        "input_ids": [rng.randrange(1, 200) for _ in range(prompt)],
+        "sampling_params": {"max_new_tokens": 900 if seed == 0 else 800, "ignore_eos": True},
+        "priority": -10 if seed == 0 else 10,
+    }
+
+
+@pytest.mark.parametrize(
+    ("host_bytes_per_s", "chosen", "other"),
+    [(64e9, "offload", "recompute"), (1e9, "recompute", "offload")],
+)
+async def test_relief_offloads_a_long_context_by_cost_and_recomputes_it_over_a_slow_link(
+    host_bytes_per_s: float, chosen: str, other: str
+) -> None:
+    """A burst whose outputs outgrow what admission reserved drives the endpoint to
+    exhaustion; relief takes the long, low-priority context and weighs its modes by the
+    engine's own figures: over a 64 GB/s host link a round trip of its KV is far cheaper
+    than prefilling its 3,000-odd tokens again (offload), over 1 GB/s far dearer
+    (recompute). Every stream ends whole with the tokens of an uninterrupted run. The
+    engine writes through, so it has timed copies before relief reads its bandwidth."""
+    timing = TimingModel(hardware=replace(H200, host_bytes_per_s=host_bytes_per_s))
+    tiered = engine_config(
+        page_size=16, speed_factor=12.0, enable_hierarchical_cache=True,
+        hicache_write_policy="write_through", timing=timing,
+    )  # fmt: skip
+    bodies = [burst_body(seed) | {"stream": True} for seed in range(4)]
+    async with (
+        serve_engine(engine_config()) as plain,
+        serve_engine(tiered) as engine,
+        serve_sidecar(
+            SidecarConfig(engine_url=engine.url, pool="p", policy=BURST_POLICY)
+        ) as sidecar,
+        aiohttp.ClientSession() as http,
+    ):
+        expected = await asyncio.gather(
+            *(uninterrupted(http, plain.url, "/generate", b) for b in bodies)
+        )
+
+        async def stream(body: dict[str, object]) -> Received:
+            async with http.post(sidecar.url + "/generate", json=body) as resp:
+                assert resp.status == 200, await resp.text()
+                return await read_sse(resp)
+
+        got = await asyncio.gather(*(stream(b) for b in bodies))
+        async with http.get(sidecar.url + "/metrics") as scraped:
+            metrics = await scraped.text()
+        service = sidecar.service
+        assert engine.engine.retracted_total == 0  # relief acted before the engine ran out
+    assert [g.text() for g in got] == [e.text() for e in expected]
+    assert all(g.done for g in got)
+    assert service.costs.host_bytes_per_s == pytest.approx(host_bytes_per_s)
+    samples = {
+        (s.name, s.labels.get("mode", "")): s.value
+        for family in text_string_to_metric_families(metrics)
+        for s in family.samples
+    }
+    assert samples["weir_sidecar_preemptions_total", chosen] >= 1
+    assert samples["weir_sidecar_preemptions_total", other] == 0
+    # The long context went, and only it: its history resumed the chosen way.
+    resumed = samples[f"weir_sidecar_{chosen.rstrip('e')}ed_tokens_total", ""]
+    assert LONG < resumed <= LONG + 900
+    assert service.ledger.own_used == 0
