@@ -18,6 +18,7 @@ continuation's admission takes it or it expires.
 from __future__ import annotations
 
 import asyncio
+import enum
 import secrets
 import time
 from collections.abc import Callable
@@ -70,6 +71,18 @@ class OverloadError(Exception):
         self.retry_after_s = retry_after_s
 
 
+class Preemption(enum.StrEnum):
+    """How a preempted request goes on: resumed here, recomputed or from the engine's
+    host tier (offload); handed back to the router to resume elsewhere (migrate); or
+    ended. The pool policy's `PreemptionMode`s say which of the first three it allows;
+    the values are the wire's (`/weir/v1/preempt`'s `mode`, metric labels, the trail)."""
+
+    RECOMPUTE = "recompute"
+    OFFLOAD = "offload"
+    MIGRATE = "migrate"
+    TERMINATE = "terminate"
+
+
 @dataclass(eq=False)
 class Flight:
     """One client request on this endpoint, across all its engine segments."""
@@ -92,7 +105,7 @@ class Flight:
     engine_rid: str = ""
     client_rid: str = ""  # the rid the client (a router) gave, for its /abort_request
     task: asyncio.Task[Any] | None = None  # the handler serving it, cancelled by an abort
-    preempt_mode: str = ""  # set by relief or a command: "recompute", "offload", "migrate"…
+    preempt_mode: Preemption | None = None  # set by relief, a command or an admin
     offloaded: int = 0  # KV tokens an offload left in the engine's host tier, until it resumes
     prefix_block: int = 0  # the router's key of its prompt (wire.PREFIX_BLOCK); 0: none
     first_token_mono: float = 0.0

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import pytest
@@ -16,7 +16,27 @@ from tests.kube.control_plane import (
     binaries,
 )
 from tests.tiers import unavailable
-from weir.local.redis_server import RedisServer
+from weir.local.prometheus import PrometheusNotInstalledError
+from weir.local.redis_server import RedisNotInstalledError, RedisServer
+
+# What a component raises when a binary it starts is not installed (bootstrap installs
+# them), by the tier that needs it: its tests skip, saying why, and fail in CI.
+_NOT_INSTALLED: dict[type[Exception], str] = {
+    RedisNotInstalledError: "Redis",
+    PrometheusNotInstalledError: "Prometheus",
+}
+
+
+def _not_installed_skips(item: pytest.Item) -> Generator[None, None, None]:
+    try:
+        return (yield)
+    except tuple(_NOT_INSTALLED) as exc:
+        unavailable(_NOT_INSTALLED[type(exc)], str(exc))
+
+
+# In a fixture (setup) or in the test itself (call).
+pytest_runtest_setup = pytest.hookimpl(wrapper=True)(_not_installed_skips)
+pytest_runtest_call = pytest.hookimpl(wrapper=True)(_not_installed_skips)
 
 
 @pytest.fixture(scope="session")

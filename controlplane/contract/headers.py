@@ -1,7 +1,7 @@
 """HTTP headers between clients, routers and sidecars: named once, here.
 
 A client may send the first three (the router also accepts body fields, see
-`controlplane.gateway.requests`); a router sets all of them on the request it forwards to a
+`controlplane.router.requests`); a router sets all of them on the request it forwards to a
 sidecar, and a sidecar trusts them only from its router.
 """
 

@@ -1,6 +1,6 @@
 """Routing policy: which endpoint serves a request, and who waits when none can.
 
-Pure over immutable snapshots with an injected clock, so the gateway runs it live and the
+Pure over immutable snapshots with an injected clock, so the router runs it live and the
 fleet simulator runs it in virtual time:
 
 - `snapshot`: `PoolSnapshot`, `EndpointView`, `RouteRequest`, `RoutingContext`;
@@ -13,7 +13,7 @@ fleet simulator runs it in virtual time:
 - `prefix_index`: the approximate per-endpoint block index;
 - `fair_queue`: the bounded, tenant-fair admission queue;
 - `inflight`: what a router sent that its snapshot does not show yet;
-- `dispatch`: the `Dispatcher` that the gateway and the simulator both drive: route or
+- `dispatch`: the `Dispatcher` that the router and the simulator both drive: route or
   queue, reserve, charge, pump, resume.
 """
 

@@ -1,11 +1,11 @@
 """The router's dispatch: route or queue, reserve and release, charge, pump and resume.
 
-One clock-injected core that does no I/O, driven by the gateway (`controlplane.gateway`)
+One clock-injected core that does no I/O, driven by the router (`controlplane.router`)
 and by the fleet simulator (`fleetsim.sim.weir`) alike; a parity test feeds both the same
 events and compares their decisions (`tests/fleetsim/test_dispatch_parity.py`). The
 caller passes the instant and the pool snapshot (None while it is too stale to route on)
 and gets back events: `Placed` (send the payload to this endpoint) and `Refused` (answer
-the client, or give up a stream). Payloads are the caller's own: the gateway's
+the client, or give up a stream). Payloads are the caller's own: the router's
 exchanges, the simulator's flights. Waiting is the caller's too: it calls `pump` again
 at `next_wakeup()`, when a report arrives, and nowhere else.
 
@@ -80,7 +80,7 @@ RESUME_FAILED = "resume_failed"
 
 @dataclass(frozen=True, slots=True)
 class Refusal:
-    """A refusal as the gateway answers it: 429 and 503 are retryable after
+    """A refusal as the router answers it: 429 and 503 are retryable after
     `retry_after_s` (None when the answer gives none), anything else is final."""
 
     status: int
@@ -306,7 +306,7 @@ class Dispatcher(Generic[P]):
         return self.pump(now, snapshot)
 
     def reached(self, route: RouteRequest, endpoint_id: str) -> None:
-        """The request `route` reached `endpoint_id`, which has it now (the gateway: it
+        """The request `route` reached `endpoint_id`, which has it now (the router: it
         answered without refusing it; the simulator: its sidecar was offered it): the
         profile's post-decision hooks learn where it went. Without a prefix index there
         is no state for them to keep."""

@@ -5,7 +5,7 @@ reached it before the report was taken. A router adds what it dispatched since: 
 dispatch counts from the moment it is sent until the earlier of its request's end and
 the endpoint's first report taken after it — never both in the report and here. An
 endpoint that never reports (a fixed `--endpoint`) keeps its dispatches counted until
-they end. Clock-free; the gateway and the simulator both keep one.
+they end. Clock-free; the router and the simulator both keep one.
 """
 
 from __future__ import annotations

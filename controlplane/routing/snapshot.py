@@ -1,7 +1,7 @@
 """The router's immutable view of one pool, and of what the router itself has in flight.
 
 A routing decision reads only a `PoolSnapshot` and a `RouteRequest`: both are frozen, so
-the same pipeline runs live (the gateway rebuilds the snapshot when the control plane's
+the same pipeline runs live (the router rebuilds the snapshot when the control plane's
 change feed moves) and inside the fleet simulator on a virtual clock.
 
 Liveness is explicit: each endpoint carries the local-clock instant its lease lapses
@@ -143,7 +143,7 @@ class RouteRequest:
 
     `block_hashes` are the prompt's chained block hashes (seeded by the cache identity) and
     `owners` the consistent-hash owners of its prefix key, primary first: both come from
-    `controlplane.ownership` in the gateway's prepare step, so the pipeline stays pure.
+    `controlplane.ownership` in the router's prepare step, so the pipeline stays pure.
     `deadline_s` is the time budget left (0 = none); `waited_s` how long the request has
     already queued in the router.
     """

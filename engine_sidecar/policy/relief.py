@@ -2,10 +2,12 @@
 
 Rungs, in ARCHITECTURE.md's order:
 
-1. stop new routing — published with the watermark state (pressure and up);
+1. stop new routing — the routers' step, not this plan's: they read the watermark state
+   the sidecar publishes, prefer other endpoints from pressure and route none here from
+   critical;
 2. pause local prefill admission (critical and up);
-3. let near-done decodes finish first — they are raised in engine priority and are the
-   last to be chosen as victims;
+3. let near-done decodes finish first — they are the last to be chosen as victims (the
+   victim score's near-done term);
 4. migrate what can move (lower the low-priority concurrency on this endpoint);
 5. offload what can be resumed from the engine's host tier (abort in the engine, its
    pages written back to host memory as they are evicted, resume in place from them);
@@ -57,7 +59,8 @@ from engine_sidecar.policy.watermark import KVUsage
 
 
 class Rung(enum.StrEnum):
-    STOP_ROUTING = "stop_routing"
+    """A rung the sidecar's plan applies (stopping new routing is the routers')."""
+
     PAUSE_ADMISSION = "pause_admission"
     FAVOUR_NEAR_DONE = "favour_near_done"
     MIGRATE = "migrate"
@@ -227,7 +230,6 @@ class ReliefPlan:
     rungs: tuple[Rung, ...]
     victims: tuple[VictimChoice, ...]
     needed_tokens: int
-    favoured: tuple[str, ...]
     # Every candidate scored, best victim first: the alternatives a victim was chosen over.
     ranked: tuple[tuple[str, VictimScore], ...] = ()
 
@@ -431,20 +433,12 @@ def plan_relief(
     kv = policy.kv
     near_done_tokens = max(1, kv.growth_horizon_steps // 8)
     rungs: list[Rung] = []
-    if watermark.rank >= WatermarkState.PRESSURE.rank:
-        rungs.append(Rung.STOP_ROUTING)
     if watermark.rank >= WatermarkState.CRITICAL.rank:
         rungs += [Rung.PAUSE_ADMISSION, Rung.FAVOUR_NEAR_DONE]
-    # Candidates are read only where a rung needs them (a caller may build them lazily).
-    favoured = (
-        tuple(c.rid for c in candidates if c.predicted_remaining <= near_done_tokens)
-        if Rung.FAVOUR_NEAR_DONE in rungs
-        else ()
-    )
     target = int(kv.high_watermark * usage.capacity_tokens)
     needed = usage.committed_tokens - target if watermark is WatermarkState.EXHAUSTED else 0
     if needed <= 0 or not candidates:
-        return ReliefPlan(watermark, tuple(rungs), (), max(0, needed), favoured)
+        return ReliefPlan(watermark, tuple(rungs), (), max(0, needed))
     cap = policy.scheduling.max_preemptions_per_request
     scale = max(c.kv_tokens + c.reserved_growth_tokens for c in candidates)
     span = (min(c.priority for c in candidates), max(c.priority for c in candidates))
@@ -492,4 +486,4 @@ def plan_relief(
         if any(v.mode is r for v in victims)
     ]
     ranked = tuple((cand.rid, score) for score, cand in scored)
-    return ReliefPlan(watermark, (*rungs, *ordered), tuple(victims), needed, favoured, ranked)
+    return ReliefPlan(watermark, (*rungs, *ordered), tuple(victims), needed, ranked)

@@ -1,13 +1,13 @@
 """Weir's router gate in the simulator: tenant quotas and handoff credits, decided by the
-control plane's pure rules and refused the way the gateway refuses.
+control plane's pure rules and refused the way the router refuses.
 
-The live router (`controlplane.gateway.app`) charges a request's tenant quota — one unit
+The live router (`controlplane.router.app`) charges a request's tenant quota — one unit
 of concurrency, the prompt's input tokens and its `max_tokens` of output tokens — before
 anything else, then on a prefill pool takes a decode handoff credit for the prompt's KV
 bytes; a credit refusal hands the quota charge back unused. Both decisions are Lua
 scripts in Redis; here they are `QuotaLedger` and `CreditLedger`, the same rules as pure
 Python (checked against the scripts by the control plane's differential tests), on the
-simulator's clock in milliseconds. Refusals carry the gateway's status, reason and
+simulator's clock in milliseconds. Refusals carry the router's status, reason and
 Retry-After, from the same mappings (`quota_refusal`, `credit_refusal`). When the
 request ends its charge is released with what it used, so unused output tokens flow back.
 """
@@ -23,7 +23,7 @@ from controlplane.routing import Refusal
 from fleetsim.sim.flight import Flight
 
 HOLDER = "router-sim"
-# The gateway's defaults: the quota holder's lease (renewed at a third of it) and a
+# The router's defaults: the quota holder's lease (renewed at a third of it) and a
 # handoff credit's time to live.
 HOLDER_TTL_MS = 15_000
 CREDIT_TTL_MS = 30_000

@@ -8,7 +8,7 @@ heartbeats, as stale as the heartbeat period plus the change-feed delay; the app
 `PrefixIndex`; and the live router's dispatch core (`Dispatcher`: route or queue in the
 tenant-fair `FairQueue`, in-flight reservations, charges, the pump, fallbacks before the
 first byte and resumes), configured by the same pool policy and held equal to the
-gateway's use of it by tests/fleetsim/test_dispatch_parity.py. What is left here is
+router's use of it by tests/fleetsim/test_dispatch_parity.py. What is left here is
 event plumbing: timers for the core's wakeups, engine liveness (a dead engine's
 connection is refused), and the sidecar behind each endpoint.
 
@@ -28,7 +28,7 @@ host room less what this sidecar's offloads not yet resumed hold).
 Router gate (`fleetsim.sim.gate`): tenant quotas, when the pool policy declares tenants,
 and on a disaggregated fleet a decode handoff credit before a prefill is admitted, both
 by the control plane's pure rules (`controlplane.contract.quota_rules`, `credit_rules`)
-and refused as the gateway refuses (429 with the limit as reason and Retry-After). A
+and refused as the router refuses (429 with the limit as reason and Retry-After). A
 client with a maximum wait of its own retries after Retry-After while that wait lasts; an
 interactive one takes the refusal.
 
@@ -365,7 +365,7 @@ class WeirPolicy:
             policy, timing.model.kv_bytes_per_token, credits=sim.config.disaggregated
         )
         sim.every(HOLDER_RENEW_S, self.gate.renew)
-        vnodes = policy.routing.virtual_nodes  # as the gateway's `RingOwners`
+        vnodes = policy.routing.virtual_nodes  # as the router's `RingOwners`
         for role in dict.fromkeys(s.role for s in self.sidecars):
             self.routers[role] = Dispatcher(self.profile, policy.routing, self.index)
             members = (s.endpoint_id for s in self.sidecars if s.role is role)
@@ -521,7 +521,7 @@ class WeirPolicy:
 
     def _arm_wakeups(self) -> None:
         """A timer at each router's next wakeup (a wait that ends, an avoided endpoint
-        that may be asked again), as the gateway keeps one."""
+        that may be asked again), as the router keeps one."""
         for role, router in self.routers.items():
             when = router.next_wakeup()
             if when is not None and when < self._wakeups.get(role, math.inf):
@@ -535,7 +535,7 @@ class WeirPolicy:
         self._deliver(role, self.routers[role].pump(now, self._snapshot(now, role)))
 
     def _refused(self, flight: Flight, refusal: Refusal, now: float) -> None:
-        """The gateway's answer reaches the client: a patient one (its own maximum wait)
+        """The router's answer reaches the client: a patient one (its own maximum wait)
         sends the request again after Retry-After while that wait lasts. A continuation
         no endpoint took in time is lost."""
         if refusal.reason == RESUME_FAILED:
@@ -564,7 +564,7 @@ class WeirPolicy:
         return Role.DECODE if flight.kv_ready or flight.generated else Role.PREFILL
 
     def _route_request(self, flight: Flight, role: Role, now: float) -> RouteRequest:
-        """The request as the gateway's prepare step would see it arriving now (a patient
+        """The request as the router's prepare step would see it arriving now (a patient
         client's retry arrives anew): its prompt, output limit, deadline left, blocks and
         owners on the pool's current ring."""
         spec = flight.spec
@@ -586,7 +586,7 @@ class WeirPolicy:
 
     def _owners(self, flight: Flight, role: Role) -> tuple[str, ...]:
         """Primary and secondary owner of the prompt's prefix key on the current ring of
-        the pool, keyed from the prompt's first tokens exactly as the gateway keys it."""
+        the pool, keyed from the prompt's first tokens exactly as the router keys it."""
         routing = self._policy().routing
         head = prompt_token_ids(flight.spec)[: routing.prefix_blocks_for_owner * BLOCK_TOKENS]
         key = prefix_key(

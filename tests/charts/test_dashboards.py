@@ -13,6 +13,7 @@ import yaml
 
 from controlplane.telemetry.catalog import metric_names
 from fleet_operator.dashboards import DASHBOARDS, DashboardQuery, dashboard_queries, promql_metrics
+from tests.tiers import unavailable
 
 QUERIES = dashboard_queries()
 
@@ -77,7 +78,7 @@ def test_every_query_parses_as_promql(tmp_path: Path) -> None:
     query once Grafana's variables are substituted."""
     promtool = shutil.which("promtool")
     if promtool is None:
-        pytest.skip("promtool not installed (scripts/bootstrap.sh dev installs prometheus)")
+        unavailable("Prometheus", "promtool is not installed; run scripts/bootstrap.sh dev")
     promql = [q for q in QUERIES if q.is_promql]
     assert len(promql) >= 40
     rules = {

@@ -7,26 +7,18 @@ from __future__ import annotations
 import contextlib
 import shutil
 import subprocess
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import redis
 
+from tests.polling import wait_until
 from tests.tiers import unavailable
 from weir.local.ports import free_port
 from weir.local.process import LocalService
 from weir.local.redis_server import RedisNotInstalledError, RedisServer
 
 PRIMARIES = 3
-
-
-def _wait_until(what: str, done: Callable[[], bool], timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not done():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the cluster did not get there in {timeout_s:g}s: {what}")
-        time.sleep(0.05)
 
 
 class ClusterTopology(LocalService):
@@ -168,7 +160,7 @@ class ClusterTopology(LocalService):
             except redis.RedisError:
                 return False
 
-        _wait_until("every node ok, in agreement, every replica in sync", healthy, timeout_s)
+        wait_until(healthy, "every node ok, in agreement, every replica in sync", timeout_s)
 
     def close(self) -> None:
         for node in self.nodes:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from weir.local.ports import free_port, wait_for_port
 from weir.local.process import LocalService, stop_process
-from weir.local.redis_server import RedisServer
+from weir.local.redis_server import RedisNotInstalledError, RedisServer
 
 SERVICE = "weir"
 
@@ -46,7 +46,10 @@ class SentinelTopology(LocalService):
         )
         binary = shutil.which("redis-sentinel")
         if binary is None:
-            raise RuntimeError("redis-sentinel is not installed (apt-get install redis-sentinel)")
+            raise RedisNotInstalledError(
+                "redis-sentinel is not installed; run scripts/bootstrap.sh "
+                "(apt-get install redis-sentinel)"
+            )
         self._proc = subprocess.Popen(
             [binary, str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )

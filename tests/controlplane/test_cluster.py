@@ -33,7 +33,7 @@ from controlplane.store import (
 )
 from tests.controlplane.cluster_topology import ClusterTopology, running_cluster
 from tests.controlplane.records import POOL, endpoint
-from tests.router.conftest import eventually, until
+from tests.polling import until
 
 pytestmark = pytest.mark.redis
 TENANT = "t"
@@ -140,7 +140,7 @@ class StoreInUse:
                 return False
             return True
 
-        await eventually(settled, "the holder to settle", timeout_s=30)
+        await until(settled, "the holder to settle", timeout_s=30)
 
     async def check_and_empty(self) -> frozenset[str]:
         """After `stop`: the store holds no charge the holder does not know of and counts
@@ -227,7 +227,7 @@ async def test_the_pool_s_primary_is_killed_and_its_replica_takes_over(
             return False
         return True
 
-    await eventually(served, "the pool's slot served again", timeout_s=60)
+    await until(served, "the pool's slot served again", timeout_s=60)
     recovered_s = time.monotonic() - killed
     assert topology.owner(STATE_KEY) is replica
     await store.resumes("the failover")

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator, Callable
+import functools
+from collections.abc import AsyncIterator
 
 import pytest
 
 from fleetsim.engine import EngineConfig, EngineModel, EngineRequest, encode
 from fleetsim.server import RunningEngine, serve_engine
+from tests import polling
 
 # Fast simulated GPU: an 8B decode step of ~7 ms takes ~0.1 ms of wall time.
 FAST = 64.0
@@ -46,10 +47,5 @@ async def engine() -> AsyncIterator[RunningEngine]:
         yield running
 
 
-async def until(predicate: Callable[[], object], timeout_s: float = 30.0) -> None:
-    """Poll the engine's state (it lives in this event loop) until `predicate` holds."""
-    for _ in range(int(timeout_s / 0.002)):
-        if predicate():
-            return
-        await asyncio.sleep(0.002)
-    raise TimeoutError("condition not reached")
+# The engine lives in this event loop and steps every few milliseconds: poll at its pace.
+until = functools.partial(polling.until, timeout_s=30.0, every_s=0.002)

@@ -1,6 +1,6 @@
 """The simulator routes as the live router does: one scripted sequence of arrivals,
 endpoint reports, finishes, a preemption handed back and an endpoint failure, fed to the
-live gateway's dispatch glue (its clock injected, a fixed pool view, the upstream played
+live router's dispatch glue (its clock injected, a fixed pool view, the upstream played
 by the script) and to the simulator's Weir router glue, gives the same decisions in the
 same order: where each request is sent, and which are refused, and why.
 
@@ -30,9 +30,10 @@ from controlplane.contract import (
     WatermarkState,
     encode_json,
 )
-from controlplane.gateway import ClientRequest, Gateway, GatewayConfig, GatewayError, PoolView
-from controlplane.gateway.app import REPORT_LAG_S, _Exchange
 from controlplane.ownership import Membership, OwnershipRing
+from controlplane.router import ClientRequest, PoolView, Router, RouterConfig, RouterError
+from controlplane.router.app import REPORT_LAG_S
+from controlplane.router.exchange import Exchange
 from controlplane.routing import (
     Dispatcher,
     EndpointView,
@@ -238,7 +239,7 @@ def _simulated(script: tuple[Event, ...]) -> tuple[Decisions, dict[str, RouteReq
     sim = _Sim(weir)
     weir._sim = sim  # type: ignore[assignment]
     weir._gate = RouterGate(POLICY, kv_bytes_per_token=1, credits=False)
-    weir.profile = profile_from_config(default_config(POLICY.routing))  # as the gateway's
+    weir.profile = profile_from_config(default_config(POLICY.routing))  # as the router's
     weir.sidecars = [
         Sidecar(i, f"engine-{i}", 10_000, POLICY, lambda: sim.now) for i in range(ENDPOINTS)
     ]
@@ -281,7 +282,7 @@ def _simulated(script: tuple[Event, ...]) -> tuple[Decisions, dict[str, RouteReq
 
 @dataclass
 class _Live:
-    """The live gateway with an injected clock over a fixed pool view; the script plays
+    """The live router with an injected clock over a fixed pool view; the script plays
     its upstreams (an attempt on a dead endpoint is a refused connection)."""
 
     now: float = 0.0
@@ -290,28 +291,28 @@ class _Live:
     dead: set[str] = field(default_factory=set)
     decisions: Decisions = field(default_factory=list)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
-    gateway: Gateway = field(init=False)
+    router: Router = field(init=False)
 
     def __post_init__(self) -> None:
-        self.gateway = Gateway(GatewayConfig.from_policy(POLICY), self.view, clock=lambda: self.now)
+        self.router = Router(RouterConfig.from_policy(POLICY), self.view, clock=lambda: self.now)
 
     def report(self, state: EndpointState) -> None:
         self.endpoints[state.endpoint_id] = EndpointView(state, self.now + LEASE_S)
         self.view.update([self.endpoints[e] for e in sorted(self.endpoints)], self.now)
 
-    def follow(self, ex: _Exchange, step: Coroutine[Any, Any, str]) -> None:
+    def follow(self, ex: Exchange, step: Coroutine[Any, Any, str]) -> None:
         self.tasks.append(asyncio.create_task(self._placed(ex, step)))
 
-    async def _placed(self, ex: _Exchange, step: Coroutine[Any, Any, str]) -> None:
+    async def _placed(self, ex: Exchange, step: Coroutine[Any, Any, str]) -> None:
         rid = ex.route.request_id
         try:
             endpoint = await step
-        except GatewayError as exc:
+        except RouterError as exc:
             self.decisions.append((self.now, rid, exc.reason))
             return
         if endpoint in self.dead:  # the connection is refused: nothing reached the client
             self.decisions.append((self.now, rid, f"refused by {endpoint}"))
-            self.follow(ex, self.gateway._redispatch(ex, "refused"))
+            self.follow(ex, self.router.redispatch(ex, "refused"))
             return
         self.decisions.append((self.now, rid, endpoint))
 
@@ -320,10 +321,10 @@ class _Live:
             await asyncio.sleep(0)
 
     async def run_until(self, until: float) -> None:
-        """The gateway's timer, on the injected clock: pump at each wakeup due."""
-        while (wakeup := self.gateway.dispatch.next_wakeup()) is not None and wakeup <= until:
+        """The router's timer, on the injected clock: pump at each wakeup due."""
+        while (wakeup := self.router.dispatch.next_wakeup()) is not None and wakeup <= until:
             self.now = wakeup
-            self.gateway._wake()
+            self.router._wake()
             await self.settle()
         self.now = until
 
@@ -335,7 +336,7 @@ def _continuation(event: Preempt) -> Continuation:
     )  # fmt: skip
 
 
-def _exchange(route: RouteRequest) -> _Exchange:
+def _exchange(route: RouteRequest) -> Exchange:
     client = ClientRequest(
         api=EngineAPI.GENERATE, model=MODEL, body={}, stream=True, prompt_text="",
         prompt_ids=(1,) * route.prompt_tokens, prompt_tokens=route.prompt_tokens,
@@ -343,13 +344,13 @@ def _exchange(route: RouteRequest) -> _Exchange:
         deadline_s=route.deadline_s,
     )  # fmt: skip
     splicer = Splicer(EngineAPI.GENERATE, prompt_tokens=route.prompt_tokens)
-    return _Exchange(client, route, route.tenant, 0.0, splicer)
+    return Exchange(client, route, route.tenant, 0.0, splicer)
 
 
 async def _live(script: tuple[Event, ...], routes: dict[str, RouteRequest]) -> Decisions:
     live = _Live()
-    gateway = live.gateway
-    exchanges: dict[str, _Exchange] = {}
+    router = live.router
+    exchanges: dict[str, Exchange] = {}
     finished: set[str] = set()
     version = 0
     for event in script:
@@ -359,28 +360,28 @@ async def _live(script: tuple[Event, ...], routes: dict[str, RouteRequest]) -> D
             live.report(_state(event, version))
         elif isinstance(event, Arrive):
             ex = exchanges[event.rid] = _exchange(routes[event.rid])
-            live.follow(ex, gateway._admit(ex))
+            live.follow(ex, router._admit(ex))
         elif isinstance(event, Finish):
             ex = exchanges[event.rid]
             ex.splicer.seg_tokens = event.generated
             finished.add(event.rid)
-            gateway._finish(ex)
+            router.finish(ex)
         elif isinstance(event, Preempt):
             ex = exchanges[event.rid]
             ex.splicer.seg_tokens = event.generated
             # The sidecar's continuation, as the relay hands it over: it names the target.
             ex.continuation = encode_json(_continuation(event)) if event.target else b""
-            live.follow(ex, gateway._redispatch(ex, "preempted"))
+            live.follow(ex, router.redispatch(ex, "preempted"))
         elif isinstance(event, Fail):
             endpoint = f"engine-{event.endpoint}"
             live.dead.add(endpoint)
             for rid in _streaming(live.decisions, endpoint, finished):
                 ex = exchanges[rid]
                 ex.splicer.seg_tokens = FAILED_AFTER
-                live.follow(ex, gateway._redispatch(ex, "broken"))
+                live.follow(ex, router.redispatch(ex, "broken"))
         await live.settle()
-    if gateway._wakeup is not None:
-        gateway._wakeup.cancel()
+    if router._wakeup is not None:
+        router._wakeup.cancel()
     for task in live.tasks:
         task.cancel()
     await asyncio.gather(*live.tasks, return_exceptions=True)

@@ -33,6 +33,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from tests.polling import wait_until
+
 ROOT = Path(__file__).resolve().parents[2]
 BUILD_SCRIPT = ROOT / "scripts" / "k8s_controlplane.sh"
 ADMIN_TOKEN = "weir-test-admin-token"
@@ -310,17 +312,22 @@ class ControlPlane(Cluster):
             proc.wait(timeout=5)
 
     def wait_for(self, probe: Any, limit_s: float, what: str) -> None:
-        deadline = time.monotonic() + limit_s
-        while not probe():
+        """Wait until `probe` holds; the control plane is unavailable when one of its
+        processes exits meanwhile, or when it does not get there in time."""
+
+        def ready() -> Any:
             for name, proc in self._procs.items():
                 if proc.poll() is not None:
                     raise ControlPlaneUnavailableError(
                         f"{name} exited ({proc.returncode}) while waiting for {what}:\n"
                         + self.log_tail(name)
                     )
-            if time.monotonic() > deadline:
-                raise ControlPlaneUnavailableError(f"timed out waiting for {what}")
-            time.sleep(0.2)
+            return probe()
+
+        try:
+            wait_until(ready, what, limit_s, every_s=0.2)
+        except AssertionError as exc:
+            raise ControlPlaneUnavailableError(str(exc)) from None
 
     def log_tail(self, name: str, lines: int = 30) -> str:
         path = self.logs / f"{name}.log"

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import threading
-import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,7 @@ from kubernetes_asyncio.config import kube_config
 
 from fleet_operator.config import OperatorConfig
 from fleet_operator.handlers import build_registry
+from tests import polling
 
 
 @contextlib.contextmanager
@@ -61,15 +62,5 @@ def point_clients_at(monkeypatch: Any, kubeconfig: Path) -> None:
     monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(kubeconfig))
 
 
-async def eventually(probe: Callable[[], Any], limit_s: float = 30.0, what: str = "") -> Any:
-    """Poll `probe` until it returns something truthy; fail after `limit_s` seconds."""
-    deadline = time.monotonic() + limit_s
-    while True:
-        value = probe()
-        if asyncio.iscoroutine(value) or isinstance(value, Awaitable):
-            value = await value
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what or probe}")
-        await asyncio.sleep(0.1)
+# Pods start in seconds: poll the API server gently.
+until = functools.partial(polling.until, timeout_s=30.0, every_s=0.1)

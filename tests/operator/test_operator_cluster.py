@@ -35,7 +35,7 @@ from fleet_operator.config import OperatorConfig
 from fleet_operator.observing import DELETION_COST
 from tests.kube.control_plane import Cluster, ControlPlane
 from tests.kube.fault_proxy import FaultProxy
-from tests.operator.cluster import eventually, operator_thread, point_clients_at
+from tests.operator.cluster import operator_thread, point_clients_at, until
 from tests.operator.real_cluster import CRD_NAME, Installation, install_crd
 from weir.local.ports import free_port
 
@@ -210,8 +210,8 @@ async def test_a_pool_comes_up_with_its_children_and_pods(weir: Weir) -> None:
         kv={"pageSize": 32, "lowWatermark": 0.6, "highWatermark": 0.8},
         scheduling={"chunkedPrefillSize": 4096, "maxRunningRequests": 64},
     )
-    pods = await eventually(lambda: len(weir.ready_pods("llama")) == 2 and weir.ready_pods("llama"),
-                            limit_s=90, what="two engine pods Running and Ready")  # fmt: skip
+    pods = await until(lambda: len(weir.ready_pods("llama")) == 2 and weir.ready_pods("llama"),
+                            timeout_s=90, what="two engine pods Running and Ready")  # fmt: skip
     pool_uid = weir.pool("llama")["metadata"]["uid"]
     for kind in CHILDREN:
         child = weir.install.get(kind, child_name(kind, "llama"))
@@ -246,7 +246,7 @@ async def test_a_pool_comes_up_with_its_children_and_pods(weir: Weir) -> None:
     registry = weir.registry("llama")
     for pod in pods:
         await register(registry, pod, kv_used_tokens=300)
-    await eventually(lambda: weir.condition("llama", "Ready").get("reason") == "EnginesReady",
+    await until(lambda: weir.condition("llama", "Ready").get("reason") == "EnginesReady",
                      what="Ready")  # fmt: skip
     status = weir.status("llama")
     assert (status["replicas"], status["readyReplicas"]) == (2, 2)
@@ -262,9 +262,9 @@ async def test_a_pd_pair_of_pools_runs_engines_that_serve_their_halves(weir: Wei
     weir.apply_pool("ds-decode", role="decode")
     weir.apply_pool("ds-prefill", role="prefill", decodePool="ds-decode",
                     engine={"bootstrapPort": 9100, "transferBackend": "nixl"})  # fmt: skip
-    await eventually(
+    await until(
         lambda: weir.ready_pods("ds-decode") and weir.ready_pods("ds-prefill"),
-        limit_s=90, what="an engine pod of each pool Running and Ready",
+        timeout_s=90, what="an engine pod of each pool Running and Ready",
     )  # fmt: skip
     for name, mode in (("ds-decode", "decode"), ("ds-prefill", "prefill")):
         deployment = weir.install.get("deployment", name) or {}
@@ -293,9 +293,9 @@ async def test_a_steady_pool_makes_no_writes(weir: Weir, caplog: pytest.LogCaptu
         autoscaling={"enabled": True, "scaleDownStabilizationS": 30},
         replicas={"min": 1, "max": 2},
     )  # fmt: skip
-    [pod] = await eventually(lambda: weir.ready_pods("steady"), limit_s=90, what="the pod")
+    [pod] = await until(lambda: weir.ready_pods("steady"), timeout_s=90, what="the pod")
     await register(weir.registry("steady"), pod, kv_used_tokens=500)
-    await eventually(lambda: weir.condition("steady", "Ready").get("status") == "True")
+    await until(lambda: weir.condition("steady", "Ready").get("status") == "True")
     await asyncio.sleep(2)  # the last status writes of start-up land
     before = weir.versions("steady")
 
@@ -313,8 +313,8 @@ async def test_scale_down_drains_the_cheapest_pod_and_the_replicaset_removes_it(
     weir: Weir,
 ) -> None:
     weir.apply_pool("drain", replicas={"min": 3, "max": 3})
-    pods = await eventually(lambda: len(weir.ready_pods("drain")) == 3 and weir.ready_pods("drain"),
-                            limit_s=90, what="three pods")  # fmt: skip
+    pods = await until(lambda: len(weir.ready_pods("drain")) == 3 and weir.ready_pods("drain"),
+                            timeout_s=90, what="three pods")  # fmt: skip
     registry = weir.registry("drain")
     states = {}
     for pod, running in zip(pods, (5, 1, 7), strict=True):
@@ -322,12 +322,12 @@ async def test_scale_down_drains_the_cheapest_pod_and_the_replicaset_removes_it(
     victim = pods[1]
 
     weir.patch_pool("drain", {"replicas": {"min": 2, "max": 2}})
-    drain = await eventually(lambda: weir.status("drain").get("drain"), what="a drain")
+    drain = await until(lambda: weir.status("drain").get("drain"), what="a drain")
     assert (drain["victims"], drain["targetReplicas"]) == ([victim], 2)
     assert (await registry.snapshot()).endpoints[victim].lifecycle is Lifecycle.DRAINING
     pod = weir.install.get("pod", victim) or {}
     assert pod["metadata"]["annotations"][DELETION_COST] == "-1000"
-    await eventually(lambda: weir.condition("drain", "Progressing").get("reason") == "Draining")
+    await until(lambda: weir.condition("drain", "Progressing").get("reason") == "Draining")
     assert weir.replicas("drain") == 3  # its requests are still running
 
     idle = msgspec.structs.replace(
@@ -335,25 +335,25 @@ async def test_scale_down_drains_the_cheapest_pod_and_the_replicaset_removes_it(
         running_requests=0,
     )  # fmt: skip
     await registry.heartbeat(idle, ttl_s=120)
-    await eventually(lambda: weir.replicas("drain") == 2, what="the scale-down")
+    await until(lambda: weir.replicas("drain") == 2, what="the scale-down")
     # The real ReplicaSet controller honours the deletion cost: exactly the victim goes.
-    remaining = await eventually(
+    remaining = await until(
         lambda: (names := weir.ready_pods("drain")) == sorted(set(pods) - {victim}) and names,
-        limit_s=60, what="the victim's pod to go",
+        timeout_s=60, what="the victim's pod to go",
     )  # fmt: skip
     assert victim not in remaining
-    await eventually(lambda: "drain" not in weir.status("drain"), what="the drain to clear")
+    await until(lambda: "drain" not in weir.status("drain"), what="the drain to clear")
 
 
 async def test_scale_up_and_autoscaling_under_kv_pressure(weir: Weir) -> None:
     autoscaling = {"enabled": True, "targetKvPressure": 0.5, "scaleUpStabilizationS": 0,
                    "scaleDownStabilizationS": 600}  # fmt: skip
     weir.apply_pool("auto", replicas={"min": 1, "max": 3}, autoscaling=autoscaling)
-    [first] = await eventually(lambda: weir.ready_pods("auto"), limit_s=90, what="one pod")
+    [first] = await until(lambda: weir.ready_pods("auto"), timeout_s=90, what="one pod")
     await register(weir.registry("auto"), first, kv_used_tokens=900)
 
-    await eventually(lambda: weir.replicas("auto") == 3, what="scale-up to replicas.max")
-    await eventually(lambda: weir.status("auto").get("readyReplicas") == 3, limit_s=90,
+    await until(lambda: weir.replicas("auto") == 3, what="scale-up to replicas.max")
+    await until(lambda: weir.status("auto").get("readyReplicas") == 3, timeout_s=90,
                      what="three engines ready")  # fmt: skip
     assert weir.status("auto")["autoscaler"] == {"recommendedReplicas": 3}
     await asyncio.sleep(1)  # the pass that saw them ready has written
@@ -366,13 +366,13 @@ async def test_delete_clears_the_control_plane_and_collects_every_child(
     weir: Weir, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     weir.apply_pool("gone", replicas={"min": 2, "max": 2})
-    pods = await eventually(lambda: len(weir.ready_pods("gone")) == 2 and weir.ready_pods("gone"),
-                            limit_s=90, what="two pods")  # fmt: skip
+    pods = await until(lambda: len(weir.ready_pods("gone")) == 2 and weir.ready_pods("gone"),
+                            timeout_s=90, what="two pods")  # fmt: skip
     for pod in pods:
         await register(weir.registry("gone"), pod)
     other = EndpointRegistry(weir.redis, "other")
     await register(other, "other-a")
-    await eventually(lambda: weir.condition("gone", "Ready").get("status") == "True")
+    await until(lambda: weir.condition("gone", "Ready").get("status") == "True")
 
     # Each status pass now takes seconds (a slow control plane): the deletion lands while
     # one is running, and must not wait for kopf's default minute of polling.
@@ -395,9 +395,9 @@ async def test_delete_clears_the_control_plane_and_collects_every_child(
     assert len(cleared) == 1, [r.getMessage() for r in cleared]
     for kind in CHILDREN:
         name = child_name(kind, "gone")
-        await eventually(lambda k=kind, n=name: weir.install.get(k, n) is None, limit_s=60,
+        await until(lambda k=kind, n=name: weir.install.get(k, n) is None, timeout_s=60,
                          what=f"the garbage collector to remove {kind}")  # fmt: skip
-    await eventually(lambda: weir.install.pods("gone") == [], limit_s=60, what="the pods to go")
+    await until(lambda: weir.install.pods("gone") == [], timeout_s=60, what="the pods to go")
 
 
 async def test_a_child_the_server_refuses_degrades_the_pool(weir: Weir) -> None:
@@ -405,7 +405,7 @@ async def test_a_child_the_server_refuses_degrades_the_pool(weir: Weir) -> None:
     pool says so in Degraded, with the server's message, and in a Warning event."""
     bad = {"resources": {"requests": {"cpu": "2"}, "limits": {"cpu": "1"}}}
     weir.apply_pool("refused", engine=bad)
-    degraded = await eventually(
+    degraded = await until(
         lambda: (c := weir.condition("refused", "Degraded")).get("status") == "True" and c,
         what="Degraded",
     )
@@ -413,7 +413,7 @@ async def test_a_child_the_server_refuses_degrades_the_pool(weir: Weir) -> None:
     assert "must be less than or equal to cpu limit" in degraded["message"]
     assert weir.condition("refused", "Ready")["reason"] == "ChildRejected"
     # kopf posts events from a queue of its own: the Warning may trail the condition.
-    warnings = await eventually(
+    warnings = await until(
         lambda: [e for e in weir.events("refused") if e["reason"] == "ChildRejected"],
         what="the ChildRejected Warning event",
     )
@@ -424,8 +424,8 @@ async def test_a_child_the_server_refuses_degrades_the_pool(weir: Weir) -> None:
     assert weir.install.get("deployment", "refused") is None
 
     weir.patch_pool("refused", {"engine": {"resources": {"requests": {"cpu": "1"}}}})
-    await eventually(lambda: weir.install.get("deployment", "refused"), what="the Deployment")
-    await eventually(lambda: weir.condition("refused", "Degraded").get("status") == "False")
+    await until(lambda: weir.install.get("deployment", "refused"), what="the Deployment")
+    await until(lambda: weir.condition("refused", "Degraded").get("status") == "False")
 
 
 async def test_an_invalid_spec_is_degraded_not_crashing(weir: Weir) -> None:
@@ -434,14 +434,14 @@ async def test_an_invalid_spec_is_degraded_not_crashing(weir: Weir) -> None:
     not: two tenants reserving more than the whole pool)."""
     tenants = [{"name": "a", "reservedFraction": 0.7}, {"name": "b", "reservedFraction": 0.7}]
     weir.apply_pool("invalid", tenants=tenants)
-    degraded = await eventually(
+    degraded = await until(
         lambda: (c := weir.condition("invalid", "Degraded")).get("status") == "True" and c
     )
     assert degraded["reason"] == "InvalidSpec"
     assert "reservedFraction" in degraded["message"]
     assert weir.install.get("deployment", "invalid") is None
     weir.patch_pool("invalid", {"tenants": [{"name": "a", "reservedFraction": 0.7}]})
-    await eventually(lambda: weir.install.get("deployment", "invalid"), what="the fix to apply")
+    await until(lambda: weir.install.get("deployment", "invalid"), what="the fix to apply")
 
 
 async def test_an_operator_killed_mid_reconcile_finishes_after_restart(
@@ -466,7 +466,7 @@ async def test_an_operator_killed_mid_reconcile_finishes_after_restart(
 
     monkeypatch.setattr(reconciling, "apply", real_apply)
     await weir.restart()
-    await eventually(lambda: weir.ready_pods("midway"), limit_s=90, what="the pool's pod")
+    await until(lambda: weir.ready_pods("midway"), timeout_s=90, what="the pool's pod")
     deployments = weir.kubectl("get", "deployments", "-l", "inference.weir.dev/pool=midway",
                                "-o", "name")  # fmt: skip
     assert deployments.stdout.split() == ["deployment.apps/midway"]
@@ -500,10 +500,10 @@ async def test_weir_operator_command_runs_as_the_charts_service_account(
         )  # fmt: skip
     try:
         weir.apply_pool("cli")
-        deployment = await eventually(lambda: weir.install.get("deployment", "cli"), limit_s=60)
+        deployment = await until(lambda: weir.install.get("deployment", "cli"), timeout_s=60)
         sidecar = deployment["spec"]["template"]["spec"]["containers"][1]
         assert sidecar["image"] == "weir:cli-test"
-        await eventually(lambda: weir.condition("cli", "ControlPlaneReachable"), limit_s=60)
+        await until(lambda: weir.condition("cli", "ControlPlaneReachable"), timeout_s=60)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGTERM)
@@ -519,7 +519,7 @@ async def test_a_conflicting_status_write_is_retried(weir: Weir, faults: FaultPr
     """The first write of the pool's status is answered 409 Conflict: it lands later."""
     conflict = faults.fail("PATCH", r"/inferencepools/conflict/status$", 409)
     weir.apply_pool("conflict")
-    await eventually(lambda: weir.status("conflict").get("conditions"), what="a status")
+    await until(lambda: weir.status("conflict").get("conditions"), what="a status")
     assert conflict.hits == 1
 
 
@@ -527,7 +527,7 @@ async def test_a_child_write_that_fails_once_is_retried(weir: Weir, faults: Faul
     """The Deployment's apply is answered 500 once: a temporary error, retried."""
     failed = faults.fail("PATCH", r"/deployments/flaky$", 500)
     weir.apply_pool("flaky")
-    await eventually(lambda: weir.install.get("deployment", "flaky"), limit_s=60,
+    await until(lambda: weir.install.get("deployment", "flaky"), timeout_s=60,
                      what="the Deployment after one failed apply")  # fmt: skip
     assert failed.hits == 1
 
@@ -540,9 +540,9 @@ async def test_the_api_server_going_away_for_20s(weir: Weir) -> None:
     kube = weir.install.kube
     assert isinstance(kube, ControlPlane)
     weir.apply_pool("outage")
-    [pod] = await eventually(lambda: weir.ready_pods("outage"), limit_s=90, what="the pod")
+    [pod] = await until(lambda: weir.ready_pods("outage"), timeout_s=90, what="the pod")
     await register(weir.registry("outage"), pod, kv_used_tokens=100)
-    await eventually(lambda: weir.status("outage").get("kvUsage") == "10%")
+    await until(lambda: weir.status("outage").get("kvUsage") == "10%")
 
     kube.stop_api_server()
     await register(weir.registry("outage"), pod, kv_used_tokens=700)
@@ -550,9 +550,9 @@ async def test_the_api_server_going_away_for_20s(weir: Weir) -> None:
     kube.compact_etcd()
     kube.start_api_server()
     back = time.monotonic()
-    await eventually(lambda: weir.status("outage").get("kvUsage") == "70%", limit_s=60,
+    await until(lambda: weir.status("outage").get("kvUsage") == "70%", timeout_s=60,
                      what="the status after the outage")  # fmt: skip
     assert time.monotonic() - back < 30
     weir.apply_pool("after")
-    await eventually(lambda: weir.install.get("deployment", "after"), limit_s=60,
+    await until(lambda: weir.install.get("deployment", "after"), timeout_s=60,
                      what="the pool created after the compaction")  # fmt: skip

@@ -1,29 +1,29 @@
 """A small real fleet for router tests: reference engines served in-process, registered
-as endpoints in a real Redis through the control plane's registry, and a gateway following
+as endpoints in a real Redis through the control plane's registry, and a router following
 the pool's change feed."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import msgspec
 import pytest
 
 from controlplane.contract import EndpointState, Role, RoutingPolicy
-from controlplane.gateway import (
-    GatewayConfig,
+from controlplane.router import (
     Limits,
-    RunningGateway,
+    RouterConfig,
+    RunningRouter,
     TenantKeys,
-    serve_gateway,
+    serve_router,
 )
 from controlplane.store import EndpointRegistry, RedisSettings, connect
 from fleetsim.engine import EngineConfig
 from fleetsim.engine.config import DisaggregationMode
 from fleetsim.server import RunningEngine, serve_engine
+from tests.polling import until
 
 MODEL = "ref-model"
 POOL = "router-test"
@@ -34,45 +34,26 @@ class Fleet:
     registry: EndpointRegistry
     engines: dict[str, RunningEngine]
     states: dict[str, EndpointState]
-    gateway: RunningGateway
+    router: RunningRouter
     stack: contextlib.AsyncExitStack = field(repr=False)
 
     @property
     def url(self) -> str:
-        return self.gateway.url
+        return self.router.url
 
     async def report(self, endpoint_id: str, ttl_s: float = 30.0, **fields: object) -> None:
-        """Heartbeat new state for an endpoint and wait until the gateway sees it."""
+        """Heartbeat new state for an endpoint and wait until the router sees it."""
         state = self.states[endpoint_id]
         state = msgspec.structs.replace(state, version=state.version + 1, **fields)
         await self.registry.heartbeat(state, ttl_s)
         self.states[endpoint_id] = state
         await until(
-            lambda: self._seen(endpoint_id, state.version), "the gateway to see the heartbeat"
+            lambda: self._seen(endpoint_id, state.version), "the router to see the heartbeat"
         )
 
     def _seen(self, endpoint_id: str, version: int) -> bool:
-        view = self.gateway.gateway.view.snapshot.by_id.get(endpoint_id)
+        view = self.router.router.view.snapshot.by_id.get(endpoint_id)
         return view is not None and view.state.version >= version
-
-
-async def until(condition: Callable[[], bool], what: str, timeout_s: float = 15.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not condition():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
-
-
-async def eventually(
-    attempt: Callable[[], Awaitable[bool]], what: str, timeout_s: float = 15.0
-) -> None:
-    """Retry `attempt` (a real request, say) until it succeeds or the timeout passes."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not await attempt():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 @contextlib.asynccontextmanager
@@ -87,7 +68,7 @@ async def make_fleet(
     keys: TenantKeys | None = None,
     role: Role = Role.MIXED,
     engine: dict[str, object] | None = None,
-    **gateway_config: object,
+    **router_config: object,
 ) -> AsyncIterator[Fleet]:
     """`engines` reference engines, each its own endpoint of `pool` (no sidecars): P/D
     pools' engines serve their half (`--disaggregation-mode` by `role`); `engine` changes
@@ -117,20 +98,20 @@ async def make_fleet(
                 kv_capacity_tokens=launch.total_tokens,
             )
             states[endpoint_id] = await registry.register(state, ttl_s)
-        config = GatewayConfig(
+        config = RouterConfig(
             pool=pool,
             model=MODEL,
             routing=routing or RoutingPolicy(),
             limits=Limits(),
             role=role,
-            **gateway_config,  # type: ignore[arg-type]
+            **router_config,  # type: ignore[arg-type]
         )
-        gateway = await serve_gateway(config, redis_url=redis_url, keys=keys)
-        stack.push_async_callback(gateway.close)
-        fleet = Fleet(registry, running, states, gateway, stack)
+        router = await serve_router(config, redis_url=redis_url, keys=keys)
+        stack.push_async_callback(router.close)
+        fleet = Fleet(registry, running, states, router, stack)
         await until(
-            lambda: len(gateway.gateway.view.snapshot.endpoints) == engines,
-            "the gateway to see every endpoint",
+            lambda: len(router.router.view.snapshot.endpoints) == engines,
+            "the router to see every endpoint",
         )
         yield fleet
 

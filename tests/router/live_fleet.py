@@ -18,11 +18,12 @@ from pathlib import Path
 import aiohttp
 
 from controlplane.contract import PoolPolicy, RoutingPolicy, TenantQuota, encode_json
-from controlplane.gateway import GatewayConfig, RunningGateway, serve_gateway
+from controlplane.router import RouterConfig, RunningRouter, serve_router
 from engine_sidecar.server import RunningSidecar, SidecarConfig, serve_sidecar
 from fleetsim.engine import EngineConfig
 from fleetsim.server import RunningEngine, serve_engine
-from tests.router.conftest import MODEL, until
+from tests.polling import until
+from tests.router.conftest import MODEL
 
 POOL = "promise"
 KV_TOKENS = 6_000
@@ -33,7 +34,7 @@ class LiveFleet:
     engines: dict[str, RunningEngine]
     sidecars: dict[str, RunningSidecar]  # in this process
     processes: dict[str, subprocess.Popen[bytes]]  # sidecars of their own, to be killed
-    router: RunningGateway
+    router: RunningRouter
     stack: contextlib.AsyncExitStack = field(repr=False)
     redis_url: str = field(default="", repr=False)
     policy: PoolPolicy | None = None
@@ -92,8 +93,8 @@ async def live_fleet(
             pool=POOL, model=MODEL, context_length=4096, tenants=tenants,
             routing=RoutingPolicy(queue_max_wait_s=60.0, resume_wait_s=resume_wait_s),
         )  # fmt: skip
-        router = await serve_gateway(
-            GatewayConfig.from_policy(policy, admin_token=admin_token), redis_url=redis_url
+        router = await serve_router(
+            RouterConfig.from_policy(policy, admin_token=admin_token), redis_url=redis_url
         )
         stack.push_async_callback(router.close)
         fleet = LiveFleet({}, {}, {}, router, stack, redis_url, policy, admin_token)
@@ -102,7 +103,7 @@ async def live_fleet(
             process = workdir if endpoint_id in processes else None
             assert process is not None or endpoint_id not in processes
             await fleet.add(endpoint_id, kv_tokens, speed_factor, process=process)
-        view = router.gateway.view
+        view = router.router.view
         await until(lambda: len(view.snapshot.endpoints) == size, "every sidecar registered")
         yield fleet
 

@@ -227,7 +227,7 @@ def test_an_adopted_continuation_is_placed_as_a_resume_and_never_charged() -> No
 
 def test_where_a_request_went_is_learnt_by_the_prefix_plugin_once_the_endpoint_has_it() -> None:
     """The prefix index is the prefix plugin's state, kept by its post-decision hook: the
-    driver says when the endpoint has the request (`reached`), for the gateway and the
+    driver says when the endpoint has the request (`reached`), for the router and the
     simulator alike. A profile without the plugin keeps no index; a core without an
     index has none to keep."""
     index = PrefixIndex()

@@ -8,7 +8,8 @@ import aiohttp
 import pytest
 
 from controlplane.routing import InFlight
-from tests.router.conftest import MODEL, make_fleet, until
+from tests.polling import until
+from tests.router.conftest import MODEL, make_fleet
 
 
 def test_a_dispatch_counts_until_a_report_shows_it_or_it_ends() -> None:
@@ -33,7 +34,7 @@ async def test_a_running_stream_is_counted_by_its_endpoint_once_it_reports(
     """The router's own count covers a stream only until the endpoint's next report,
     which includes it; counted in both, every long stream would weigh double."""
     async with make_fleet(redis_url, engines=1, speed_factor=1.0) as fleet:
-        gateway = fleet.gateway.gateway
+        router = fleet.router.router
         body = {"model": MODEL, "prompt": "hi", "max_tokens": 2000, "stream": True,
                 "ignore_eos": True}  # fmt: skip
         async with (
@@ -42,12 +43,10 @@ async def test_a_running_stream_is_counted_by_its_endpoint_once_it_reports(
         ):
             assert reply.status == 200
             await reply.content.readline()
-            assert gateway.dispatch.inflight.count("e0") == 1
+            assert router.dispatch.inflight.count("e0") == 1
             await asyncio.sleep(0.2)  # the report is taken after the dispatch
             await fleet.report("e0", running_requests=1)
-            await until(
-                lambda: gateway.dispatch.inflight.count("e0") == 0, "the report to count it"
-            )
+            await until(lambda: router.dispatch.inflight.count("e0") == 0, "the report to count it")
             pool = await (await session.get(fleet.url + "/weir/v1/pool")).json()
             (endpoint,) = pool["endpoints"]
             assert (endpoint["running_requests"], endpoint["router_inflight"]) == (1, 0)

@@ -12,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from controlplane.contract import PoolPolicy, RoutingPolicy, TenantQuota, encode_json
-from controlplane.gateway import Gateway, GatewayConfig, PoolView
+from controlplane.router import PoolView, Router, RouterConfig
 from controlplane.routing.filters import BoundedLoad
 from controlplane.routing.scorers import PrefixAffinity
 from controlplane.store import QuotaStore
@@ -31,20 +31,20 @@ def test_the_pool_policy_sets_the_routers_routing_limits_and_tenants() -> None:
         bounded_load_factor=1.5, max_affinity_wait_s=0.5, snapshot_staleness_s=3.0,
     )  # fmt: skip
     policy = PoolPolicy(pool="p", model="m", context_length=4096, routing=routing, tenants=TENANTS)
-    config = GatewayConfig.from_policy(policy, port=9)
+    config = RouterConfig.from_policy(policy, port=9)
     assert (config.pool, config.model, config.port) == ("p", "m", 9)
     assert config.limits.context_length == 4096
     assert config.routing == routing
     assert config.enforce_quotas
     assert config.tenants == TENANTS
-    assert not GatewayConfig.from_policy(PoolPolicy(pool="p", model="m")).enforce_quotas
+    assert not RouterConfig.from_policy(PoolPolicy(pool="p", model="m")).enforce_quotas
 
-    gateway = Gateway(config, PoolView("p", math.inf))
-    bounded = [f for f in gateway.profile.filters if isinstance(f, BoundedLoad)]
-    affinity = [s.scorer for s in gateway.profile.scorers if isinstance(s.scorer, PrefixAffinity)]
+    router = Router(config, PoolView("p", math.inf))
+    bounded = [f for f in router.profile.filters if isinstance(f, BoundedLoad)]
+    affinity = [s.scorer for s in router.profile.scorers if isinstance(s.scorer, PrefixAffinity)]
     assert [f.factor for f in bounded] == [1.5]
     assert [(s.block_tokens, s.owner_blocks, s.max_wait_s) for s in affinity] == [(32, 2, 0.5)]
-    assert gateway.keys.declared == {"default", "batch"}
+    assert router.keys.declared == {"default", "batch"}
 
 
 @pytest.mark.redis

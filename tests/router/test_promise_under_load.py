@@ -22,12 +22,14 @@ import redis
 
 from controlplane.contract import EndpointState, KVPolicy, TenantQuota, WatermarkState
 from controlplane.store import PoolKeys, QuotaStore, RedisSettings, connect
+from engine_sidecar.ledger import Preemption
 from engine_sidecar.policy.relief import continuation_tokens
 from fleetsim.engine import EngineConfig
 from fleetsim.server import RunningEngine, serve_engine
 from tests.controlplane.cluster_topology import ClusterTopology
 from tests.controlplane.sentinel_topology import SentinelTopology
-from tests.router.conftest import MODEL, eventually, until
+from tests.polling import until
+from tests.router.conftest import MODEL
 from tests.router.live_fleet import (
     POOL,
     LiveFleet,
@@ -49,10 +51,8 @@ async def _expected(bodies: list[dict[str, object]]) -> list[str]:
 
 
 async def _settled(fleet: LiveFleet) -> None:
-    gateway = fleet.router.gateway
-    await until(
-        lambda: gateway.dispatch.inflight.total == 0, "the router to release every endpoint"
-    )
+    router = fleet.router.router
+    await until(lambda: router.dispatch.inflight.total == 0, "the router to release every endpoint")
     for sidecar in fleet.sidecars.values():
         await until(lambda s=sidecar: not s.service.ledger.flights, "the sidecars to empty")
         assert sidecar.service.ledger.own_used == 0
@@ -69,7 +69,7 @@ def _idle(engine: RunningEngine) -> bool:
 
 
 def _router_count(fleet: LiveFleet, name: str, **labels: str) -> float:
-    registry = fleet.router.gateway.metrics.registry
+    registry = fleet.router.router.metrics.registry
     return registry.get_sample_value(name, {"pool": POOL, **labels}) or 0.0
 
 
@@ -125,7 +125,7 @@ async def test_two_sidecars_that_want_one_peer_s_room_do_not_both_move_into_it(
         live_fleet(redis_url, kv_tokens=kv, speed_factor=3.0) as fleet,
         aiohttp.ClientSession() as session,
     ):
-        view = fleet.router.gateway.view
+        view = fleet.router.router.view
 
         def published(endpoint_id: str) -> EndpointState:
             return view.snapshot.by_id[endpoint_id].state
@@ -214,7 +214,7 @@ async def test_a_stream_that_cannot_resume_in_place_in_time_goes_back_to_its_rou
         held = ledger.reserve("someone-else", ledger.room_tokens() - 1_200, ttl_s=5.0)
         assert held is not None
         assert ledger.watermark is WatermarkState.CRITICAL
-        assert await service.preempt(rid, "recompute", "ordered by the test")
+        assert await service.preempt(rid, Preemption.RECOMPUTE, "ordered by the test")
         await asyncio.wait_for(running, 60.0)
         _assert_whole([stream], [expected])
         assert _router_count(fleet, "weir_router_resumes_total", reason="preempted") == 1
@@ -326,7 +326,7 @@ async def test_a_redis_failover_loses_no_stream_and_leaks_no_quota() -> None:
                     answers.append(r.status)
                     return r.status == 200
 
-            await eventually(admitted, "a request admitted after the failover", timeout_s=60)
+            await until(admitted, "a request admitted after the failover", timeout_s=60)
             refused_s = asyncio.get_running_loop().time() - died
             await asyncio.wait_for(running, 60.0)
             _assert_whole(streams, expected)
@@ -338,7 +338,7 @@ async def test_a_redis_failover_loses_no_stream_and_leaks_no_quota() -> None:
             async def released() -> bool:
                 return (await quotas.usage("default")).concurrency == 0
 
-            await eventually(released, "every quota slot to come back", timeout_s=30)
+            await until(released, "every quota slot to come back", timeout_s=30)
         await quotas.redis.aclose()
 
 
@@ -383,7 +383,7 @@ async def test_a_fleet_on_a_redis_cluster_keeps_every_stream_while_the_pool_s_sl
             async with session.post(fleet.router.url + "/v1/completions", json=probe) as r:
                 return r.status == 200
 
-        await eventually(admitted, "a request admitted after the move", timeout_s=30)
+        await until(admitted, "a request admitted after the move", timeout_s=30)
         await asyncio.wait_for(running, 60.0)
         _assert_whole(streams, expected)
         print(f"\nslot migration under a fleet: {moved} keys moved mid-stream")
@@ -392,5 +392,5 @@ async def test_a_fleet_on_a_redis_cluster_keeps_every_stream_while_the_pool_s_sl
         async def released() -> bool:
             return (await quotas.usage("default")).concurrency == 0
 
-        await eventually(released, "every quota slot to come back", timeout_s=30)
+        await until(released, "every quota slot to come back", timeout_s=30)
     await quotas.redis.aclose()

@@ -6,17 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
 import redis
 
 from controlplane.contract import TenantQuota
-from controlplane.gateway.errors import GatewayError
-from controlplane.gateway.quotas import QuotaGate
+from controlplane.router.errors import RouterError
+from controlplane.router.quotas import QuotaGate
 from controlplane.store import QuotaStore, RedisSettings, cancel_loops, connect
-from tests.router.conftest import MODEL, POOL, eventually, make_fleet
+from tests.polling import until
+from tests.router.conftest import MODEL, POOL, make_fleet
 from weir.local.redis_server import RedisServer
 
 pytestmark = pytest.mark.redis
@@ -39,7 +40,7 @@ async def _gate(server: RedisServer, lease_ttl_s: float = 30.0) -> AsyncIterator
     gate = QuotaGate(QuotaStore(client, POOL), (BATCH,), lease_ttl_s)
     try:
         await gate.publish()
-        await gate.store.renew_holder(gate.holder, lease_ttl_s)  # as serve_gateway does
+        await gate.store.renew_holder(gate.holder, lease_ttl_s)  # as serve_router does
         yield gate
     finally:
         await client.aclose()
@@ -52,16 +53,6 @@ async def _keeping_lease(gate: QuotaGate) -> AsyncIterator[None]:
         yield
     finally:
         await cancel_loops([task])
-
-
-async def _until(check: Callable[[], Awaitable[bool]], what: str, timeout_s: float = 30) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while True:
-        with contextlib.suppress(redis.RedisError):
-            if await check():
-                return
-        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.05)
 
 
 async def _held(gate: QuotaGate) -> set[str]:
@@ -84,7 +75,7 @@ async def test_releases_made_while_redis_is_down_land_once_it_answers_again() ->
             store = gate.store
             for i in range(8):
                 await gate.charge("batch", f"r{i}", 10, 100)
-            with pytest.raises(GatewayError) as full:
+            with pytest.raises(RouterError) as full:
                 await gate.charge("batch", "r-late", 10, 100)
             assert (full.value.status, full.value.reason) == (429, "concurrency")
 
@@ -99,7 +90,7 @@ async def test_releases_made_while_redis_is_down_land_once_it_answers_again() ->
                 async def returned() -> bool:
                     return await _in_use(store) == 0
 
-                await _until(returned, "the releases to land")
+                await until(returned, "the releases to land", 30, ignoring=(redis.RedisError,))
             assert await _held(gate) == set()
             await gate.charge("batch", "r-next", 10, 100)  # granted
             assert await _in_use(store) == 1
@@ -125,7 +116,7 @@ async def test_charges_a_lagging_failover_brings_back_are_reconciled_away() -> N
             assert await _in_use(store) == 1
 
             await asyncio.to_thread(server.stop)  # no save at shutdown: the snapshot stays
-            with pytest.raises(GatewayError) as unavailable:  # a request during the failover
+            with pytest.raises(RouterError) as unavailable:  # a request during the failover
                 await gate.charge("batch", "during", 10, 100)
             assert (unavailable.value.status, unavailable.value.reason) == (
                 503, "quota_unavailable",
@@ -137,7 +128,9 @@ async def test_charges_a_lagging_failover_brings_back_are_reconciled_away() -> N
                 async def reconciled() -> bool:
                     return await _in_use(store) == 1
 
-                await _until(reconciled, "the stray charges to be released")
+                await until(
+                    reconciled, "the stray charges to be released", 30, ignoring=(redis.RedisError,)
+                )
             assert await _held(gate) == {"live"}
             await gate.release("live", 10, 100)
             assert await _in_use(store) == 0
@@ -184,7 +177,7 @@ async def test_streams_that_end_while_redis_is_down_give_their_slots_back() -> N
             ) as fleet,
             aiohttp.ClientSession() as session,
         ):
-            gateway = fleet.gateway.gateway
+            router = fleet.router.router
             streams = []
             for _ in range(4):
                 reply = await session.post(
@@ -210,9 +203,9 @@ async def test_streams_that_end_while_redis_is_down_give_their_slots_back() -> N
             )
 
             def released() -> bool:
-                return ended in gateway.metrics.exposition().decode() and not gateway._background
+                return ended in router.metrics.exposition().decode() and not router._background
 
-            await _until(_true_when(released), "the releases to be tried")
+            await until(released, "the releases to be tried", 30, ignoring=(redis.RedisError,))
             await asyncio.to_thread(server.start)
 
             async def admitted() -> bool:
@@ -223,11 +216,4 @@ async def test_streams_that_end_while_redis_is_down_give_their_slots_back() -> N
                     assert reply.status in (200, 429, 503), await reply.text()
                     return reply.status == 200
 
-            await eventually(admitted, "the tenant's slots to come back", timeout_s=30)
-
-
-def _true_when(condition: Callable[[], bool]) -> Callable[[], Awaitable[bool]]:
-    async def check() -> bool:
-        return condition()
-
-    return check
+            await until(admitted, "the tenant's slots to come back", timeout_s=30)

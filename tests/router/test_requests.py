@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from controlplane.contract import Continuation, EngineAPI
-from controlplane.gateway import GatewayError, Limits
-from controlplane.gateway.requests import ClientRequest, parse, resume_body
+from controlplane.router import Limits, RouterError
+from controlplane.router.requests import ClientRequest, parse, resume_body
 
 MODELS = frozenset({"m"})
 
@@ -38,7 +38,7 @@ def test_limits_default_per_api_and_to_the_context_left() -> None:
     assert _parse(EngineAPI.GENERATE, {"text": "x"}).max_new_tokens == 128
     chat = _parse(EngineAPI.CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}]})
     assert chat.max_new_tokens == 1000 - chat.prompt_tokens
-    with pytest.raises(GatewayError, match="context length"):
+    with pytest.raises(RouterError, match="context length"):
         _parse(
             EngineAPI.GENERATE, {"input_ids": [1] * 900, "sampling_params": {"max_new_tokens": 200}}
         )
@@ -49,7 +49,7 @@ def test_prompts_by_token_ids_are_counted_exactly_and_a_batch_of_one_is_its_prom
     assert (by_ids.prompt_ids, by_ids.prompt_tokens, by_ids.max_new_tokens) == ((5, 6, 7), 3, 4)
     one = _parse(EngineAPI.COMPLETIONS, {"model": "m", "prompt": ["hello"]})
     assert (one.prompt_text, one.body["prompt"]) == ("hello", "hello")
-    with pytest.raises(GatewayError) as caught:
+    with pytest.raises(RouterError) as caught:
         _parse(EngineAPI.COMPLETIONS, {"model": "m", "prompt": [1] * 990, "max_tokens": 20})
     assert (caught.value.reason, caught.value.param) == ("context_length_exceeded", "prompt")
 
@@ -58,7 +58,7 @@ def test_a_header_is_checked_by_the_same_rule_as_its_body_field() -> None:
     for headers, param in (({"x-weir-priority": "5000"}, "x-weir-priority"),
                            ({"x-weir-deadline-ms": "-1"}, "x-weir-deadline-ms"),
                            ({"x-weir-deadline-ms": "soon"}, "x-weir-deadline-ms")):  # fmt: skip
-        with pytest.raises(GatewayError) as caught:
+        with pytest.raises(RouterError) as caught:
             _parse(EngineAPI.GENERATE, {"text": "x"}, headers)
         assert (caught.value.status, caught.value.param) == (400, param)
     # a valid header wins, and the body field it replaces is not read
@@ -108,6 +108,6 @@ def test_a_completion_prompted_by_token_ids_is_not_resumed_from_its_text() -> No
         request_id="r", model="m", api=EngineAPI.COMPLETIONS, body=request.body,
         prompt_ids=request.prompt_ids, generated_text="ab", max_new_tokens=5,
     )  # fmt: skip
-    with pytest.raises(GatewayError) as caught:
+    with pytest.raises(RouterError) as caught:
         resume_body(continuation)
     assert (caught.value.status, caught.value.reason) == (503, "not_resumable")

@@ -13,7 +13,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from tests.router.conftest import eventually
+from tests.polling import until
 from tests.router.router_process import weir_router
 from weir.cli import main
 from weir.local.redis_server import RedisServer
@@ -63,7 +63,7 @@ async def test_the_router_takes_the_url_from_env_or_file_and_never_prints_the_pa
                 pool = await reply.json()
             return pool["error"] == "" and not pool["stale"]
 
-        await eventually(following, "the router to follow the locked Redis", timeout_s=30)
+        await until(following, "the router to follow the locked Redis", timeout_s=30)
     err = running.stderr
     assert PASSWORD not in err
     warned = "the password in --redis-url shows in process listings" in err

@@ -24,7 +24,7 @@ import pytest
 
 from controlplane.contract import TenantQuota
 from controlplane.store import QuotaStore, RedisSettings, connect
-from tests.router.conftest import eventually
+from tests.polling import until
 from weir.local.exposition import counter
 from weir.local.fleet import DEMO_TENANTS, FleetConfig, LocalFleet
 
@@ -111,7 +111,7 @@ async def _settled(http: aiohttp.ClientSession, fleet: LocalFleet, held: int) ->
                 return False
         return True
 
-    await eventually(agreed, f"every router to see {held} requests reported")
+    await until(agreed, f"every router to see {held} requests reported")
 
 
 async def _loads(http: aiohttp.ClientSession, fleet: LocalFleet) -> list[int]:
@@ -147,7 +147,7 @@ async def test_a_tenants_quota_is_exact_across_three_routers(
         async def released() -> bool:  # the routers' charges, and the sidecars' (KV)
             return await redis.hlen(keys.charges) == 0
 
-        await eventually(released, "every charge to be released")
+        await until(released, "every charge to be released")
         assert (await store.usage("capped")).concurrency == 0
         assert int(await redis.hget(keys.classes, f"u:{CAPPED.priority_class}") or 0) == 0
         for holder in await redis.zrange(keys.holders, 0, -1):

@@ -73,7 +73,7 @@ async def test_a_migrated_request_s_story_spans_the_router_and_both_sidecars(
     assert route["reason"] in ("primary_owner", "secondary_owner", "least_cost")
     assert route["owner_hit"] == (route["endpoint"] in route["owners"])
     # With decision logs on, every candidate's total and each scorer's term of it.
-    scorers = [ws.scorer.name for ws in fleet.router.gateway.profile.scorers]
+    scorers = [ws.scorer.name for ws in fleet.router.router.profile.scorers]
     assert out.endpoint in route["candidates"]
     for candidate in route["candidates"].values():
         assert list(candidate["terms"]) == scorers

@@ -18,9 +18,9 @@ import aiohttp
 import pytest
 
 from controlplane.contract import EngineAPI, KVPolicy, PoolPolicy, SchedulingPolicy
-from controlplane.gateway import GatewayConfig, RunningGateway, serve_gateway
+from controlplane.router import RouterConfig, RunningRouter, serve_router
 from engine_sidecar.server import RunningSidecar, SidecarConfig, serve_sidecar
-from tests.router.conftest import until
+from tests.polling import until
 from tests.sglang.server import SGLangServer
 
 pytestmark = [pytest.mark.sglang, pytest.mark.redis, pytest.mark.timeout(600)]
@@ -40,7 +40,7 @@ class Lane:
 @dataclass
 class Fleet:
     lanes: dict[str, Lane]
-    router: RunningGateway
+    router: RunningRouter
     model: str
 
 
@@ -70,9 +70,9 @@ async def fleet(
                 )
             )  # fmt: skip
             lanes[f"e{i}"] = Lane(engine, sidecar)
-        router = await serve_gateway(GatewayConfig(pool=POOL, model=model), redis_url=redis_url)
+        router = await serve_router(RouterConfig(pool=POOL, model=model), redis_url=redis_url)
         stack.push_async_callback(router.close)
-        await until(lambda: len(router.gateway.view.snapshot.endpoints) == len(engines),
+        await until(lambda: len(router.router.view.snapshot.endpoints) == len(engines),
                     "the sidecars in the router's view")  # fmt: skip
         yield Fleet(lanes, router, model)
 
@@ -144,7 +144,7 @@ def record_resumes(pool: Fleet) -> list[tuple[str, str, dict[str, Any]]]:
     sent: list[tuple[str, str, dict[str, Any]]] = []
     for lane in pool.lanes.values():
         service, url = lane.sidecar.service, lane.engine.url
-        original = service._engine_body
+        original = service.segments._engine_body
 
         def recording(*args: Any, original: Any = original, url: str = url) -> Any:
             api, body = original(*args)
@@ -152,7 +152,7 @@ def record_resumes(pool: Fleet) -> list[tuple[str, str, dict[str, Any]]]:
                 sent.append((url, API_PATHS[api], dict(body)))
             return api, body
 
-        service._engine_body = recording  # type: ignore[method-assign,assignment]
+        service.segments._engine_body = recording  # type: ignore[method-assign,assignment]
     return sent
 
 
@@ -251,7 +251,7 @@ async def test_a_migrated_request_resumes_on_another_server_with_the_same_tokens
             lines = await stream(s, pool.router.url + path, body, preempt_at=6, on_preempt=migrate)
             assert await same_tokens(s, streamed_text(lines), direct, resumes), api
             assert lines[-2:] == [b"data: [DONE]\n", b"\n"]
-        resumed = pool.router.gateway.metrics.registry.get_sample_value(
+        resumed = pool.router.router.metrics.registry.get_sample_value(
             "weir_router_resumes_total", {"pool": POOL, "reason": "preempted"}
         )
         assert resumed == 2

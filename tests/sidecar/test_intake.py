@@ -13,9 +13,9 @@ import msgspec
 import pytest
 
 from controlplane.contract import Continuation, EngineAPI
-from controlplane.gateway import GatewayConfig, GatewayError, RunningGateway, serve_gateway
-from controlplane.gateway import Limits as RouterLimits
-from controlplane.gateway.requests import parse as router_parse
+from controlplane.router import Limits as RouterLimits
+from controlplane.router import RouterConfig, RouterError, RunningRouter, serve_router
+from controlplane.router.requests import parse as router_parse
 from engine_sidecar.intake import Limits, RequestError, from_continuation, parse, parse_json
 from engine_sidecar.server import RunningSidecar
 from fleetsim.server import RunningEngine
@@ -37,7 +37,7 @@ def test_sidecar_and_router_refuse_every_rule_alike(
     api: EngineAPI, body: dict[str, Any], status: int, reason: str, param: str | None
 ) -> None:
     sidecar = _refusal(api, body)
-    with pytest.raises(GatewayError) as caught:
+    with pytest.raises(RouterError) as caught:
         router_parse(
             api, body, {}, models=frozenset({"m"}), default_model="m",
             limits=RouterLimits(CONTEXT, 1.0),
@@ -156,9 +156,9 @@ BAD_BODIES: dict[str, list[tuple[bytes | dict[str, Any], int, str]]] = {
 
 
 @pytest.fixture
-async def router(sidecar: RunningSidecar) -> AsyncIterator[RunningGateway]:
-    running = await serve_gateway(
-        GatewayConfig(model=MODEL, limits=RouterLimits(CONTEXT_LENGTH, 1.0)),
+async def router(sidecar: RunningSidecar) -> AsyncIterator[RunningRouter]:
+    running = await serve_router(
+        RouterConfig(model=MODEL, limits=RouterLimits(CONTEXT_LENGTH, 1.0)),
         endpoints=[sidecar.url],
     )
     yield running
@@ -171,7 +171,7 @@ async def _post(http: aiohttp.ClientSession, url: str, raw: bytes) -> tuple[int,
 
 
 async def test_router_and_sidecar_answer_the_same_bad_bodies_alike_and_admit_nothing(
-    engine: RunningEngine, sidecar: RunningSidecar, router: RunningGateway
+    engine: RunningEngine, sidecar: RunningSidecar, router: RunningRouter
 ) -> None:
     async with aiohttp.ClientSession() as http:
         for path, body, status, reason in (

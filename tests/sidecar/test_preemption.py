@@ -15,7 +15,7 @@ import pytest
 from controlplane.contract import encode_json
 from engine_sidecar.server import RunningSidecar, SidecarConfig, serve_sidecar
 from fleetsim.server import RunningEngine, serve_engine
-from tests.router.conftest import until
+from tests.polling import until
 from tests.sidecar.conftest import MODEL, engine_config, pool_policy
 from tests.sidecar.streams import Received, read_sse
 

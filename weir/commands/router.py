@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     import yaml
 
     from controlplane.contract import PoolPolicy, Role, SchemaError, decode_json
-    from controlplane.gateway import GatewayConfig, Limits, TenantKeys, serve_gateway
+    from controlplane.router import Limits, RouterConfig, TenantKeys, serve_router
     from controlplane.routing import ProfileError, profile_from_config
     from controlplane.store.connection import redact_url
 
@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
             overrides.update(role=Role.PREFILL, decode_pool=args.prefill_for)
         if args.quotas:
             overrides["enforce_quotas"] = True
-        config = GatewayConfig.from_policy(
+        config = RouterConfig.from_policy(
             policy,
             model=args.model or policy.model,
             host=args.host,
@@ -154,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         try:
-            running = await serve_gateway(
+            running = await serve_router(
                 config, redis_url=url, endpoints=args.endpoint or (), keys=keys
             )
         except ValueError as exc:  # e.g. the policy's quotas, refused by the control plane

@@ -6,11 +6,11 @@ A keys file is YAML or JSON mapping each key to its tenant:
     sk-team-b-1: team-b
 
 A keys file must hold at least one key (an empty one is refused rather than read as "no
-keys", which would open the gateway). With keys, a request needs `Authorization: Bearer <key>` (or `x-api-key: <key>`); a
+keys", which would open the router). With keys, a request needs `Authorization: Bearer <key>` (or `x-api-key: <key>`); a
 missing or unknown key is refused with 401 before anything else happens, and the key alone
 names the tenant.
 
-With no keys configured the gateway is open: a request is tenant `default`, or the tenant
+With no keys configured the router is open: a request is tenant `default`, or the tenant
 its `x-weir-tenant` header names when the pool policy declares that tenant (its quota; a
 name the policy does not declare is refused with 403, so the tenant label set stays the
 policy's). With no tenants declared the header is ignored.
@@ -25,7 +25,7 @@ from pathlib import Path
 import yaml
 
 from controlplane.contract import headers as wire
-from controlplane.gateway.errors import GatewayError
+from controlplane.router.errors import RouterError
 
 DEFAULT_TENANT = "default"
 TENANT_HEADER = wire.TENANT
@@ -50,7 +50,7 @@ class TenantKeys:
             raise ValueError(f"{path}: expected a mapping of API key to tenant")
         if not data:
             # A keys file is a promise that requests are authenticated: an empty one would
-            # quietly open the gateway instead.
+            # quietly open the router instead.
             raise ValueError(
                 f"{path} holds no API keys, which would let every request in; "
                 "list at least one (`KEY: tenant`), or run without --api-keys"
@@ -67,20 +67,20 @@ class TenantKeys:
             if not named or not self.declared:
                 return DEFAULT_TENANT
             if named not in self.declared:
-                raise GatewayError(
+                raise RouterError(
                     403, "permission_error", "unknown_tenant",
                     f"tenant {named[:64]!r} is not declared by the pool policy",
                 )  # fmt: skip
             return named
         key = _presented_key(headers)
         if key is None:
-            raise GatewayError(
+            raise RouterError(
                 401, "authentication_error", "missing_api_key", "an API key is required"
             )
         for known, tenant in self._keys.items():
             if hmac.compare_digest(known.encode(), key.encode()):
                 return tenant
-        raise GatewayError(401, "authentication_error", "invalid_api_key", "unknown API key")
+        raise RouterError(401, "authentication_error", "invalid_api_key", "unknown API key")
 
 
 def _presented_key(headers: Mapping[str, str]) -> str | None:

@@ -1,5 +1,5 @@
 """Bad input is refused with the right status and a reason, before any engine is reached,
-and the gateway exports exactly the router's metric families."""
+and the router exports exactly the router's metric families."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from controlplane.gateway import GatewayConfig, Limits, RunningGateway, TenantKeys, serve_gateway
+from controlplane.router import Limits, RouterConfig, RunningRouter, TenantKeys, serve_router
 from controlplane.telemetry.catalog import ROUTER
 
 # Nothing listens here: every request in this file must be refused before routing.
@@ -17,9 +17,9 @@ NOWHERE = "http://127.0.0.1:9"
 
 
 @pytest.fixture
-async def gateway() -> AsyncIterator[RunningGateway]:
-    running = await serve_gateway(
-        GatewayConfig(model="m", limits=Limits(context_length=1000)),
+async def router() -> AsyncIterator[RunningRouter]:
+    running = await serve_router(
+        RouterConfig(model="m", limits=Limits(context_length=1000)),
         endpoints=[NOWHERE],
         keys=TenantKeys({"sk-a": "team-a"}),
     )
@@ -82,7 +82,7 @@ OK_CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     ],
 )  # fmt: skip
 async def test_bad_requests_are_refused_with_a_reason(
-    gateway: RunningGateway,
+    router: RunningRouter,
     path: str,
     body: bytes,
     headers: dict[str, str],
@@ -91,7 +91,7 @@ async def test_bad_requests_are_refused_with_a_reason(
 ) -> None:
     async with (
         aiohttp.ClientSession() as session,
-        session.post(gateway.url + path, data=body, headers=headers) as reply,
+        session.post(router.url + path, data=body, headers=headers) as reply,
     ):
         assert reply.status == status
         error = (await reply.json())["error"]
@@ -113,11 +113,11 @@ async def test_bad_requests_are_refused_with_a_reason(
     ],
 )  # fmt: skip
 async def test_a_refused_body_names_the_parameter_at_fault(
-    gateway: RunningGateway, path: str, body: bytes, param: str | None
+    router: RunningRouter, path: str, body: bytes, param: str | None
 ) -> None:
     async with (
         aiohttp.ClientSession() as session,
-        session.post(gateway.url + path, data=body, headers=AUTH) as reply,
+        session.post(router.url + path, data=body, headers=AUTH) as reply,
     ):
         error = (await reply.json())["error"]
     assert error.get("param") == param
@@ -126,28 +126,28 @@ async def test_a_refused_body_names_the_parameter_at_fault(
 
 
 async def test_an_unreachable_pool_is_an_overload_with_retry_after(
-    gateway: RunningGateway,
+    router: RunningRouter,
 ) -> None:
     async with (
         aiohttp.ClientSession() as session,
-        session.post(gateway.url + CHAT, json=OK_CHAT, headers=AUTH) as reply,
+        session.post(router.url + CHAT, json=OK_CHAT, headers=AUTH) as reply,
     ):
         assert reply.status == 429
         assert int(reply.headers["Retry-After"]) >= 1
         assert (await reply.json())["error"]["type"] == "overload"
 
 
-async def test_models_health_and_every_router_metric_family(gateway: RunningGateway) -> None:
+async def test_models_health_and_every_router_metric_family(router: RunningRouter) -> None:
     async with aiohttp.ClientSession() as session:
-        async with session.get(gateway.url + "/v1/models") as reply:
+        async with session.get(router.url + "/v1/models") as reply:
             assert [m["id"] for m in (await reply.json())["data"]] == ["m"]
-        async with session.get(gateway.url + "/health") as reply:
+        async with session.get(router.url + "/health") as reply:
             assert reply.status == 200
-        async with session.get(gateway.url + "/ready") as reply:
+        async with session.get(router.url + "/ready") as reply:
             assert reply.status == 200
-        async with session.post(gateway.url + CHAT, json=OK_CHAT, headers=AUTH) as reply:
+        async with session.post(router.url + CHAT, json=OK_CHAT, headers=AUTH) as reply:
             await reply.read()
-        async with session.get(gateway.url + "/metrics") as reply:
+        async with session.get(router.url + "/metrics") as reply:
             exposition = await reply.text()
     exported = {
         family.name

@@ -1,7 +1,7 @@
 """A prefill pool's router serves each request as a P/D pair over real reference engines
 (each its own endpoint, on a real Redis): one request, two legs, one client stream, with a
 decode credit taken before, consumed when the KV lands and released when the pair ends
-first (controlplane/gateway/pd.py)."""
+first (controlplane/router/pd.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from controlplane.contract import Role
 from controlplane.store import CreditStore
 from fleetsim.engine import EngineConfig
 from fleetsim.server import RunningEngine, serve_engine
-from tests.router.conftest import MODEL, Fleet, eventually, make_fleet, until
+from tests.polling import until
+from tests.router.conftest import MODEL, Fleet, make_fleet
 
 pytestmark = pytest.mark.redis
 
@@ -39,11 +40,11 @@ async def pd(
         make_fleet(redis_url, engines=prefill, role=Role.PREFILL, decode_pool=DECODE,
                    engine=engine, kv_bytes_per_token=1000) as prefill_pool,
     ):  # fmt: skip
-        pairing = prefill_pool.gateway.gateway.pairing
+        pairing = prefill_pool.router.router.pairing
         assert pairing is not None
         await until(lambda: len(pairing.view.snapshot.endpoints) == decode, "the decode pool")
         credits = CreditStore(decode_pool.registry.redis, DECODE)
-        await eventually(lambda: _budget(credits), "the decode pool's budget")
+        await until(lambda: _budget(credits), "the decode pool's budget")
         yield prefill_pool, decode_pool
 
 
@@ -140,7 +141,7 @@ async def test_a_client_that_leaves_mid_prefill_or_mid_transfer_frees_both_pools
         assert await credits.outstanding(DECODE) > 0
         reply.cancel()
         await until(lambda: idle(p, d), "both pools to free the KV")
-        await eventually(lambda: _none_out(credits), "the credit to come back")
+        await until(lambda: _none_out(credits), "the credit to come back")
         counts = await credit_counts(prefill.url)
     assert counts["released"] == 1
     assert counts.get("consumed", 0) == 0
@@ -165,7 +166,7 @@ async def test_a_decode_pool_with_no_room_refuses_before_any_prefill(redis_url: 
                     ) as reply:
                         return reply.status == 429 and int(reply.headers["Retry-After"]) >= 1
 
-                await eventually(refused, "a full decode pool to promise nothing")
+                await until(refused, "a full decode pool to promise nothing")
                 assert p.engine.requests_total == 0  # nothing prefilled
         text, _ = await eventually_text(session, prefill.url)
     assert len(text) == 24

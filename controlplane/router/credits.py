@@ -26,8 +26,8 @@ from redis.exceptions import RedisError
 
 from controlplane.contract import HandoffCredit, KVPolicy
 from controlplane.contract.credit_rules import BUDGET_PERIOD_S, credit_refusal, decode_budget
-from controlplane.gateway.errors import overload, unavailable
-from controlplane.gateway.pool import PoolView
+from controlplane.router.errors import overload, unavailable
+from controlplane.router.pool import PoolView
 from controlplane.store import CreditRefusal, CreditStore
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""What the gateway reads from a client request, validated before anything is routed.
+"""What the router reads from a client request, validated before anything is routed.
 
 Three entry APIs share one shape (`ClientRequest`): SGLang's `/generate` and OpenAI's
 `/v1/completions` and `/v1/chat/completions`, checked by the rules the sidecar checks them by
@@ -9,7 +9,7 @@ headers or, equivalently, body fields (a header wins when both are given):
 |-----------------------|---------------------|-------------------------------------------------|
 | `x-weir-priority`     | `priority`          | integer in [-1000, 1000], higher runs first     |
 | `x-weir-deadline-ms`  | `weir_deadline_ms`  | time budget in milliseconds from arrival        |
-| `x-weir-tenant`       | —                   | the tenant, on a gateway without API keys, when |
+| `x-weir-tenant`       | —                   | the tenant, on a router without API keys, when |
 |                       |                     | the pool policy declares it (else 403)          |
 
 Served replies carry `x-weir-endpoint`, the endpoint that served them (the first one, when
@@ -32,7 +32,7 @@ from controlplane.contract import Continuation, EngineAPI
 from controlplane.contract import headers as wire
 from controlplane.contract import request_checks as checks
 from controlplane.contract.request_checks import RequestCheckError
-from controlplane.gateway.errors import refused, unavailable
+from controlplane.router.errors import refused, unavailable
 
 _T = TypeVar("_T")
 
@@ -86,7 +86,7 @@ def parse(
     limits: Limits,
 ) -> ClientRequest:
     """Validate a decoded body by the shared rules (`controlplane.contract.request_checks`)
-    and Weir's headers; raise `GatewayError` (400, or 404 for an unknown model)."""
+    and Weir's headers; raise `RouterError` (400, or 404 for an unknown model)."""
     try:
         checked = checks.check(
             api, body, models=models, default_model=default_model,
@@ -127,7 +127,7 @@ def resume_body(continuation: Continuation) -> dict[str, Any]:
     """The engine request that resumes `continuation`, at least one token long.
 
     A completion prompted by token ids has no such request: its prompt cannot be extended
-    by the text the client received. That raises `GatewayError` (503 `not_resumable`)
+    by the text the client received. That raises `RouterError` (503 `not_resumable`)
     rather than resume from a prompt that is not the client's."""
     if continuation.api is EngineAPI.COMPLETIONS and continuation.prompt_ids:
         raise unavailable(

@@ -13,9 +13,10 @@ import aiohttp
 import pytest
 
 from controlplane.contract import KVPolicy, Role, TenantQuota, WatermarkState
-from controlplane.gateway import GatewayConfig, RunningGateway, TenantKeys, serve_gateway
+from controlplane.router import RouterConfig, RunningRouter, TenantKeys, serve_router
 from controlplane.store import CreditStore, QuotaStore
-from tests.router.conftest import MODEL, POOL, Fleet, eventually, make_fleet, until
+from tests.polling import until
+from tests.router.conftest import MODEL, POOL, Fleet, make_fleet
 
 pytestmark = pytest.mark.redis
 
@@ -27,20 +28,20 @@ def _auth(key: str) -> dict[str, str]:
 
 
 @contextlib.asynccontextmanager
-async def _two_routers(redis_url: str) -> AsyncIterator[tuple[Fleet, RunningGateway]]:
+async def _two_routers(redis_url: str) -> AsyncIterator[tuple[Fleet, RunningRouter]]:
     async with make_fleet(
         redis_url, engines=2, speed_factor=1.0, keys=KEYS, enforce_quotas=True
     ) as fleet:
         quotas = QuotaStore(fleet.registry.redis, POOL)
         await quotas.set_quota(TenantQuota(name="team-a", max_concurrency=2))
         await quotas.set_quota(TenantQuota(name="team-rate", input_tokens_per_min=100))
-        second = await serve_gateway(
-            GatewayConfig(pool=POOL, model=MODEL, enforce_quotas=True),
+        second = await serve_router(
+            RouterConfig(pool=POOL, model=MODEL, enforce_quotas=True),
             redis_url=redis_url,
             keys=KEYS,
         )
         try:
-            await until(lambda: len(second.gateway.view.snapshot.endpoints) == 2, "replica 2")
+            await until(lambda: len(second.router.view.snapshot.endpoints) == 2, "replica 2")
             yield fleet, second
         finally:
             await second.close()
@@ -81,7 +82,7 @@ async def test_concurrency_holds_across_two_router_replicas(redis_url: str) -> N
             assert status in (200, 429)
             return bool(status == 200)
 
-        await eventually(admitted, "the slot to come back")
+        await until(admitted, "the slot to come back")
         other.close()
 
 
@@ -129,7 +130,7 @@ async def test_a_decode_pools_router_publishes_the_handoff_budget_its_sidecars_w
                 budget.get(b"max:decode-a") == str(room * 1000).encode()
             )
 
-        await eventually(published, "the decode router to publish its budget")
+        await until(published, "the decode router to publish its budget")
         status, _, body = await _short(session, prefill.url, "")
         assert status == 200, body
         for endpoint_id in ("e0", "e1"):
@@ -141,7 +142,7 @@ async def test_a_decode_pools_router_publishes_the_handoff_budget_its_sidecars_w
                 int(headers["Retry-After"]) >= 1
             )
 
-        await eventually(refused, "a critical decode pool to promise nothing")
+        await until(refused, "a critical decode pool to promise nothing")
 
 
 async def test_quotas_the_control_plane_lost_are_published_again_from_the_policy(
@@ -193,4 +194,4 @@ async def test_a_burst_of_concurrent_requests_waits_for_redis_connections_rather
         async def released() -> bool:
             return (await store.usage("team-a")).concurrency == 0
 
-        await eventually(released, "every charge to be released")
+        await until(released, "every charge to be released")

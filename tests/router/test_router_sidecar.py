@@ -14,8 +14,8 @@ import msgspec
 import pytest
 
 from controlplane.contract import CacheIdentity, PoolPolicy, PreemptionMode, SchedulingPolicy
-from controlplane.gateway import GatewayConfig, RunningGateway, TenantKeys, serve_gateway
 from controlplane.ownership import block_hashes
+from controlplane.router import RouterConfig, RunningRouter, TenantKeys, serve_router
 from controlplane.routing import (
     PoolSnapshot,
     PrefixIndex,
@@ -27,7 +27,8 @@ from controlplane.routing import (
 from engine_sidecar.server import RunningSidecar, SidecarConfig, serve_sidecar
 from fleetsim.engine import EngineConfig
 from fleetsim.server import serve_engine
-from tests.router.conftest import MODEL, until
+from tests.polling import until
+from tests.router.conftest import MODEL
 
 pytestmark = pytest.mark.redis
 POOL = "sidecar-test"
@@ -39,7 +40,7 @@ async def _two_sidecars_and_a_router(
     redis_url: str,
     engine: EngineConfig,
     policy: PoolPolicy | None = None,
-) -> tuple[dict[str, RunningSidecar], RunningGateway]:
+) -> tuple[dict[str, RunningSidecar], RunningRouter]:
     """Sidecars s0 and s1, each in front of an engine of `engine`, and a router that
     sees both; all closed with `stack`."""
     sidecars = {}
@@ -53,13 +54,13 @@ async def _two_sidecars_and_a_router(
                 )
             )
         )  # fmt: skip
-    running = await serve_gateway(
-        GatewayConfig(pool=POOL, model=MODEL),
+    running = await serve_router(
+        RouterConfig(pool=POOL, model=MODEL),
         redis_url=redis_url,
         keys=TenantKeys({"sk-team-a": "team-a"}),
     )
     stack.push_async_callback(running.close)
-    view = running.gateway.view
+    view = running.router.view
     await until(lambda: len(view.snapshot.endpoints) == 2, "both sidecars")
     return sidecars, running
 
@@ -69,7 +70,7 @@ async def test_a_migrated_request_resumes_elsewhere_with_the_same_tokens(redis_u
         sidecars, running = await _two_sidecars_and_a_router(
             stack, redis_url, EngineConfig(model=MODEL, max_total_tokens=200_000, speed_factor=2)
         )
-        gateway = running.gateway
+        router = running.router
 
         body = {
             "model": MODEL, "prompt": "The weir keeper said: ", "stream": True,
@@ -86,7 +87,7 @@ async def test_a_migrated_request_resumes_elsewhere_with_the_same_tokens(redis_u
         assert [line for line in lines if line.strip()][-1] == b"data: [DONE]\n"
         assert _text(lines) == direct
         assert len(direct) == 120
-        resumed = gateway.metrics.registry.get_sample_value(
+        resumed = router.metrics.registry.get_sample_value(
             "weir_router_resumes_total", {"pool": POOL, "reason": "preempted"}
         )
         assert resumed == 1
@@ -105,7 +106,7 @@ async def _migrate(session: aiohttp.ClientSession, sidecar_url: str) -> None:
 
 @contextlib.asynccontextmanager
 async def _routed(
-    session: aiohttp.ClientSession, running: RunningGateway, body: dict[str, object]
+    session: aiohttp.ClientSession, running: RunningRouter, body: dict[str, object]
 ) -> AsyncIterator[tuple[aiohttp.ClientResponse, str]]:
     """The streamed answer through the router, and the endpoint serving it."""
     async with session.post(running.url + "/v1/completions", json=body, headers=AUTH) as reply:
@@ -143,9 +144,9 @@ async def test_a_client_that_leaves_while_queued_at_the_sidecar_is_cancelled_the
                 )
             )
         )  # fmt: skip
-        running = await serve_gateway(GatewayConfig(pool=POOL, model=MODEL), redis_url=redis_url)
+        running = await serve_router(RouterConfig(pool=POOL, model=MODEL), redis_url=redis_url)
         stack.push_async_callback(running.close)
-        await until(lambda: len(running.gateway.view.snapshot.endpoints) == 1, "the sidecar")
+        await until(lambda: len(running.router.view.snapshot.endpoints) == 1, "the sidecar")
         body = {
             "model": MODEL, "prompt": "The weir keeper said: " * 70, "stream": True,
             "max_tokens": 1000, "ignore_eos": True,
@@ -186,9 +187,9 @@ async def test_a_prompt_no_sidecar_can_ever_fit_reaches_the_client_as_400(redis_
                     )
                 )
             )  # fmt: skip
-        running = await serve_gateway(GatewayConfig(pool=POOL, model=MODEL), redis_url=redis_url)
+        running = await serve_router(RouterConfig(pool=POOL, model=MODEL), redis_url=redis_url)
         stack.push_async_callback(running.close)
-        await until(lambda: len(running.gateway.view.snapshot.endpoints) == 2, "both sidecars")
+        await until(lambda: len(running.router.view.snapshot.endpoints) == 2, "both sidecars")
         async with aiohttp.ClientSession() as session:
             for stream in (True, False):
                 body = {"model": MODEL, "prompt": [7] * 3000, "max_tokens": 8, "stream": stream}
@@ -226,7 +227,7 @@ async def test_an_offloaded_request_s_host_pages_draw_its_continuation_back(
             enable_hierarchical_cache=True,
         )  # fmt: skip
         sidecars, running = await _two_sidecars_and_a_router(stack, redis_url, tiered, policy)
-        view = running.gateway.view
+        view = running.router.view
 
         prompt = "The weir keeper said: " * 20  # 440 bytes: six blocks of 64
         hashes = tuple(block_hashes(CacheIdentity(model=MODEL), prompt.encode(), 64))

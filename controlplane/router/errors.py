@@ -1,4 +1,4 @@
-"""Errors the gateway answers with: an HTTP status, an OpenAI-shaped body, and for refusals
+"""Errors the router answers with: an HTTP status, an OpenAI-shaped body, and for refusals
 a reason and a Retry-After.
 
 Every refusal names its reason in `{"error": {"type", "reason", "message"}}` so a client
@@ -19,8 +19,8 @@ from controlplane.trace.trail import handled_request
 from controlplane.transport.guard import BodyError
 
 
-class GatewayError(Exception):
-    """A request the gateway answers itself, without reaching an engine."""
+class RouterError(Exception):
+    """A request the router answers itself, without reaching an engine."""
 
     def __init__(
         self,
@@ -57,35 +57,35 @@ class GatewayError(Exception):
         )
 
 
-def bad_request(reason: str, message: str) -> GatewayError:
-    return GatewayError(400, "invalid_request_error", reason, message)
+def bad_request(reason: str, message: str) -> RouterError:
+    return RouterError(400, "invalid_request_error", reason, message)
 
 
-def refused(exc: RequestCheckError) -> GatewayError:
+def refused(exc: RequestCheckError) -> RouterError:
     """A body the shared request checks refused, as OpenAI's error types name it."""
     error_type = "not_found_error" if exc.status == 404 else "invalid_request_error"
-    return GatewayError(exc.status, error_type, exc.reason, exc.message, param=exc.param)
+    return RouterError(exc.status, error_type, exc.reason, exc.message, param=exc.param)
 
 
-def overload(reason: str, message: str, retry_after_s: float) -> GatewayError:
+def overload(reason: str, message: str, retry_after_s: float) -> RouterError:
     """A retryable refusal before admission (finish reason `overload`)."""
-    return GatewayError(429, "overload", reason, message, retry_after_s)
+    return RouterError(429, "overload", reason, message, retry_after_s)
 
 
-def unavailable(reason: str, message: str, retry_after_s: float = 1.0) -> GatewayError:
+def unavailable(reason: str, message: str, retry_after_s: float = 1.0) -> RouterError:
     """Nothing can serve the request right now, through no fault of the client's quota."""
-    return GatewayError(503, "unavailable", reason, message, retry_after_s)
+    return RouterError(503, "unavailable", reason, message, retry_after_s)
 
 
 # The error types of the dispatch core's refusals, by status.
 _REFUSAL_TYPES = {429: "overload", 503: "unavailable", 504: "deadline"}
 
 
-def refusal_error(refusal: Refusal) -> GatewayError:
-    """The dispatch core's refusal (`controlplane.routing.Refusal`) as the gateway answers:
+def refusal_error(refusal: Refusal) -> RouterError:
+    """The dispatch core's refusal (`controlplane.routing.Refusal`) as the router answers:
     429 `overload` (queue full or timed out, every endpoint tried refused), 503
     `unavailable` (nothing could serve it, a resume nobody took), 504 `deadline`."""
-    return GatewayError(
+    return RouterError(
         refusal.status,
         _REFUSAL_TYPES[refusal.status],
         refusal.reason,
@@ -94,9 +94,9 @@ def refusal_error(refusal: Refusal) -> GatewayError:
     )
 
 
-def body_refused(exc: BodyError) -> GatewayError:
+def body_refused(exc: BodyError) -> RouterError:
     """A body the server would not read: too large (413), too slow (408), or more bodies
     in flight than the server holds at once (503, retryable)."""
     if exc.status == 503:
         return unavailable(exc.reason, exc.message, exc.retry_after_s or 1.0)
-    return GatewayError(exc.status, "invalid_request_error", exc.reason, exc.message)
+    return RouterError(exc.status, "invalid_request_error", exc.reason, exc.message)

@@ -1,4 +1,4 @@
-"""The gateway in front of real reference engines registered in a real Redis: streaming
+"""The router in front of real reference engines registered in a real Redis: streaming
 passthrough, prefix affinity, watermark avoidance, lease expiry, resumption after an
 engine dies mid-stream, client disconnects, and the staleness bound."""
 
@@ -13,7 +13,8 @@ from openai import AsyncOpenAI, AsyncStream
 
 from controlplane.contract import CacheIdentity, RoutingPolicy, WatermarkState
 from controlplane.ownership import Membership, OwnershipRing, prefix_key
-from tests.router.conftest import MODEL, Fleet, make_fleet, until
+from tests.polling import until
+from tests.router.conftest import MODEL, Fleet, make_fleet
 
 pytestmark = pytest.mark.redis
 
@@ -56,10 +57,10 @@ async def test_requests_are_counted_under_their_real_finish_reason(fleet: Fleet)
         body = {"text": "count me", "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
         async with session.post(fleet.url + "/generate", json=body) as reply:
             assert reply.status == 200
-    gateway = fleet.gateway.gateway
-    counted = gateway.metrics.registry.get_sample_value(
+    router = fleet.router.router
+    counted = router.metrics.registry.get_sample_value(
         "weir_router_requests_total",
-        {"pool": gateway.config.pool, "tenant": "default", "reason": "length"},
+        {"pool": router.config.pool, "tenant": "default", "reason": "length"},
     )
     assert counted == 2
 
@@ -108,8 +109,8 @@ async def test_an_adapter_goes_to_an_endpoint_serving_it_and_an_unknown_one_is_4
 
 
 def _owners(fleet: Fleet, prompt: str) -> tuple[str, str]:
-    """The ring's owners of a prompt, computed here independently of the gateway."""
-    policy = fleet.gateway.gateway.config.routing
+    """The ring's owners of a prompt, computed here independently of the router."""
+    policy = fleet.router.router.config.routing
     key = prefix_key(
         CacheIdentity(model=MODEL), prompt.encode(), policy.prefix_block_tokens,
         policy.prefix_blocks_for_owner,
@@ -125,10 +126,10 @@ async def test_repeated_prefixes_go_to_their_primary_owner(fleet: Fleet) -> None
             (await _complete(session, fleet.url, PREFIX + f"question {i}"))[0] for i in range(6)
         ]
     assert served == [primary] * 6
-    gateway = fleet.gateway.gateway
-    hits = gateway.metrics.registry.get_sample_value(
+    router = fleet.router.router
+    hits = router.metrics.registry.get_sample_value(
         "weir_router_decisions_total",
-        {"pool": gateway.config.pool, "reason": "primary_owner", "owner_hit": "true"},
+        {"pool": router.config.pool, "reason": "primary_owner", "owner_hit": "true"},
     )
     assert hits == 6
 
@@ -158,9 +159,9 @@ async def test_a_failure_before_the_first_byte_retries_on_the_secondary_owner(
         served, text = await _complete(session, fleet.url, PREFIX + "retry me")
     assert served == secondary
     assert len(text) == 8
-    gateway = fleet.gateway.gateway
-    retries = gateway.metrics.registry.get_sample_value(
-        "weir_router_retries_total", {"pool": gateway.config.pool, "reason": "connect_error"}
+    router = fleet.router.router
+    retries = router.metrics.registry.get_sample_value(
+        "weir_router_retries_total", {"pool": router.config.pool, "reason": "connect_error"}
     )
     assert retries == 1
 
@@ -170,11 +171,11 @@ async def test_an_expired_lease_leaves_routing_within_its_ttl(redis_url: str) ->
         # Keep e1 alive; e0 stops heartbeating and must drop out once its lease lapses.
         keep = asyncio.create_task(_beat(fleet, "e1"))
         try:
-            gateway = fleet.gateway.gateway
+            router = fleet.router.router
             await until(
                 lambda: all(
-                    view.lease_deadline <= gateway.clock()
-                    for view in gateway.view.snapshot.endpoints
+                    view.lease_deadline <= router.clock()
+                    for view in router.view.snapshot.endpoints
                     if view.endpoint_id == "e0"
                 ),
                 "e0's lease to lapse",
@@ -185,9 +186,9 @@ async def test_an_expired_lease_leaves_routing_within_its_ttl(redis_url: str) ->
                 }
             assert served == {"e1"}
             # The router's reaper then removes it from the pool, and counts the expiry.
-            await until(lambda: "e0" not in gateway.view.snapshot.by_id, "e0 to be reaped")
-            expiries = gateway.metrics.registry.get_sample_value(
-                "weir_router_lease_expiries_total", {"pool": gateway.config.pool}
+            await until(lambda: "e0" not in router.view.snapshot.by_id, "e0 to be reaped")
+            expiries = router.metrics.registry.get_sample_value(
+                "weir_router_lease_expiries_total", {"pool": router.config.pool}
             )
             assert expiries == 1
         finally:
@@ -224,9 +225,9 @@ async def test_killing_the_engine_mid_stream_resumes_with_exactly_the_same_token
         text = _text_of(events, api)
         assert text == direct
         assert len(text) == 150
-        gateway = fleet.gateway.gateway
-        resumes = gateway.metrics.registry.get_sample_value(
-            "weir_router_resumes_total", {"pool": gateway.config.pool, "reason": "broken"}
+        router = fleet.router.router
+        resumes = router.metrics.registry.get_sample_value(
+            "weir_router_resumes_total", {"pool": router.config.pool, "reason": "broken"}
         )
         assert resumes == 1
 
@@ -350,8 +351,8 @@ async def test_routing_goes_on_within_the_staleness_bound_then_fails_closed(
         async with aiohttp.ClientSession() as session:
             served, _ = await _complete(session, fleet.url, "still routing")
             assert served == "e0"
-            gateway = fleet.gateway.gateway
-            await until(lambda: gateway.view.is_stale(gateway.clock()), "the bound to pass")
+            router = fleet.router.router
+            await until(lambda: router.view.is_stale(router.clock()), "the bound to pass")
             body = {"model": MODEL, "prompt": "now refused", "max_tokens": 4}
             async with session.post(fleet.url + "/v1/completions", json=body) as reply:
                 assert reply.status == 503
@@ -361,7 +362,7 @@ async def test_routing_goes_on_within_the_staleness_bound_then_fails_closed(
             async with session.get(fleet.url + "/ready") as reply:
                 assert reply.status == 503
         fresh_redis.start()
-        await until(lambda: not gateway.view.is_stale(gateway.clock()), "recovery")
+        await until(lambda: not router.view.is_stale(router.clock()), "recovery")
 
 
 async def test_when_every_endpoint_is_critical_requests_queue_then_flow_or_time_out(
@@ -372,7 +373,7 @@ async def test_when_every_endpoint_is_critical_requests_queue_then_flow_or_time_
     ) as fleet:
         for endpoint_id in fleet.engines:
             await fleet.report(endpoint_id, watermark=WatermarkState.CRITICAL)
-        gateway = fleet.gateway.gateway
+        router = fleet.router.router
         async with aiohttp.ClientSession() as session:
             # Nobody recovers: the queued request is refused when its time to live ends.
             body = {"model": MODEL, "prompt": "wait for me", "max_tokens": 4}
@@ -388,14 +389,14 @@ async def test_when_every_endpoint_is_critical_requests_queue_then_flow_or_time_
                 assert (await reply.json())["error"]["reason"] == "deadline"
             # A client that leaves while queued leaves the queue at once.
             leaving = asyncio.create_task(_complete(session, fleet.url, "never mind"))
-            await until(lambda: len(gateway.dispatch.queue) == 1, "the request to queue")
+            await until(lambda: len(router.dispatch.queue) == 1, "the request to queue")
             leaving.cancel()
-            await until(lambda: len(gateway.dispatch.queue) == 0, "the queue to drop it")
+            await until(lambda: len(router.dispatch.queue) == 0, "the queue to drop it")
             # One endpoint recovers while a request waits: it is served there.
             waiting = asyncio.create_task(_complete(session, fleet.url, "served after all"))
-            await until(lambda: len(gateway.dispatch.queue) == 1, "the request to queue")
+            await until(lambda: len(router.dispatch.queue) == 1, "the request to queue")
             await fleet.report("e1", watermark=WatermarkState.NORMAL)
             served, text = await waiting
         assert served == "e1"
         assert len(text) == 8
-        assert len(gateway.dispatch.queue) == 0
+        assert len(router.dispatch.queue) == 0

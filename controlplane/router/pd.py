@@ -17,13 +17,13 @@ client's. Weir's additions:
   decode pool's snapshot, which this router follows too) at once: when no decode
   endpoint can take the request now it is refused with 429, not queued behind a prefill.
 - **A cancel reaches both legs.** A client that leaves aborts the prefill leg here and
-  the decode leg in the gateway (each sidecar's `/abort_request`, and its connection
+  the decode leg in the router (each sidecar's `/abort_request`, and its connection
   closed), so both pools free the KV; SGLang's router drops the decode stream only.
 - **Failures.** Until the client has a byte, a leg that fails ends the other and the
   pair is tried again: on another decode endpoint when the decode side refused or
-  failed, on another prefill endpoint (the gateway's fallbacks) when the prefill side
+  failed, on another prefill endpoint (the router's fallbacks) when the prefill side
   did. A decode stream that breaks, or that its sidecar migrates, mid-answer resumes as a
-  new pair from what the client holds (the gateway's resume): a prefill endpoint
+  new pair from what the client holds (the router's resume): a prefill endpoint
   computes the prompt and the answer so far, a decode endpoint continues the stream.
 """
 
@@ -44,10 +44,10 @@ from aiohttp import web
 from controlplane.contract import Role
 from controlplane.contract import headers as wire
 from controlplane.contract.vocabulary import PREEMPTED_EVENT
-from controlplane.gateway.credits import HandoffGate
-from controlplane.gateway.errors import GatewayError, overload, refusal_error
-from controlplane.gateway.metrics import RouterMetrics
-from controlplane.gateway.pool import PoolView, new_reports
+from controlplane.router.credits import HandoffGate
+from controlplane.router.errors import RouterError, overload, refusal_error
+from controlplane.router.metrics import RouterMetrics
+from controlplane.router.pool import PoolView, new_reports
 from controlplane.routing import (
     Dispatcher,
     EndpointView,
@@ -62,31 +62,31 @@ from controlplane.trace.trail import Trail
 from controlplane.transport import HTTPClient, Response, SSEEvent, TransportError
 
 if TYPE_CHECKING:
-    from controlplane.gateway.app import _Exchange
+    from controlplane.router.exchange import Exchange
 
 log = logging.getLogger(__name__)
 
 _JSON = {"Content-Type": "application/json"}
-# A report that reaches the router was taken at most this long before (as the gateway's).
+# A report that reaches the router was taken at most this long before (as the router's).
 _REPORT_LAG_S = 0.1
 
 
 class PairHost(Protocol):
-    """What a pair needs of the gateway serving its client."""
+    """What a pair needs of the router serving its client."""
 
     prefix_index: PrefixIndex
 
     def upstream(self) -> HTTPClient: ...
 
     async def relay(
-        self, request: web.Request, ex: _Exchange, upstream: Response, first: list[SSEEvent]
+        self, request: web.Request, ex: Exchange, upstream: Response, first: list[SSEEvent]
     ) -> tuple[str, web.StreamResponse | None]: ...
 
     def unary_answer(
-        self, ex: _Exchange, endpoint_id: str, raw: bytes, status: int, content_type: str
+        self, ex: Exchange, endpoint_id: str, raw: bytes, status: int, content_type: str
     ) -> web.Response: ...
 
-    async def answer_refusal(self, ex: _Exchange, exc: GatewayError) -> web.StreamResponse: ...
+    async def answer_refusal(self, ex: Exchange, exc: RouterError) -> web.StreamResponse: ...
 
 
 @dataclass(slots=True)
@@ -100,19 +100,19 @@ class _Pair:
 
 @dataclass(frozen=True, slots=True)
 class _Attempt:
-    """What an attempt keeps across its pairs: the gateway, the client's request, the
-    prefill endpoint the gateway picked, and what goes upstream."""
+    """What an attempt keeps across its pairs: the router, the client's request, the
+    prefill endpoint the router picked, and what goes upstream."""
 
     host: PairHost
     request: web.Request
-    ex: _Exchange
+    ex: Exchange
     prefill: EndpointView
     body: Mapping[str, Any]
     headers: Mapping[str, str]
     path: str
 
 
-# How one pair ended, besides the gateway's outcomes ("done", "refused", "preempted"):
+# How one pair ended, besides the router's outcomes ("done", "refused", "preempted"):
 # the decode side refused or failed before the client had a byte; another decode endpoint
 # takes the pair again.
 _DECODE_FAILED = "decode_failed"
@@ -121,11 +121,11 @@ _DECODE_FAILED = "decode_failed"
 @dataclass
 class Pairing:
     """The P/D pairs of a prefill pool's router: its decode pool's credits (`gate`), view
-    and dispatch core, and the gateway's clock, metrics, trail and background tasks."""
+    and dispatch core, and the router's clock, metrics, trail and background tasks."""
 
     gate: HandoffGate
     view: PoolView
-    dispatch: Dispatcher[_Exchange]
+    dispatch: Dispatcher[Exchange]
     clock: Callable[[], float]
     metrics: RouterMetrics
     pool: str
@@ -145,20 +145,20 @@ class Pairing:
 
     # -- credits -------------------------------------------------------------------------
 
-    async def admit(self, ex: _Exchange) -> None:
-        """The request's first credit, before anything of it runs (a `GatewayError` when
+    async def admit(self, ex: Exchange) -> None:
+        """The request's first credit, before anything of it runs (a `RouterError` when
         the decode pool cannot promise room for it)."""
         pair = self._pairs.setdefault(ex.route.request_id, _Pair())
         await self._take(ex, pair)
 
-    async def _take(self, ex: _Exchange, pair: _Pair) -> None:
+    async def _take(self, ex: Exchange, pair: _Pair) -> None:
         rid = ex.route.request_id
         name = rid if not pair.taken else f"{rid}.{pair.taken}"
         # A resume ships the prompt and what the client holds so far.
         tokens = ex.client.prompt_tokens + ex.splicer.generated
         try:
             pair.credit = (await self.gate.take(name, tokens)).credit_id
-        except GatewayError:
+        except RouterError:
             self.metrics.handoff_credits.labels(self.pool, "refused").inc()
             raise
         pair.taken += 1
@@ -178,7 +178,7 @@ class Pairing:
 
         self.spawn(settle())
 
-    def ended(self, ex: _Exchange) -> None:
+    def ended(self, ex: Exchange) -> None:
         """The request is over: a credit it still holds goes back at once."""
         pair = self._pairs.pop(ex.route.request_id, None)
         if pair is not None:
@@ -190,13 +190,13 @@ class Pairing:
         self,
         host: PairHost,
         request: web.Request,
-        ex: _Exchange,
+        ex: Exchange,
         prefill: EndpointView,
         body: Mapping[str, Any],
         headers: Mapping[str, str],
         path: str,
     ) -> tuple[str, web.StreamResponse | None]:
-        """The request on `prefill` and a decode endpoint: the gateway's outcomes
+        """The request on `prefill` and a decode endpoint: the router's outcomes
         ("done", "refused": the prefill side did not take it, "preempted": resume it)."""
         pair = self._pairs.setdefault(ex.route.request_id, _Pair())
         call = _Attempt(host, request, ex, prefill, body, headers, path)
@@ -220,17 +220,17 @@ class Pairing:
                 f"{self.max_attempts} decode endpoint(s) refused or failed the request",
                 max(1.0, ex.retry_after_s),
             )
-        except GatewayError as exc:
+        except RouterError as exc:
             return "done", await host.answer_refusal(ex, exc)
 
     def _snapshot(self, now: float) -> PoolSnapshot | None:
         try:
             return self.view.current(now)
-        except GatewayError:
+        except RouterError:
             return None
 
-    def _place(self, ex: _Exchange, pair: _Pair) -> EndpointView:
-        """A decode endpoint for the request now, by the routing core; a `GatewayError`
+    def _place(self, ex: Exchange, pair: _Pair) -> EndpointView:
+        """A decode endpoint for the request now, by the routing core; a `RouterError`
         when none can take it (a prefill is never started for a decode that would wait)."""
         now = self.clock()
         snapshot = self.view.current(now)
@@ -382,15 +382,15 @@ class Pairing:
         return "done", host.unary_answer(ex, ex.endpoint, raw, status, upstream.content_type)
 
     def _prefill_failed(
-        self, http: HTTPClient, ex: _Exchange, prefill: EndpointView, failure: str
+        self, http: HTTPClient, ex: Exchange, prefill: EndpointView, failure: str
     ) -> tuple[str, web.StreamResponse | None]:
         """The prefill leg failed before the client had a byte: the decode leg is ended
-        and the gateway offers the request to its next prefill endpoint."""
+        and the router offers the request to its next prefill endpoint."""
         ex.upstream_refusal = f"{prefill.endpoint_id}: {failure}"
         self._abort(http, ex.address, ex.upstream_rid)
         return "refused", None
 
-    def _landed(self, host: PairHost, ex: _Exchange, pair: _Pair, prefill: EndpointView) -> None:
+    def _landed(self, host: PairHost, ex: Exchange, pair: _Pair, prefill: EndpointView) -> None:
         """The KV is on the decode side: the credit is consumed, and the prompt is in the
         prefill endpoint's cache."""
         if not pair.credit:

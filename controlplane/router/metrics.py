@@ -1,6 +1,6 @@
 """The router's metric families, built from the catalogue so names, labels and buckets
 never drift from `controlplane.telemetry.catalog.ROUTER` (a test asserts every family is
-exported). Each gateway owns its registry, so several can run in one process.
+exported). Each router owns its registry, so several can run in one process.
 
 Event counters start at zero for every label value the router can produce (standard
 Prometheus practice): a series that only appears after its first event makes rates and
@@ -16,8 +16,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from controlplane.telemetry.catalog import ROUTER, MetricKind
 from controlplane.transport import TRANSPORT_REASONS
 
-# The label values the gateway produces, by family (reasons are the `reason` of its
-# refusals: `controlplane.gateway.errors`, the quota store's limits, the fair queue; a
+# The label values the router produces, by family (reasons are the `reason` of its
+# refusals: `controlplane.router.errors`, the quota store's limits, the fair queue; a
 # retry's, the upstream's status or the transport failure's kind).
 RETRY_REASONS = ("upstream_429", "upstream_503", *TRANSPORT_REASONS)
 RESUME_REASONS = ("broken", "preempted")

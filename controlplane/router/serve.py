@@ -1,4 +1,4 @@
-"""Running a gateway: the aiohttp server, and the feed that keeps its pool view current."""
+"""Running a router: the aiohttp server, and the feed that keeps its pool view current."""
 
 from __future__ import annotations
 
@@ -11,11 +11,12 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from controlplane.contract import Role
-from controlplane.gateway.app import Gateway, GatewayConfig
-from controlplane.gateway.credits import HandoffGate, publish_budget
-from controlplane.gateway.pool import PoolView, RingOwners, StoreFeed, static_endpoints
-from controlplane.gateway.quotas import QuotaGate
-from controlplane.gateway.tenants import TenantKeys
+from controlplane.router.app import Router
+from controlplane.router.config import RouterConfig
+from controlplane.router.credits import HandoffGate, publish_budget
+from controlplane.router.pool import PoolView, RingOwners, StoreFeed, static_endpoints
+from controlplane.router.quotas import QuotaGate
+from controlplane.router.tenants import TenantKeys
 from controlplane.store import (
     CreditStore,
     EndpointRegistry,
@@ -30,8 +31,8 @@ from controlplane.store import (
 
 
 @dataclass
-class RunningGateway:
-    gateway: Gateway
+class RunningRouter:
+    router: Router
     url: str
     _runner: web.AppRunner
     _tasks: list[asyncio.Task[None]]
@@ -40,20 +41,20 @@ class RunningGateway:
     async def close(self) -> None:
         await cancel_loops(self._tasks)
         await self._runner.cleanup()  # ends requests, and waits for their quota releases
-        if self.gateway.quotas is not None:
-            await self.gateway.quotas.close()  # bounded, even with Redis down
+        if self.router.quotas is not None:
+            await self.router.quotas.close()  # bounded, even with Redis down
         if self._redis is not None:
             await self._redis.aclose()
 
 
-async def serve_gateway(
-    config: GatewayConfig,
+async def serve_router(
+    config: RouterConfig,
     *,
     redis_url: str = "",
     endpoints: Sequence[str] = (),
     keys: TenantKeys | None = None,
-) -> RunningGateway:
-    """Start a gateway on `config.host:config.port` (0: a free port) for the pool in the
+) -> RunningRouter:
+    """Start a router on `config.host:config.port` (0: a free port) for the pool in the
     control plane at `redis_url`, or for the fixed engine URLs `endpoints`."""
     if bool(redis_url) == bool(endpoints):
         raise ValueError("give exactly one of redis_url (the control plane) or endpoints")
@@ -93,15 +94,15 @@ async def serve_gateway(
             decode_feed = StoreFeed(
                 PoolFollower(EndpointRegistry(redis, config.decode_pool)), decode_view, clock
             )
-    gateway = Gateway(config, view, keys, clock, quotas, credits, decode_view)
+    router = Router(config, view, keys, clock, quotas, credits, decode_view)
     runner = web.AppRunner(
-        gateway.app(),
+        router.app(),
         handler_cancellation=True,
         access_log=None,
-        keepalive_timeout=gateway.guard.limits.idle_timeout_s,
+        keepalive_timeout=router.guard.limits.idle_timeout_s,
     )
     await runner.setup()
-    await gateway.guard.start(runner, host=config.host, port=config.port)
+    await router.guard.start(runner, host=config.host, port=config.port)
     port = runner.addresses[0][1]
     loop = asyncio.get_running_loop()
     if feed is not None:
@@ -118,4 +119,4 @@ async def serve_gateway(
             CreditStore(redis, config.pool), view, clock, config.kv, config.kv_bytes_per_token
         )
         tasks.append(loop.create_task(budget))
-    return RunningGateway(gateway, f"http://{config.host}:{port}", runner, tasks, redis)
+    return RunningRouter(router, f"http://{config.host}:{port}", runner, tasks, redis)

@@ -24,7 +24,7 @@ from redis.exceptions import RedisError
 
 from controlplane.contract import TenantQuota
 from controlplane.contract.quota_rules import quota_refusal
-from controlplane.gateway.errors import GatewayError, bad_request, overload, unavailable
+from controlplane.router.errors import RouterError, bad_request, overload, unavailable
 from controlplane.store import Amounts, QuotaHolder, QuotaStore
 
 log = logging.getLogger(__name__)
@@ -94,7 +94,7 @@ class QuotaGate:
             return
         status, reason, retry_after_s = quota_refusal(result.reason, result.retry_after_s)
         if status == 403:
-            raise GatewayError(
+            raise RouterError(
                 403, "permission_error", reason, f"tenant {tenant!r} has no quota here"
             )
         if status == 400:

@@ -21,8 +21,8 @@ from collections.abc import Callable, Sequence
 from redis.exceptions import RedisError
 
 from controlplane.contract import EndpointState
-from controlplane.gateway.errors import unavailable
 from controlplane.ownership import OwnershipRing
+from controlplane.router.errors import unavailable
 from controlplane.routing import EndpointView, PoolSnapshot
 from controlplane.store import PoolFollower
 from controlplane.store import PoolSnapshot as StoreSnapshot

@@ -14,8 +14,8 @@ import aiohttp
 import msgspec
 import pytest
 
-from controlplane.gateway import GatewayConfig, RunningGateway, serve_gateway
-from controlplane.gateway.metrics import RETRY_REASONS
+from controlplane.router import RouterConfig, RunningRouter, serve_router
+from controlplane.router.metrics import RETRY_REASONS
 from tests.router.conftest import MODEL
 from tests.transport.raw_server import (
     answering,
@@ -35,9 +35,9 @@ async def refused_port() -> AsyncIterator[str]:
 
 
 @contextlib.asynccontextmanager
-async def router(endpoint: str, **config: object) -> AsyncIterator[RunningGateway]:
-    running = await serve_gateway(
-        GatewayConfig(model=MODEL, **config),  # type: ignore[arg-type]
+async def router(endpoint: str, **config: object) -> AsyncIterator[RunningRouter]:
+    running = await serve_router(
+        RouterConfig(model=MODEL, **config),  # type: ignore[arg-type]
         endpoints=[endpoint],
     )
     try:
@@ -46,12 +46,12 @@ async def router(endpoint: str, **config: object) -> AsyncIterator[RunningGatewa
         await running.close()
 
 
-def retries(running: RunningGateway) -> dict[str, float]:
+def retries(running: RunningRouter) -> dict[str, float]:
     """Each retry reason's count, the ones at zero left out."""
-    gateway = running.gateway
+    router = running.router
     counts = {
-        reason: gateway.metrics.registry.get_sample_value(
-            "weir_router_retries_total", {"pool": gateway.config.pool, "reason": reason}
+        reason: router.metrics.registry.get_sample_value(
+            "weir_router_retries_total", {"pool": router.config.pool, "reason": reason}
         )
         for reason in RETRY_REASONS
     }

@@ -15,12 +15,13 @@ import aiohttp
 import msgspec
 import pytest
 
-from controlplane.gateway import GatewayConfig, Limits, RunningGateway, serve_gateway
+from controlplane.router import Limits, RouterConfig, RunningRouter, serve_router
 from controlplane.transport.guard import LARGE_BODY, ServerLimits, body_limit
 from engine_sidecar.server import SidecarConfig, serve_sidecar
 from fleetsim.engine import EngineConfig
 from fleetsim.server import serve_engine
-from tests.router.conftest import MODEL, until
+from tests.polling import until
+from tests.router.conftest import MODEL
 from tests.transport.raw_client import RawConnection, chunk, request_head
 
 CONTEXT = 1000
@@ -28,13 +29,13 @@ COMPLETIONS = "/v1/completions"
 
 
 @contextlib.asynccontextmanager
-async def router(limits: ServerLimits, speed_factor: float = 50.0) -> AsyncIterator[RunningGateway]:
+async def router(limits: ServerLimits, speed_factor: float = 50.0) -> AsyncIterator[RunningRouter]:
     """A router with `limits` in front of one reference engine."""
     async with serve_engine(
         EngineConfig(model=MODEL, max_total_tokens=50_000, speed_factor=speed_factor)
     ) as engine:
-        running = await serve_gateway(
-            GatewayConfig(model=MODEL, limits=Limits(context_length=CONTEXT), server=limits),
+        running = await serve_router(
+            RouterConfig(model=MODEL, limits=Limits(context_length=CONTEXT), server=limits),
             endpoints=[engine.url],
         )
         try:
@@ -51,7 +52,7 @@ async def test_the_body_limit_is_sized_to_the_context_and_a_larger_body_gets_413
     limit = body_limit(CONTEXT)
     assert limit == (1 << 20) + CONTEXT * 40
     async with router(ServerLimits()) as running, aiohttp.ClientSession() as http:
-        assert running.gateway.guard.limits.max_body_bytes == limit
+        assert running.router.guard.limits.max_body_bytes == limit
         # Just under the limit, with a junk field: read, and served.
         pad = limit - len(completion(junk=""))
         async with http.post(
@@ -85,7 +86,7 @@ async def test_a_body_of_many_small_containers_is_refused_a_long_prompt_is_not()
     """Under the size limit, `[[],[],...]` would still decode to ~22 times its size in
     Python objects: past one JSON value per 10 bytes of the limit it is refused."""
     async with router(ServerLimits()) as running, aiohttp.ClientSession() as http:
-        guard = running.gateway.guard
+        guard = running.router.guard
         most = guard.limits.max_body_bytes // 10
         flood = msgspec.Raw(b"[" + b",".join([b"[]"] * (most // 2 + 1)) + b"]")
         async with http.post(running.url + COMPLETIONS, data=completion(junk=flood)) as r:
@@ -116,7 +117,7 @@ async def test_a_declared_length_over_the_limit_is_refused_without_waiting_for_t
         # Chunked, on the wire: the same once past the limit.
         conn = await RawConnection.open(running.url)
         await conn.send(request_head(COMPLETIONS, None))
-        limit = running.gateway.guard.limits.max_body_bytes
+        limit = running.router.guard.limits.max_body_bytes
         for _ in range(limit // 65536 + 2):
             await conn.send(chunk(b"x" * 65536))
         answer = await conn.answer(timeout_s=10)
@@ -129,7 +130,7 @@ async def test_bodies_past_the_in_flight_budget_wait_while_small_requests_pass()
     kib = 1024
     limits = ServerLimits(max_body_bytes=256 * kib, max_body_bytes_in_flight=512 * kib)
     async with router(limits) as running, aiohttp.ClientSession() as http:
-        budget = running.gateway.guard.budget
+        budget = running.router.guard.budget
         big = completion(junk="x" * (200 * kib))
         # Three large bodies, each half sent: two fit in the budget, the third waits.
         conns = [await RawConnection.open(running.url) for _ in range(3)]
@@ -162,7 +163,7 @@ async def test_a_body_that_finds_the_budget_spent_too_long_gets_503() -> None:
     async with router(limits) as running:
         holder = await RawConnection.open(running.url)
         await holder.send(request_head(COMPLETIONS, 60_000) + b"{")
-        budget = running.gateway.guard.budget
+        budget = running.router.guard.budget
         await until(lambda: budget.used == 60_000, "the first body's reservation")
         late = await RawConnection.open(running.url)
         await late.send(request_head(COMPLETIONS, 10_000) + b"{")
@@ -189,7 +190,7 @@ async def test_a_head_sent_too_slowly_is_closed() -> None:
         trickling = asyncio.create_task(trickle())
         assert await conn.closed_by_server(timeout_s=20)
         trickling.cancel()
-        assert running.gateway.guard.closed["header_timeout"] == 1
+        assert running.router.guard.closed["header_timeout"] == 1
         await conn.close()
 
 
@@ -232,15 +233,15 @@ async def test_idle_connections_are_closed_and_busy_ones_kept() -> None:
         assert (await kept_alive.answer()).status == 200
         assert await silent.closed_by_server(timeout_s=20)
         assert await kept_alive.closed_by_server(timeout_s=20)
-        assert running.gateway.guard.closed["idle_timeout"] == 2
-        assert running.gateway.guard.open == 0
+        assert running.router.guard.closed["idle_timeout"] == 2
+        assert running.router.guard.open == 0
         for conn in (silent, kept_alive):
             await conn.close()
 
 
 async def test_connections_past_the_cap_are_refused_and_the_open_ones_keep_working() -> None:
     async with router(ServerLimits(max_connections=3)) as running:
-        guard = running.gateway.guard
+        guard = running.router.guard
         conns = [await RawConnection.open(running.url) for _ in range(3)]
         await until(lambda: guard.open == 3, "three connections")
         extra = await RawConnection.open(running.url)
@@ -270,8 +271,8 @@ async def test_a_long_stream_outlives_every_timeout_through_router_and_sidecar()
         ) as engine,
         serve_sidecar(SidecarConfig(engine_url=engine.url, server=limits)) as sidecar,
     ):
-        running = await serve_gateway(
-            GatewayConfig(model=MODEL, server=limits), endpoints=[sidecar.url]
+        running = await serve_router(
+            RouterConfig(model=MODEL, server=limits), endpoints=[sidecar.url]
         )
         try:
             body = {
@@ -296,7 +297,7 @@ async def test_a_long_stream_outlives_every_timeout_through_router_and_sidecar()
     assert elapsed > 3 * 0.3
     assert events[-1]["choices"][0]["finish_reason"] == "length"
     assert sum(1 for e in events if e["choices"][0]["text"]) == tokens
-    assert running.gateway.guard.closed == {
+    assert running.router.guard.closed == {
         "header_timeout": 0, "idle_timeout": 0, "too_many_connections": 0,
     }  # fmt: skip
 

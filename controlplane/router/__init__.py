@@ -1,0 +1,32 @@
+"""The router's HTTP edge: an OpenAI- and SGLang-compatible router for one pool.
+
+`serve_router(config, ...)` starts one in the running event loop and returns a
+`RunningRouter` (`.url`, `.router`, `await .close()`). The pool comes either from the
+control plane (`redis_url`: the change feed, leases, ownership) or from a fixed list of
+engine URLs (`endpoints`). Routes: `POST /v1/chat/completions`, `/v1/completions`,
+`/generate`; `GET /v1/models`, `/health`, `/ready`, `/metrics`, `/weir/v1/pool`. Request
+fields and headers are documented in `controlplane.router.requests`; errors in
+`controlplane.router.errors`.
+"""
+
+from controlplane.router.app import Router
+from controlplane.router.config import RouterConfig
+from controlplane.router.errors import RouterError
+from controlplane.router.pool import PoolView, StoreFeed, static_endpoints
+from controlplane.router.requests import ClientRequest, Limits
+from controlplane.router.serve import RunningRouter, serve_router
+from controlplane.router.tenants import TenantKeys
+
+__all__ = [
+    "ClientRequest",
+    "Limits",
+    "PoolView",
+    "Router",
+    "RouterConfig",
+    "RouterError",
+    "RunningRouter",
+    "StoreFeed",
+    "TenantKeys",
+    "serve_router",
+    "static_endpoints",
+]
