@@ -132,6 +132,7 @@ class ControlLink:
             queued_requests=ledger.queued,
             preemptions_per_s=preemptions_per_s,
             predicted_tpot_s=ledger.tpot_s,
+            host_prefixes=service.host_prefixes.published(),
             started_at=self.started_at,
             updated_at=time.time(),
         )

@@ -7,7 +7,11 @@ rid, pause/continue); `SGLangEngine` implements it over SGLang's HTTP server, fo
 - server info: `/server_info` (0.5.23) or `/get_server_info` (0.5.5);
 - load: `/v1/loads?include=all` (0.5.23) or `/get_load` (0.5.5) — which one answers decides
   the version when `version` is missing from server info;
-- pause: 0.5.23 takes `{"mode": ...}`, 0.5.5 takes no body.
+- pause: 0.5.23 takes `{"mode": ...}`, 0.5.5 takes no body;
+- the host tier's bandwidth: 0.5.23's `/metrics` counts the bytes its device-host copies
+  moved and the time they took (`sglang:load_back_bytes_total` over
+  `sglang:load_back_duration_seconds`, and the same for write-back); 0.5.5 has no such
+  families.
 
 Streams are server-sent events, handed over in batches — every event that arrived in one
 network read — each as its raw frame (so the proxy forwards bytes it need not change, and
@@ -26,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import msgspec
+from prometheus_client.parser import text_string_to_metric_families
 
 from controlplane.trace.spans import CLIENT, TRACER, outgoing
 from controlplane.transport import HTTPClient, Response, SSEEvent, TransportError
@@ -55,6 +60,9 @@ class EngineInfo:
     # P/D (--disaggregation-mode, --disaggregation-bootstrap-port): "null" on a mixed engine.
     disaggregation_mode: str = "null"
     bootstrap_port: int = 0
+    # KV bytes a token takes on one rank: the KV pool's size over its token capacity
+    # (server info's `memory_usage`); 0 where the engine does not say.
+    kv_bytes_per_token: int = 0
 
     def host_tier_tokens(self, kv_bytes_per_token: int) -> int:
         """The host pool's capacity in tokens (0: no host tier)."""
@@ -84,6 +92,47 @@ def _hicache(info: dict[str, Any]) -> dict[str, Any]:
         "hicache_ratio": float(ratio) if isinstance(ratio, int | float) else 2.0,
         "hicache_size_gb": size if isinstance(size, int) else 0,
     }
+
+
+def pool_bytes_per_token(info: dict[str, Any]) -> int:
+    """The KV pool's bytes over its token capacity, from `memory_usage` (GB), top-level
+    or rank 0's; 0 where either is missing, or where the pool is under 0.1 GB: SGLang
+    rounds the size to 3 decimals, which would be more than half a percent off."""
+    usage = info.get("memory_usage")
+    states = info.get("internal_states")
+    if not isinstance(usage, dict) and isinstance(states, list) and states:
+        usage = states[0].get("memory_usage") if isinstance(states[0], dict) else None
+    if not isinstance(usage, dict):
+        return 0
+    gigabytes, tokens = usage.get("kvcache"), _int(usage.get("token_capacity"))
+    if not isinstance(gigabytes, int | float) or gigabytes < 0.1 or tokens <= 0:
+        return 0
+    return round(gigabytes * 1e9 / tokens)
+
+
+# SGLang's host-tier copy families: bytes moved, and the histogram of the time it took.
+_COPIES = (
+    ("sglang:load_back_bytes_total", "sglang:load_back_duration_seconds_sum"),
+    ("sglang:hicache_backup_bytes_total", "sglang:hicache_backup_duration_seconds_sum"),
+)
+
+
+def copy_bandwidth(metrics: str) -> float:
+    """The host tier's bandwidth in bytes a second from an SGLang `/metrics` text: all
+    copies' bytes over their time, SGLang's "bytes-weighted active bandwidth", per rank
+    (a rank copies its own shard, over its own link) and averaged over the ranks; 0.0
+    when no copy has been timed."""
+    wanted = {name for pair in _COPIES for name in pair}
+    moved: dict[tuple[tuple[str, str], ...], list[float]] = {}
+    for family in text_string_to_metric_families(metrics):
+        for sample in family.samples:
+            if sample.name not in wanted:
+                continue
+            rank = tuple(sorted((k, v) for k, v in sample.labels.items() if k.endswith("_rank")))
+            totals = moved.setdefault(rank, [0.0, 0.0])  # bytes, seconds
+            totals[sample.name.endswith("_sum")] += sample.value
+    rates = [nbytes / seconds for nbytes, seconds in moved.values() if nbytes > 0 and seconds > 0]
+    return sum(rates) / len(rates) if rates else 0.0
 
 
 def _version(text: str) -> tuple[int, ...]:
@@ -139,6 +188,11 @@ class EngineAdapter(Protocol):
 
     async def tokenize(self, text: str) -> list[int]:
         """The token ids the engine makes of `text` (as it would of a prompt)."""
+        ...
+
+    async def host_bandwidth(self) -> float:
+        """Bytes a second the engine's device-host copies have run at, per rank (0.0: it
+        has reported none)."""
         ...
 
     async def pause(self) -> None: ...
@@ -227,9 +281,21 @@ class SGLangEngine:
             incremental_streaming=bool(info.get("incremental_streaming_output", False)),
             disaggregation_mode=str(info.get("disaggregation_mode") or "null"),
             bootstrap_port=_int(info.get("disaggregation_bootstrap_port")),
+            kv_bytes_per_token=pool_bytes_per_token(info),
             **_hicache(info),
         )
         return self._info
+
+    async def host_bandwidth(self) -> float:
+        try:
+            async with await self._http.request("GET", self.url + "/metrics") as resp:
+                text = (await resp.read()).decode("utf-8", "replace")
+                status = resp.status
+        except TransportError as exc:
+            raise EngineError(f"GET {self.url}/metrics: {exc}") from exc
+        if status != 200:
+            raise EngineError(f"{self.url}: /metrics answered HTTP {status}")
+        return copy_bandwidth(text)
 
     async def load(self) -> EngineLoad:
         info = self._info or await self.server_info()

@@ -107,6 +107,7 @@ class Flight:
     task: asyncio.Task[Any] | None = None  # the handler serving it, cancelled by an abort
     preempt_mode: Preemption | None = None  # set by relief, a command or an admin
     offloaded: int = 0  # KV tokens an offload left in the engine's host tier, until it resumes
+    prefix_block: int = 0  # the router's key of its prompt (wire.PREFIX_BLOCK); 0: none
     first_token_mono: float = 0.0
     cancelled_mono: float = 0.0
     resumed: bool = False  # a continuation from another endpoint: accepted work

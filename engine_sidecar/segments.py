@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("weir.sidecar")
 _S = RequestState
 _TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
+_HEX16 = re.compile(r"[0-9a-f]{16}")
 _RESUMABLE = frozenset({_S.DECODING, _S.DECODE_READY})
 
 
@@ -95,6 +96,7 @@ class Segments:
             )
         try:
             deadline_s = _deadline(request.headers.get(wire.DEADLINE_MS))
+            prefix_block = _prefix_block(request.headers.get(wire.PREFIX_BLOCK))
         except RequestError as exc:
             return bad_request(exc)
         if self._service.draining:
@@ -124,7 +126,7 @@ class Segments:
         )
         flight = Flight(
             intake, record, arrived_mono=now, client_rid=client_rid, resumed=resumed,
-            reservation=reservation,
+            reservation=reservation, prefix_block=prefix_block,
         )  # fmt: skip
         flight.task = asyncio.current_task()
         self.ledger.add(flight)
@@ -374,6 +376,8 @@ class Segments:
             finally:
                 flight.offloaded = 0  # resumed or ended: its host pages are claimed no more
             self._note_admission(flight)
+            if mode is Preemption.OFFLOAD:
+                self._service.host_prefixes.loaded(flight.prefix_block)
             self.metrics.count(
                 "weir_sidecar_offloaded_tokens_total"
                 if mode is Preemption.OFFLOAD
@@ -436,6 +440,7 @@ class Segments:
         flight.preempt_mode = None
         if mode is Preemption.OFFLOAD:
             flight.offloaded = flight.record.prompt_tokens + flight.record.generated_tokens
+            self._service.host_prefixes.offloaded(flight.prefix_block, flight.offloaded)
         self.metrics.count("weir_sidecar_preemptions_total", mode)
 
     async def _end_stream(
@@ -565,6 +570,15 @@ class Segments:
         if held:
             freed_ms = (self.ledger.clock() - flight.cancelled_mono) * 1000.0
             self.metrics.observe("weir_sidecar_cancel_to_freed_ms", freed_ms)
+
+
+def _prefix_block(header: str | None) -> int:
+    """The router's key of the prompt (16 hex digits; 0: none sent)."""
+    if header is None:
+        return 0
+    if not _HEX16.fullmatch(header):
+        raise RequestError(f"{wire.PREFIX_BLOCK} must be 16 hex digits, got {header!r}")
+    return int(header, 16)
 
 
 def _deadline(header: str | None) -> float:

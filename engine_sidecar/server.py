@@ -120,12 +120,25 @@ async def _relief(service: SidecarService, link: ControlLink | None) -> None:
             await asyncio.wait_for(ledger.pressure.wait(), timeout=0.25)
         ledger.pressure.clear()
         if ledger.watermark is WatermarkState.EXHAUSTED:
+            await read_host_bandwidth(service)
             if link is None:
                 await service.relieve()
                 continue
             peers = await link.peers()
             if ledger.watermark is WatermarkState.EXHAUSTED:
                 await service.relieve(peers, link.reserve)
+
+
+async def read_host_bandwidth(service: SidecarService) -> None:
+    """Relief weighs offload by the host bandwidth the engine has measured, read as it
+    plans (rarely: only at exhaustion); the default stands while it has timed no copy,
+    or cannot say."""
+    if not service.host_tier_tokens:
+        return
+    try:
+        service.observe_host_bandwidth(await service.engine.host_bandwidth())
+    except EngineError as exc:
+        log.debug("engine host bandwidth: %s", exc)
 
 
 def _check_role(policy: PoolPolicy, info: EngineInfo, engine_url: str) -> None:

@@ -76,7 +76,7 @@ from engine_sidecar.intake import (
 )
 from engine_sidecar.ledger import Ledger, Preemption
 from engine_sidecar.metrics import SidecarMetrics
-from engine_sidecar.policy import H200_LLAMA_8B, ReliefCosts, Reservation
+from engine_sidecar.policy import H200_LLAMA_8B, HostPrefixes, ReliefCosts, Reservation
 from engine_sidecar.quota import KVQuota
 from engine_sidecar.segments import Origin, Segments
 
@@ -131,14 +131,21 @@ class SidecarService:
         self.may_recompute = in_place and PreemptionMode.RECOMPUTE in modes
         self.may_migrate = PreemptionMode.MIGRATE in modes
         # Offload is a resume in place whose pages wait in the engine's host tier: it
-        # needs one, and relief weighs it against recompute and migrate by cost.
-        self.costs = H200_LLAMA_8B
+        # needs one, and relief weighs it against recompute and migrate by cost: the
+        # engine's own figures where it says them (KV bytes a token, its page; its host
+        # bandwidth once it has timed a copy, `observe_host_bandwidth`), else an H200's.
+        self.costs = replace(
+            H200_LLAMA_8B,
+            kv_bytes_per_token=info.kv_bytes_per_token or H200_LLAMA_8B.kv_bytes_per_token,
+            page_tokens=info.page_size,
+        )
         self.host_tier_tokens = info.host_tier_tokens(self.costs.kv_bytes_per_token)
         self.may_offload = (
             in_place and PreemptionMode.OFFLOAD in modes and self.host_tier_tokens > 0
         )
         if not self.host_tier_tokens:
             self.costs = replace(self.costs, host_bytes_per_s=0.0)
+        self.host_prefixes = HostPrefixes(self.host_tier_tokens)  # published in heartbeats
         self.segments = Segments(self)
         self.actions = Actions(self, self.segments)
 
@@ -364,6 +371,12 @@ class SidecarService:
 
     def relief_costs(self) -> ReliefCosts:
         return self.actions.relief_costs()
+
+    def observe_host_bandwidth(self, bytes_per_s: float) -> None:
+        """The engine's measured device-host bandwidth replaces the default (0: it has
+        timed no copy yet)."""
+        if bytes_per_s > 0 and self.host_tier_tokens:
+            self.costs = replace(self.costs, host_bytes_per_s=bytes_per_s)
 
     async def drain(self, deadline_s: float) -> dict[str, int]:
         return await self.actions.drain(deadline_s)

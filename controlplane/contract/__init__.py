@@ -9,6 +9,7 @@ malformed input with `SchemaError`, overwriting nothing.
 
 from controlplane.contract.codec import SchemaError, decode, decode_json, encode, encode_json
 from controlplane.contract.models import (
+    MAX_HOST_PREFIXES,
     SCHEMA_VERSION,
     CacheIdentity,
     Command,
@@ -34,6 +35,7 @@ from controlplane.contract.policy import (
 )
 
 __all__ = [
+    "MAX_HOST_PREFIXES",
     "SCHEMA_VERSION",
     "AutoscalingPolicy",
     "CacheIdentity",

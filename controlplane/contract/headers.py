@@ -23,3 +23,7 @@ MIGRATABLE: Final = "x-weir-migratable"
 """`1` when the router can splice a `weir.preempted` continuation into the client's stream."""
 ENDPOINT: Final = "x-weir-endpoint"
 """Set on the router's reply: the endpoint that served the request."""
+PREFIX_BLOCK: Final = "x-weir-prefix-block"
+"""The last of the prompt's chained block hashes as the router keys it
+(`controlplane.ownership.block_hashes`), 16 hex digits: a sidecar that moves the
+request's pages to its engine's host tier publishes it (`EndpointState.host_prefixes`)."""

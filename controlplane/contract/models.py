@@ -8,6 +8,7 @@ client are informational only: liveness is decided by Redis server time (leases)
 from __future__ import annotations
 
 import enum
+from typing import Annotated
 
 import msgspec
 
@@ -82,6 +83,11 @@ class CacheIdentity(msgspec.Struct, frozen=True, kw_only=True):
         return f"{self.model}\x1f{self.adapter}\x1f{self.cache_schema}\x1f{self.security_domain}".encode()
 
 
+# Host-tier prefixes an endpoint publishes at most: each heartbeat carries them.
+MAX_HOST_PREFIXES = 32
+_HostPrefixes = Annotated[tuple[int, ...], msgspec.Meta(max_length=MAX_HOST_PREFIXES)]
+
+
 class EndpointState(msgspec.Struct, frozen=True, kw_only=True):
     """One engine's state as its sidecar reports it in every heartbeat.
 
@@ -117,6 +123,11 @@ class EndpointState(msgspec.Struct, frozen=True, kw_only=True):
     preemptions_per_s: float = 0.0
     predicted_ttft_s: float = 0.0
     predicted_tpot_s: float = 0.0
+    # The prompts whose pages this engine holds in its host tier rather than on the
+    # device (offloaded requests), each named by the last of its block hashes as routers
+    # key it, most recent first, at most MAX_HOST_PREFIXES: routers credit them as
+    # cached, below what is on the device.
+    host_prefixes: _HostPrefixes = ()
     started_at: float = 0.0
     updated_at: float = 0.0
 

@@ -204,6 +204,8 @@ class Exchanges:
         }
         if client.stream:  # the router can resume it: a sidecar may migrate it away
             headers[wire.MIGRATABLE] = "1"
+        if ex.route.block_hashes:  # what an offload publishes its host pages by
+            headers[wire.PREFIX_BLOCK] = f"{ex.route.block_hashes[-1]:016x}"
         if client.deadline_s:
             left = client.deadline_s - (self._router.clock() - ex.started)
             headers[wire.DEADLINE_MS] = str(max(1, int(left * 1000)))

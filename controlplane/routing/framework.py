@@ -27,14 +27,16 @@ if TYPE_CHECKING:
 @dataclass(slots=True)
 class Cycle:
     """One routing decision's inputs, with what every plugin would otherwise recompute:
-    the prefix holders (endpoint -> leading blocks it probably caches), the pool's mean
-    load, and the candidates' queue term, which several scorers read. Plugins only read
-    it (not frozen because a frozen dataclass costs a microsecond more to build, and one
-    is built per decision)."""
+    the prefix holders (endpoint -> leading blocks it probably caches, from the router's
+    index), the host-tier holders (endpoint -> leading blocks its engine holds in host
+    memory, as it publishes them), the pool's mean load, and the candidates' queue term,
+    which several scorers read. Plugins only read it (not frozen because a frozen
+    dataclass costs a microsecond more to build, and one is built per decision)."""
 
     request: RouteRequest
     ctx: RoutingContext
     holders: Mapping[str, int]
+    host_holders: Mapping[str, int]
     mean_load: float
     _queues: dict[int, tuple[Sequence[EndpointView], list[float]]] = field(
         default_factory=dict, repr=False, compare=False

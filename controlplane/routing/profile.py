@@ -152,13 +152,15 @@ class Profile:
         setattr_(self, "_for_resumes", relaxed)
 
     def decide(self, request: RouteRequest, ctx: RoutingContext) -> Decision:
-        holders = _NO_HOLDERS
-        if ctx.prefix_index is not None and request.block_hashes:
-            holders = ctx.prefix_index.holders(request.block_hashes)
         snapshot = ctx.snapshot
+        holders = host_holders = _NO_HOLDERS
+        if request.block_hashes:
+            if ctx.prefix_index is not None:
+                holders = ctx.prefix_index.holders(request.block_hashes)
+            host_holders = snapshot.host_holders(request.block_hashes)
         mean_load = (snapshot.total_load + ctx.inflight_total) / (len(snapshot.preferred) or 1)
-        candidates = self._candidates(request, snapshot, holders)
-        cycle = Cycle(request, ctx, holders, mean_load, {})
+        candidates = self._candidates(request, snapshot, holders, host_holders)
+        cycle = Cycle(request, ctx, holders, host_holders, mean_load, {})
 
         rejected: dict[str, int] | None = None
         for name, keep in self._filter_fns:
@@ -212,7 +214,11 @@ class Profile:
         }
 
     def _candidates(
-        self, request: RouteRequest, snapshot: PoolSnapshot, holders: Mapping[str, int]
+        self,
+        request: RouteRequest,
+        snapshot: PoolSnapshot,
+        holders: Mapping[str, int],
+        host_holders: Mapping[str, int],
     ) -> list[EndpointView]:
         exclude, owners = request.exclude, request.owners
         by_id = snapshot.by_id
@@ -231,6 +237,10 @@ class Profile:
             if endpoint_id not in seen and (view := by_id.get(endpoint_id)) is not None:
                 seen.add(endpoint_id)
                 chosen.append(view)
+        if host_holders:  # an endpoint holding the prefix in host memory is one too
+            holders = dict(holders)
+            for endpoint_id, blocks in host_holders.items():
+                holders[endpoint_id] = max(blocks, holders.get(endpoint_id, 0))
         if holders:
             # Usually one endpoint holds the prefix: nothing to rank.
             most = self.max_prefix_holders

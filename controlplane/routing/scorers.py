@@ -29,6 +29,14 @@ class PrefixAffinity:
     index and from ownership: the primary owner of the prefix key is assumed to hold the
     owner-key blocks (the secondary half of them) even before the index has seen it.
 
+    Tiers: the blocks an endpoint publishes as held in its engine's host tier (an
+    offloaded request's, `EndpointState.host_prefixes`) are credited at `host_weight` a
+    block, the rest of what it holds at 1: loading a page back over PCIe is cheaper than
+    computing it and dearer than finding it on the device. The defaults are Dynamo's KV
+    router's (`--router-kv-overlap-score-credit` 1.0 for the device,
+    `--router-host-cache-hit-weight` 0.75 for host memory), so a resumed continuation
+    goes where its pages are, and a device copy of them elsewhere still wins.
+
     Anti-hotspot: an endpoint whose queue alone is longer than `max_wait_s` gets no cache
     credit, so affinity never keeps a hot owner busy past the max wait.
 
@@ -41,17 +49,28 @@ class PrefixAffinity:
     owner_blocks: int = 4
     max_wait_s: float = 2.0
     half_at_s: float = 0.25
+    host_weight: float = 0.75
     name: str = "prefix-affinity"
 
     def __post_init__(self) -> None:
         _check_half(self.name, self.half_at_s)
         if self.block_tokens <= 0 or self.owner_blocks < 0:
             raise ValueError("prefix-affinity: block_tokens must be > 0, owner_blocks >= 0")
+        if not 0.0 <= self.host_weight <= 1.0:
+            raise ValueError(
+                f"prefix-affinity: host_weight must be in [0, 1], got {self.host_weight}"
+            )
 
     def score(self, cycle: Cycle, candidates: Sequence[EndpointView]) -> list[float]:
         request, holders, block = cycle.request, cycle.holders, self.block_tokens
         # Credit only the owners and the prefix holders: everyone else caches nothing.
         credit = {endpoint_id: blocks * block for endpoint_id, blocks in holders.items()}
+        host_weight = self.host_weight
+        for endpoint_id, host in cycle.host_holders.items():
+            # Its first `host` blocks wait in host memory; what the index adds beyond
+            # them is on the device.
+            device = max(0, holders.get(endpoint_id, 0) - host)
+            credit[endpoint_id] = round((host_weight * host + device) * block)
         owner_tokens = self.owner_blocks * block
         for endpoint_id, tokens in zip(
             request.owners, (owner_tokens, owner_tokens // 2), strict=False

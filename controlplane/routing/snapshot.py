@@ -20,6 +20,8 @@ from typing import Protocol
 from controlplane.contract import EndpointState, Lifecycle, Role
 
 _NO_INFLIGHT: Mapping[str, int] = MappingProxyType({})
+_NONE_HELD: Mapping[str, int] = MappingProxyType({})
+_NO_TIPS: Mapping[int, tuple[str, ...]] = MappingProxyType({})
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +82,9 @@ class PoolSnapshot:
     by_id: Mapping[str, EndpointView] = field(init=False, repr=False, compare=False)
     preferred: tuple[EndpointView, ...] = field(init=False, repr=False, compare=False)
     total_load: int = field(init=False, repr=False, compare=False)
+    # Host-tier prefix -> the routable endpoints that publish it (EndpointState.
+    # host_prefixes), indexed once per snapshot so a decision looks its blocks up.
+    host_tips: Mapping[int, tuple[str, ...]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(
@@ -96,6 +101,11 @@ class PoolSnapshot:
             "total_load",
             sum(e.reported_load for e in ready),
         )
+        tips: dict[int, tuple[str, ...]] = {}
+        for e in ready:
+            for tip in e.state.host_prefixes:
+                tips[tip] = (*tips.get(tip, ()), e.endpoint_id)
+        object.__setattr__(self, "host_tips", MappingProxyType(tips) if tips else _NO_TIPS)
 
     @classmethod
     def of(
@@ -112,6 +122,19 @@ class PoolSnapshot:
 
     def is_stale(self, now: float) -> bool:
         return now > self.fresh_until
+
+    def host_holders(self, block_hashes: tuple[int, ...]) -> Mapping[str, int]:
+        """Endpoint id -> how many leading blocks of the prompt it holds in its host tier:
+        the deepest of the prompt's blocks an endpoint publishes as a host prefix (chained
+        hashes: that block's prefix is all of the blocks before it)."""
+        tips = self.host_tips
+        if not tips:
+            return _NONE_HELD
+        held: dict[str, int] = {}
+        for position, block in enumerate(block_hashes, start=1):
+            for endpoint_id in tips.get(block, ()):
+                held[endpoint_id] = position
+        return held
 
 
 @dataclass(frozen=True, slots=True)

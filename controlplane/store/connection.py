@@ -44,6 +44,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import ClusterNode, ClusterPipeline, RedisCluster
+from redis.asyncio.connection import AbstractConnection
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import ExponentialWithJitterBackoff
@@ -239,7 +240,7 @@ def connect(settings: RedisSettings) -> RedisClient:
         url = settings.url
         if settings.tls and url.startswith("redis://"):
             url = "rediss://" + url.removeprefix("redis://")
-        pool = BlockingConnectionPool.from_url(url, timeout=settings.pool_timeout_s, **kwargs)
+        pool = _ClosingPool.from_url(url, timeout=settings.pool_timeout_s, **kwargs)
         return Redis.from_pool(pool)
     # Sentinel pools pick their TLS connection class from `ssl`.
     sentinel_kwargs: dict[str, Any] = {
@@ -269,7 +270,26 @@ def connect(settings: RedisSettings) -> RedisClient:
     return master
 
 
-class _BlockingSentinelPool(SentinelConnectionPool, BlockingConnectionPool):
+class _ClosingPool(BlockingConnectionPool):
+    """A blocking pool that stays closed. redis-py's pool closes only the connections it
+    holds when it closes: a command still running then (a component's background loop at
+    shutdown) loses its connection, its retry opens another, and that one came back to a
+    pool nobody would close again — its socket open until garbage collection found it.
+    Here a connection that comes back to a closed pool is closed."""
+
+    _closed = False
+
+    async def aclose(self) -> None:
+        self._closed = True
+        await super().aclose()
+
+    async def release(self, connection: AbstractConnection) -> None:
+        await super().release(connection)
+        if self._closed:
+            await connection.disconnect()
+
+
+class _BlockingSentinelPool(SentinelConnectionPool, _ClosingPool):
     """The master's pool behind Sentinel: connections to whichever master the sentinels
     name (SentinelConnectionPool), handed out as a blocking pool does: a caller waits for
     a free connection (`timeout`) rather than failing when all are in use."""
@@ -311,12 +331,19 @@ class _Cluster(RedisCluster):
     """redis-py's cluster client, with callers beyond `max_connections` waiting their
     turn (up to `pool_timeout_s`) as on a blocking pool, rather than refused at once by a
     node that has no free connection. A command holds at most one connection per node
-    at a time, so the permits also bound the connections to the node of a pool's slot."""
+    at a time, so the permits also bound the connections to the node of a pool's slot.
+    A command still running when the client closes closes, when it ends, what its retries
+    opened (redis-py would read the topology again and keep those connections)."""
 
     def __init__(self, pool_timeout_s: float, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._permits = asyncio.Semaphore(kwargs["max_connections"])
         self._pool_timeout_s = pool_timeout_s
+        self._closed = False
+
+    async def aclose(self) -> None:
+        self._closed = True
+        await super().aclose()
 
     @asynccontextmanager
     async def permit(self) -> AsyncIterator[None]:
@@ -334,6 +361,8 @@ class _Cluster(RedisCluster):
         finally:
             _HOLDS_PERMIT.reset(held)
             self._permits.release()
+            if self._closed:
+                await super().aclose()
 
     async def initialize(self, *args: Any, **kwargs: Any) -> _Cluster:
         """Read the cluster's slots. redis-py reports a cluster it cannot read (no node

@@ -14,6 +14,7 @@ from engine_sidecar.policy.admission import (
     growth_reserve,
     total_growth_reserve,
 )
+from engine_sidecar.policy.host_prefixes import HostPrefixes
 from engine_sidecar.policy.lifecycle import (
     TRANSITIONS,
     IllegalTransitionError,
@@ -71,6 +72,7 @@ __all__ = [
     "AdmissionQueue",
     "AdmissionVerdict",
     "GrowthRate",
+    "HostPrefixes",
     "IllegalTransitionError",
     "KVUsage",
     "LengthKey",

@@ -99,7 +99,7 @@ class ReliefCosts:
     """What this endpoint's relief modes cost, from the engine's roofline (seconds of
     prefill per recomputed token and per attention pair, seconds per decode step) and
     its host tier (`host_bytes_per_s` 0: none; `host_room_tokens`: the KV offloads may
-    still claim there)."""
+    still claim there; `page_tokens`: the tier copies whole pages only)."""
 
     prefill_s_per_token: float
     prefill_s_per_pair: float
@@ -108,18 +108,31 @@ class ReliefCosts:
     host_bytes_per_s: float = 0.0
     host_room_tokens: int = 0
     migrate_handoff_s: float = 0.0
+    page_tokens: int = 1
+
+    def __post_init__(self) -> None:
+        if self.kv_bytes_per_token <= 0 or self.page_tokens <= 0:
+            raise ValueError("kv_bytes_per_token and page_tokens must be positive")
 
     def recompute_s(self, tokens: int) -> float:
         """Re-prefilling `tokens` tokens of history: linear work plus attention's pairs."""
-        pairs = tokens * (tokens + 1) // 2
-        return tokens * self.prefill_s_per_token + pairs * self.prefill_s_per_pair
+        return self._prefill_s(0, tokens)
 
     def offload_s(self, tokens: int) -> float | None:
-        """Writing `tokens` tokens of KV to host memory and loading them back (None:
-        there is no host tier)."""
+        """Writing `tokens` tokens of KV to host memory as whole pages and loading them
+        back, and computing again the last partial page, which the tier does not keep
+        (None: there is no host tier)."""
         if self.host_bytes_per_s <= 0:
             return None
-        return 2.0 * tokens * self.kv_bytes_per_token / self.host_bytes_per_s
+        paged = tokens - tokens % self.page_tokens
+        copies = 2.0 * paged * self.kv_bytes_per_token / self.host_bytes_per_s
+        return copies + self._prefill_s(paged, tokens)
+
+    def _prefill_s(self, cached: int, tokens: int) -> float:
+        """Prefilling tokens `cached`..`tokens` of a history whose first `cached` are in
+        the cache: each attends to every token up to itself."""
+        pairs = tokens * (tokens + 1) // 2 - cached * (cached + 1) // 2
+        return (tokens - cached) * self.prefill_s_per_token + pairs * self.prefill_s_per_pair
 
 
 # The live sidecar's figures until an engine publishes its own: an 8B model (Llama-3.1-8B)

@@ -51,8 +51,9 @@ class EngineConfig:
     schedule_policy: Literal["fcfs", "lpm"] = "fcfs"
     disable_radix_cache: bool = False
     # SGLang's hierarchical cache: a host pool `hicache_ratio` times the device pool, or
-    # `hicache_size` GB when that is given. Only write-back is modelled (SGLang's default
-    # is write_through).
+    # `hicache_size` GB when that is given; pages copied to it on eviction (write_back)
+    # or as they are cached (write_through, SGLang's default; write_through_selective is
+    # not modelled).
     enable_hierarchical_cache: bool = False
     hicache_ratio: float = 2.0
     hicache_size: int = 0
@@ -134,8 +135,11 @@ class EngineConfig:
             problems.append("the hierarchical cache needs the radix cache")
         if self.token_backend != "hash":
             problems.append("the hierarchical cache is modelled with the hash backend only")
-        if self.hicache_write_policy != "write_back":
-            problems.append("hicache_write_policy: only write_back is modelled")
+        if self.hicache_write_policy == "write_through_selective":
+            problems.append(
+                "hicache_write_policy: write_back and write_through are modelled, "
+                "not write_through_selective"
+            )
         if not self.hicache_ratio > 0:
             problems.append("hicache_ratio must be positive")
         if self.hicache_size < 0:

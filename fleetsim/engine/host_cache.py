@@ -1,7 +1,8 @@
-"""The host tier: SGLang's hierarchical cache (HiCache) as write-back, LRU, page by page.
+"""The host tier: SGLang's hierarchical cache (HiCache), LRU, page by page.
 
-Pages the device pool evicts from its prefix cache are copied here first (write-back), and
-a later request whose history continues past its device hit onto pages held here loads
+Pages the device pool evicts from its prefix cache are copied here first (write-back), or
+were copied as they entered it (write-through; `fleetsim.engine.kv_cache`), and a later
+request whose history continues past its device hit onto pages held here loads
 them back over PCIe instead of computing them. Each host page is keyed by the whole
 history up to its end: a chained hash of (salt, previous page's key, this page's tokens),
 and it stores its tokens and its parent's key, so a lookup checks every page it credits and
@@ -77,10 +78,12 @@ class HostCache:
         return len(hits) * size
 
     def back_up(self, salt: str, ids: Sequence[int], start: int, end: int) -> bool:
-        """Copy the pages of history `ids` in [start, end) (page boundaries), making room
-        by evicting the least recently used host pages. False when they cannot all be
-        held (the pool is smaller than the run): nothing is entered and the caller drops
-        them. A copy that fails part way raises and enters nothing."""
+        """Copy the pages of history `ids` in [start, end) (page boundaries) that are not
+        held here yet (SGLang backs a node up once: under write-through its pages were
+        copied as they were written), making room by evicting the least recently used
+        host pages. False when they cannot all be held (the pool is smaller than the
+        run): nothing is entered and the caller drops them. A copy that fails part way
+        raises and enters nothing."""
         size = self.page_size
         first, last = start // size, end // size
         count = last - first
@@ -89,24 +92,24 @@ class HostCache:
         if count > self.total_pages:
             self.dropped_tokens_total += count * size
             return False
-        keys = list(page_keys(salt, ids, size, last))
-        parent = keys[first - 1] if first else hash(("hicache", salt))
-        staged: list[tuple[int, _HostPage]] = []
-        for index in range(first, last):
-            page = _HostPage(parent, self._copy(ids[index * size : (index + 1) * size]))
-            staged.append((keys[index], page))
-            parent = keys[index]
-        fresh = sum(key not in self._pages for key, _ in staged)
-        excess = len(self._pages) + fresh - self.total_pages
-        for key, _ in staged:  # already held: kept, out of eviction's way
-            if key in self._pages:
-                self._pages.move_to_end(key)
-        for _ in range(excess):  # count <= total_pages: the oldest are none of the run
-            self._pages.popitem(last=False)
-        for key, page in reversed(staged):  # the run's head is evicted last
-            self._pages[key] = page
-            self._pages.move_to_end(key)
-        self.backup_tokens_total += count * size
+        pages = self._pages
+        chain = list(page_keys(salt, ids, size, last))
+        parent, keys = chain[first - 1] if first else hash(("hicache", salt)), chain[first:]
+        fresh: dict[int, _HostPage] = {}
+        for index, key in enumerate(keys, start=first):
+            if key not in pages:
+                fresh[key] = _HostPage(parent, self._copy(ids[index * size : (index + 1) * size]))
+            parent = key
+        for key in keys:  # already held: kept, out of eviction's way
+            if key not in fresh:
+                pages.move_to_end(key)
+        for _ in range(len(pages) + len(fresh) - self.total_pages):
+            pages.popitem(last=False)  # count <= total_pages: the oldest are none of the run
+        for key in reversed(keys):  # the run's head is evicted last
+            if key in fresh:
+                pages[key] = fresh[key]
+            pages.move_to_end(key)
+        self.backup_tokens_total += len(fresh) * size
         return True
 
     def _copy(self, tokens: Sequence[int]) -> tuple[int, ...]:

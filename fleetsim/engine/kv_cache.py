@@ -15,6 +15,10 @@ or none. Each cache salt (SGLang's `cache_salt`) has its own tree.
 
 With a host tier (`fleetsim.engine.host_cache`), an evicted run is written back to it
 before its pages return to the free list; a copy that fails leaves the run cached here.
+Under write-through (SGLang's `--hicache-write-policy write_through`) pages are copied as
+they enter the cache, so an eviction finds them held and copies nothing; one the host
+tier has meanwhile let go is written back then, as under write-back (SGLang would drop
+it): a page's only copy is never freed.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ class KVCache:
         page_size: int,
         prefix_cache: bool = True,
         host: HostCache | None = None,
+        write_through: bool = False,
     ) -> None:
         if total_pages <= 0 or page_size <= 0:
             raise ValueError("the KV pool needs at least one page of at least one token")
@@ -66,6 +71,7 @@ class KVCache:
         self._roots: dict[str, CacheNode] = {}
         self._salts: dict[int, str] = {}  # id(root) -> its salt
         self.host = host
+        self.write_through = write_through and host is not None
         self.evicted_tokens_total = 0
         self._leaves: OrderedDict[CacheNode, None] = OrderedDict()  # evictable, LRU first
         self.cached_pages = 0
@@ -219,7 +225,20 @@ class KVCache:
         from the front of `private`; returns the holder's new last node (locked).
 
         A page whose content is already cached (another request computed the same prefix)
-        is freed and the holder switches to the cached one: same tokens, same KV."""
+        is freed and the holder switches to the cached one: same tokens, same KV. Under
+        write-through the run is copied to the host tier once it is cached."""
+        last = self._adopt(last, private, ids, start, end)
+        if self.write_through and end > start:
+            assert self.host is not None
+            node = last
+            while node.parent is not None:
+                node = node.parent
+            self.host.back_up(self._salts[id(node)], ids, start, end)
+        return last
+
+    def _adopt(
+        self, last: CacheNode, private: list[int], ids: Sequence[int], start: int, end: int
+    ) -> CacheNode:
         size = self.page_size
         node, pos, used = last, start, 0
         while pos < end:

@@ -190,6 +190,7 @@ class EngineModel:
             self.page_size,
             prefix_cache=not config.disable_radix_cache,
             host=self.host,
+            write_through=config.hicache_write_policy == "write_through",
         )
         self.backend: TokenBackend = backend or HashBackend(TokenFunction(config.eos_per_mille))
         self.requests: dict[str, EngineRequest] = {}

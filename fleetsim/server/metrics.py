@@ -350,6 +350,24 @@ class _HiCacheMetrics:
             "hicache_dropped_tokens", "The number of logical device KV tokens destroyed "
             "without a host backup.", [*pooled, "reason"], pool="kv", reason="host_pressure",
         )  # fmt: skip
+        # Bytes and copy time, from which a reader takes the host link's bandwidth (SGLang
+        # 0.5.23's families): each copy timed as the model's PCIe link moves it.
+        self.backup_bytes = counter(
+            "hicache_backup_bytes", "Bytes backed up from GPU to local host DRAM (L2).",
+            list(radix),
+        )  # fmt: skip
+        self.load_back_bytes = counter(
+            "load_back_bytes", "Bytes loaded back from local host DRAM (L2) to GPU.", list(radix)
+        )
+        self.backup_seconds, self.load_back_seconds = (
+            Histogram(f"sglang:{name}", doc, list(radix), registry=registry).labels(**radix)
+            for name, doc in (
+                ("hicache_backup_duration_seconds", "Time taken to back up KV cache from GPU "
+                 "to local host DRAM (L2) in seconds, per merged write op."),
+                ("load_back_duration_seconds", "GPU-stream span of a merged host-to-device "
+                 "load-back copy loop."),
+            )
+        )  # fmt: skip
         self._seen = (0, 0, 0, 0)
 
     def refresh(self) -> None:
@@ -366,4 +384,12 @@ class _HiCacheMetrics:
             (self.evicted, self.backup, self.load_back, self.dropped), now, self._seen, strict=True
         ):
             counter.inc(value - seen)
+        timing = self.model.config.timing
+        for tokens, nbytes, seconds in (
+            (now[1] - self._seen[1], self.backup_bytes, self.backup_seconds),
+            (now[2] - self._seen[2], self.load_back_bytes, self.load_back_seconds),
+        ):
+            if tokens > 0:  # the copies since the last scrape, as one merged op
+                nbytes.inc(tokens * timing.model.kv_bytes_per_token)
+                seconds.observe(timing.host_transfer_s(tokens))
         self._seen = now

@@ -58,6 +58,7 @@ from dataclasses import dataclass, field, replace
 from typing import overload
 
 from controlplane.contract import (
+    MAX_HOST_PREFIXES,
     CacheIdentity,
     EndpointState,
     FinishReason,
@@ -235,6 +236,14 @@ class Sidecar:
                 del self.offloaded[rid]
         return sum(tokens for _, tokens in self.offloaded.values())
 
+    def host_prefixes(self) -> tuple[int, ...]:
+        """What its heartbeat publishes as held in the host tier: the offloads not yet
+        loaded back, most recent first, each by its prompt's last block as routers key it
+        (`EndpointState.host_prefixes`)."""
+        self.host_held()
+        tips = (_block_hashes(f) for f, _ in reversed(self.offloaded.values()))
+        return tuple(blocks[-1] for blocks in tips if blocks)[:MAX_HOST_PREFIXES]
+
 
 def relief_costs(config: EngineConfig) -> ReliefCosts | None:
     """Relief's costs on engines of this config, from their roofline (None without a host
@@ -251,6 +260,7 @@ def relief_costs(config: EngineConfig) -> ReliefCosts | None:
         kv_bytes_per_token=model.kv_bytes_per_token,
         host_bytes_per_s=hw.host_bytes_per_s,
         host_room_tokens=config.host_total_tokens,
+        page_tokens=config.page_size,
     )
 
 
@@ -413,6 +423,7 @@ class WeirPolicy:
             waiting_prefill_tokens=waiting,
             running_requests=len(sidecar.held),
             queued_requests=len(sidecar.queue),
+            host_prefixes=sidecar.host_prefixes(),
             updated_at=now,
         )
         return state, now + LEASE_HEARTBEATS * self.staleness.heartbeat_period_s

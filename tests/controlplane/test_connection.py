@@ -25,6 +25,7 @@ from controlplane.store import (
 from tests.controlplane.cluster_topology import ClusterTopology
 from tests.controlplane.records import POOL, endpoint
 from tests.controlplane.sentinel_topology import SERVICE, SentinelTopology
+from tests.polling import until
 from weir.local.ports import free_port
 from weir.local.redis_server import RedisServer
 
@@ -302,3 +303,45 @@ async def test_the_primary_behind_sentinel_with_auth_is_reached_from_a_url() -> 
                 await refused.ping()
         finally:
             await refused.aclose()
+
+
+async def _closing_leaves_no_connection_open(
+    settings: RedisSettings, server_port: int, password: str | None = None
+) -> None:
+    """A task's command in flight while another closes the client (a component's
+    background loop at shutdown): closing drops the command's connection, its retry
+    opens a new one, and that one must close when it comes back to the closed client —
+    redis-py's pool closes only the connections it holds at the moment it closes, so the
+    socket stayed open until garbage collection found it (an unraisable
+    ResourceWarning in whatever test ran then)."""
+    client = connect(settings)
+    server = redis.Redis(port=server_port, password=password)
+
+    def named() -> list[dict[str, str]]:
+        return [c for c in server.client_list() if c["name"] == settings.client_name]
+
+    waiting = asyncio.create_task(client.blpop(["{closing}:empty"], timeout=0.5))
+    try:
+        await until(lambda: asyncio.to_thread(named), "the command's connection")
+        await client.aclose()
+        assert await waiting is None  # the retry ran to the end of its timeout
+        assert await asyncio.to_thread(named) == []
+    finally:
+        waiting.cancel()
+        server.close()
+        await client.aclose()
+
+
+async def test_a_command_still_running_when_its_client_closes_leaves_no_connection_open(
+    redis_server: RedisServer,
+) -> None:
+    settings = RedisSettings(url=redis_server.url, retries=3, client_name="weir-closing")
+    await _closing_leaves_no_connection_open(settings, redis_server.port)
+
+
+async def test_a_command_still_running_when_its_cluster_client_closes_leaves_none_open(
+    redis_cluster: ClusterTopology,
+) -> None:
+    settings = RedisSettings.from_url(redis_cluster.url, retries=3, client_name="weir-closing")
+    owner = redis_cluster.owner("{closing}:empty")
+    await _closing_leaves_no_connection_open(settings, owner.port, redis_cluster.password)

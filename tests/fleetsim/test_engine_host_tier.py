@@ -44,12 +44,14 @@ def push_out(model: EngineModel, seeds: Sequence[int]) -> None:
         run(model, f"filler-{seed}", tokens(seed, 1500), 1)
 
 
-def test_an_offloaded_request_resumes_from_host_pages_exactly() -> None:
+@pytest.mark.parametrize("policy", ["write_back", "write_through"])
+def test_an_offloaded_request_resumes_from_host_pages_exactly(policy: str) -> None:
     """Offload as a stock engine does it: abort mid-decode (its pages stay cached),
-    evicted to the host by other work, then resumed as a continuation of its history:
-    the continuation loads its history from the host instead of computing it, pays PCIe
-    time for it, and produces exactly the tokens the uninterrupted request does."""
-    model = tiered()
+    evicted to the host by other work (or copied there as they were cached), then resumed
+    as a continuation of its history: the continuation loads its history from the host
+    instead of computing it, pays PCIe time for it, and produces exactly the tokens the
+    uninterrupted request does."""
+    model = tiered(hicache_write_policy=policy)
     prompt = tokens(1, 2000)
     req = model.make_request("long", prompt, 64, ignore_eos=True)
     assert model.submit(req, 0.0)
@@ -200,11 +202,41 @@ def test_a_page_is_freed_only_after_its_host_copy_is_complete() -> None:
     assert (kv.match(ids, 6)[1], host.match("", ids, 2, 6)) == (2, 4)
 
 
-def test_churn_keeps_every_invariant_and_every_token_exact() -> None:
+def test_write_through_copies_pages_as_they_are_cached_and_eviction_copies_none() -> None:
+    """Under write-through the host holds a run as soon as the device caches it; evicting
+    it then frees the device pages without a copy, and the host still serves all of it.
+    A run the host has let go meanwhile is written back on eviction: never lost."""
+    ids, other = [1, 2, 3, 4, 5, 6], [7, 8, 9, 10]
+    host = _WatchingHost(ids)
+    kv = KVCache(4, 2, host=host, write_through=True)
+    host.kv = kv
+    cached(kv, ids)
+    assert (host.backup_tokens_total, host.match("", ids, 0, 6), kv.evicted_tokens_total) == (
+        6, 6, 0,
+    )  # fmt: skip
+    assert host.device_held == [6, 6, 6]  # copied once cached, before anything was freed
+    assert kv.evict(3) == 3
+    kv.check([])
+    assert (host.backup_tokens_total, kv.match(ids, 6)[1], host.match("", ids, 0, 6)) == (6, 0, 6)
+    # The host (8 pages) lets the first run's pages go as others come; the device's copy
+    # of a run is written back when evicted if the host no longer holds it.
+    cached(kv, other)
+    assert host.backup_tokens_total == 10
+    host.clear()
+    assert kv.evict(2) == 2
+    assert (host.backup_tokens_total, host.match("", other, 0, 4)) == (14, 4)
+    kv.check([])
+
+
+@pytest.mark.parametrize("policy", ["write_back", "write_through"])
+def test_churn_keeps_every_invariant_and_every_token_exact(policy: str) -> None:
     """Many requests over shared prefixes, a pool that must evict and a host tier that
     must evict too: the device and host pools balance after every step, the host's
     counters add up, and every request produces what it would alone."""
-    model = tiered(max_total_tokens=2048, hicache_ratio=1.5, chunked_prefill_size=256)
+    model = tiered(
+        max_total_tokens=2048, hicache_ratio=1.5, chunked_prefill_size=256,
+        hicache_write_policy=policy,
+    )  # fmt: skip
     rng = random.Random(7)
     stems = [tokens(seed, 600) for seed in range(4)]
     reqs = []
@@ -245,7 +277,7 @@ def test_host_pool_size_follows_sglangs_flags() -> None:
     ("changes", "message"),
     [
         ({"disable_radix_cache": True}, "needs the radix cache"),
-        ({"hicache_write_policy": "write_through"}, "only write_back"),
+        ({"hicache_write_policy": "write_through_selective"}, "not write_through_selective"),
         ({"hicache_ratio": 0.0}, "hicache_ratio must be positive"),
         ({"hicache_size": -1}, "hicache_size must not be negative"),
         ({"token_backend": "torch"}, "hash backend only"),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import aiohttp
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from fleetsim.server import serve_engine
@@ -59,6 +60,16 @@ async def test_a_prompt_evicted_to_the_host_tier_is_served_from_it() -> None:
     assert values["sglang:hicache_backup_tokens_total/kv"] > 0
     assert values["sglang:load_back_tokens_total/kv"] > 0
     assert values["sglang:cached_tokens_total/host"] == values["sglang:load_back_tokens_total/kv"]
+    # Bytes over copy time, each way, is the modelled PCIe link's bandwidth.
+    kv_bytes = config.timing.model.kv_bytes_per_token
+    for tokens, nbytes, seconds in (
+        ("hicache_backup_tokens_total/kv", "hicache_backup_bytes_total",
+         "hicache_backup_duration_seconds_sum"),
+        ("load_back_tokens_total/kv", "load_back_bytes_total", "load_back_duration_seconds_sum"),
+    ):  # fmt: skip
+        assert values[f"sglang:{nbytes}"] == values[f"sglang:{tokens}"] * kv_bytes
+        rate = values[f"sglang:{nbytes}"] / values[f"sglang:{seconds}"]
+        assert rate == pytest.approx(config.timing.hardware.host_bytes_per_s)
 
 
 async def test_without_the_flag_no_host_tier_family_is_served() -> None:

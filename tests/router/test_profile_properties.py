@@ -55,6 +55,8 @@ def _endpoint(rng: random.Random, index: int) -> EndpointView:
         queued_requests=rng.randint(0, 40),
         predicted_ttft_s=rng.choice((0.0, rng.uniform(0.0, 3.0))),
         predicted_tpot_s=rng.uniform(0.0, 0.1),
+        # Block ids of the requests' prompts (1..8): some held in host memory.
+        host_prefixes=tuple(rng.sample(range(1, 9), k=rng.choice((0, 0, 1, 2)))),
     )
     return EndpointView(state, rng.choice((5.0, 10.0, 1e12)))
 
@@ -115,7 +117,8 @@ def test_every_decision_is_the_weighted_sum_of_its_plugins_verdicts(
     snapshot = ctx.snapshot
     mean_load = (snapshot.total_load + ctx.inflight_total) / (len(snapshot.preferred) or 1)
     holders = ctx.prefix_index.holders(request.block_hashes) if ctx.prefix_index else {}
-    cycle = Cycle(request, ctx, holders, mean_load, {})
+    host_holders = ctx.snapshot.host_holders(request.block_hashes)
+    cycle = Cycle(request, ctx, holders, host_holders, mean_load, {})
 
     if not decision.endpoint_id:
         assert not decision.eligible

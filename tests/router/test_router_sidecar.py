@@ -7,12 +7,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from collections.abc import AsyncIterator
 
 import aiohttp
+import msgspec
 import pytest
 
-from controlplane.router import RouterConfig, TenantKeys, serve_router
-from engine_sidecar.server import SidecarConfig, serve_sidecar
+from controlplane.contract import CacheIdentity, PoolPolicy, PreemptionMode, SchedulingPolicy
+from controlplane.ownership import block_hashes
+from controlplane.router import RouterConfig, RunningRouter, TenantKeys, serve_router
+from controlplane.routing import (
+    PoolSnapshot,
+    PrefixIndex,
+    RouteRequest,
+    RoutingContext,
+    default_config,
+    profile_from_config,
+)
+from engine_sidecar.server import RunningSidecar, SidecarConfig, serve_sidecar
 from fleetsim.engine import EngineConfig
 from fleetsim.server import serve_engine
 from tests.polling import until
@@ -23,42 +35,50 @@ POOL = "sidecar-test"
 AUTH = {"Authorization": "Bearer sk-team-a"}
 
 
+async def _two_sidecars_and_a_router(
+    stack: contextlib.AsyncExitStack,
+    redis_url: str,
+    engine: EngineConfig,
+    policy: PoolPolicy | None = None,
+) -> tuple[dict[str, RunningSidecar], RunningRouter]:
+    """Sidecars s0 and s1, each in front of an engine of `engine`, and a router that
+    sees both; all closed with `stack`."""
+    sidecars = {}
+    for i in range(2):
+        running_engine = await stack.enter_async_context(serve_engine(engine))
+        sidecars[f"s{i}"] = await stack.enter_async_context(
+            serve_sidecar(
+                SidecarConfig(
+                    engine_url=running_engine.url, redis_url=redis_url, pool=POOL,
+                    endpoint_id=f"s{i}", heartbeat_s=0.2, lease_ttl_s=5.0, policy=policy,
+                )
+            )
+        )  # fmt: skip
+    running = await serve_router(
+        RouterConfig(pool=POOL, model=MODEL),
+        redis_url=redis_url,
+        keys=TenantKeys({"sk-team-a": "team-a"}),
+    )
+    stack.push_async_callback(running.close)
+    view = running.router.view
+    await until(lambda: len(view.snapshot.endpoints) == 2, "both sidecars")
+    return sidecars, running
+
+
 async def test_a_migrated_request_resumes_elsewhere_with_the_same_tokens(redis_url: str) -> None:
     async with contextlib.AsyncExitStack() as stack:
-        sidecars = {}
-        for i in range(2):
-            engine = await stack.enter_async_context(
-                serve_engine(EngineConfig(model=MODEL, max_total_tokens=200_000, speed_factor=2))
-            )
-            sidecars[f"s{i}"] = await stack.enter_async_context(
-                serve_sidecar(
-                    SidecarConfig(
-                        engine_url=engine.url, redis_url=redis_url, pool=POOL,
-                        endpoint_id=f"s{i}", heartbeat_s=0.2, lease_ttl_s=5.0,
-                    )
-                )
-            )  # fmt: skip
-        running = await serve_router(
-            RouterConfig(pool=POOL, model=MODEL),
-            redis_url=redis_url,
-            keys=TenantKeys({"sk-team-a": "team-a"}),
+        sidecars, running = await _two_sidecars_and_a_router(
+            stack, redis_url, EngineConfig(model=MODEL, max_total_tokens=200_000, speed_factor=2)
         )
-        stack.push_async_callback(running.close)
         router = running.router
-        await until(lambda: len(router.view.snapshot.endpoints) == 2, "both sidecars")
 
         body = {
             "model": MODEL, "prompt": "The weir keeper said: ", "stream": True,
             "max_tokens": 120, "ignore_eos": True,
         }  # fmt: skip
         async with aiohttp.ClientSession() as session:
-            async with session.post(sidecars["s1"].url + "/v1/completions", json=body) as reply:
-                direct = _text([ln async for ln in reply.content])
-            async with session.post(
-                running.url + "/v1/completions", json=body, headers=AUTH
-            ) as reply:
-                assert reply.status == 200
-                serving = reply.headers["x-weir-endpoint"]
+            direct = await _direct(session, sidecars["s1"], body)
+            async with _routed(session, running, body) as (reply, serving):
                 lines = []
                 async for line in reply.content:
                     lines.append(line)
@@ -82,6 +102,24 @@ async def _migrate(session: aiohttp.ClientSession, sidecar_url: str) -> None:
         sidecar_url + "/weir/v1/preempt", json={"rid": rid, "mode": "migrate"}
     ) as reply:
         assert reply.status == 200, await reply.text()
+
+
+@contextlib.asynccontextmanager
+async def _routed(
+    session: aiohttp.ClientSession, running: RunningRouter, body: dict[str, object]
+) -> AsyncIterator[tuple[aiohttp.ClientResponse, str]]:
+    """The streamed answer through the router, and the endpoint serving it."""
+    async with session.post(running.url + "/v1/completions", json=body, headers=AUTH) as reply:
+        assert reply.status == 200
+        yield reply, reply.headers["x-weir-endpoint"]
+
+
+async def _direct(
+    session: aiohttp.ClientSession, sidecar: RunningSidecar, body: dict[str, object]
+) -> str:
+    """The answer straight from a sidecar, uninterrupted: what the router's must equal."""
+    async with session.post(sidecar.url + "/v1/completions", json=body) as reply:
+        return _text([ln async for ln in reply.content])
 
 
 def _text(lines: list[bytes]) -> str:
@@ -169,3 +207,70 @@ async def test_a_prompt_no_sidecar_can_ever_fit_reaches_the_client_as_400(redis_
             for s in sidecars
         ]
         assert sum(refusals) == 2  # one sidecar asked per request, none retried
+
+
+async def test_an_offloaded_request_s_host_pages_draw_its_continuation_back(
+    redis_url: str,
+) -> None:
+    """The router keys the prompt for its sidecar; the sidecar that offloads the request
+    publishes that key as held in its engine's host tier; a router that never placed the
+    prompt (an empty prefix index: another replica's, or one restarted) then sends its
+    continuation there over an equal endpoint without the pages. The stream, resumed
+    from the host tier, ends whole with the tokens of an uninterrupted run."""
+    policy = PoolPolicy(
+        pool=POOL, model=MODEL,
+        scheduling=SchedulingPolicy(preemption_modes=(PreemptionMode.OFFLOAD,)),
+    )  # fmt: skip
+    async with contextlib.AsyncExitStack() as stack:
+        tiered = EngineConfig(
+            model=MODEL, max_total_tokens=20_000, speed_factor=2, page_size=16,
+            enable_hierarchical_cache=True,
+        )  # fmt: skip
+        sidecars, running = await _two_sidecars_and_a_router(stack, redis_url, tiered, policy)
+        view = running.router.view
+
+        prompt = "The weir keeper said: " * 20  # 440 bytes: six blocks of 64
+        hashes = tuple(block_hashes(CacheIdentity(model=MODEL), prompt.encode(), 64))
+        key = hashes[-1]
+        body = {
+            "model": MODEL, "prompt": prompt, "stream": True, "max_tokens": 120,
+            "ignore_eos": True,
+        }  # fmt: skip
+        async with aiohttp.ClientSession() as session:
+            direct = await _direct(session, sidecars["s0"], body)
+            async with _routed(session, running, body) as (reply, serving):
+                service = sidecars[serving].service
+                lines = [await reply.content.readline() for _ in range(10)]
+                service.ledger.set_admission(False)  # its continuation waits meanwhile
+                async with session.get(sidecars[serving].url + "/weir/v1/state") as state:
+                    (rid,) = (await state.json())["requests"]
+                async with session.post(
+                    sidecars[serving].url + "/weir/v1/preempt",
+                    json={"rid": rid, "mode": "offload"},
+                ) as preempted:
+                    assert preempted.status == 200, await preempted.text()
+
+                def published() -> tuple[int, ...]:
+                    return view.snapshot.by_id[serving].state.host_prefixes
+
+                await until(lambda: published() == (key,), "the host pages' key published")
+                # Against the other endpoint as it reports itself, and the same endpoint
+                # but for the pages (the held continuation's load is not the router's
+                # to weigh here).
+                (other,) = (v.state for v in view.snapshot.endpoints if v.endpoint_id != serving)
+                holder = msgspec.structs.replace(
+                    other, endpoint_id=serving, host_prefixes=published()
+                )
+                snapshot = PoolSnapshot.of(POOL, [other, holder])
+                continuation = RouteRequest(
+                    request_id="resumed", model=MODEL, prompt_tokens=len(prompt) + 10,
+                    max_new_tokens=110, block_hashes=hashes,
+                )  # fmt: skip
+                fresh = RoutingContext(snapshot, 0.0, prefix_index=PrefixIndex())
+                decision = profile_from_config(default_config()).decide(continuation, fresh)
+                assert decision.endpoint_id == serving
+                service.ledger.set_admission(True)
+                lines += [line async for line in reply.content]
+        assert _text(lines) == direct
+        assert len(direct) == 120
+        await until(lambda: published() == (), "the pages back on the device")

@@ -31,8 +31,10 @@ from controlplane.routing import (
     kv_cost_estimate,
     profile_from_config,
 )
+from controlplane.routing.cost import CostModel
 from controlplane.routing.fair_queue import UNKNOWN_TPOT_S
 from controlplane.routing.pickers import MaxScore
+from controlplane.routing.scorers import PrefixAffinity
 
 
 def _state(endpoint_id: str, **fields: object) -> EndpointState:
@@ -259,6 +261,67 @@ def test_the_prefix_index_draws_repeated_prefixes_back_to_where_they_went() -> N
     assert index.holders((1, 2)) == {}
 
 
+def _affinity(
+    states: list[EndpointState], request: RouteRequest, index: PrefixIndex, weight: float = 0.75
+) -> dict[str, float]:
+    """The prefix-affinity score of each endpoint for `request`."""
+    snapshot = PoolSnapshot.of("p", states, lease_deadline=10.0)
+    ctx = RoutingContext(snapshot, 0.0, prefix_index=index)
+    holders = index.holders(request.block_hashes)
+    cycle = Cycle(request, ctx, holders, snapshot.host_holders(request.block_hashes), 0.0, {})
+    scores = PrefixAffinity(host_weight=weight).score(cycle, snapshot.endpoints)
+    return dict(zip((v.endpoint_id for v in snapshot.endpoints), scores, strict=True))
+
+
+def test_a_host_tier_hit_is_credited_below_a_device_hit_and_above_none() -> None:
+    """Four blocks: on the device at `device`, in host memory at `host` (it publishes their
+    last block), nowhere at `none`. Credited at 0.75 a block, as Dynamo's router does."""
+    index = PrefixIndex()
+    index.record("device", (1, 2, 3, 4))
+    states = [_state("device"), _state("host", host_prefixes=(9, 4)), _state("none")]
+    request = _request(block_hashes=(1, 2, 3, 4), prompt_tokens=4 * 64)
+    scores = _affinity(states, request, index)
+    assert scores["device"] == 1.0 > scores["host"] > scores["none"]
+    # The uncached prefill the host tier leaves is a quarter of the prompt's.
+    rate = CostModel().prefill_tokens_per_s
+    assert scores["host"] == pytest.approx(0.25 / (0.25 + 64 / rate))
+    # Weighted 1, host memory counts as the device; weighted 0, as nothing.
+    assert _affinity(states, request, index, weight=1.0)["host"] == 1.0
+    assert _affinity(states, request, index, weight=0.0)["host"] == scores["none"]
+
+
+def test_an_endpoint_is_credited_by_the_deepest_block_it_holds_in_host_memory() -> None:
+    """A prompt that extends an offloaded one (its follow-up) matches up to that prompt's
+    last block; the index's device blocks beyond what went to host memory count in full."""
+    index = PrefixIndex()
+    states = [_state("a", host_prefixes=(2,)), _state("b", host_prefixes=(7,))]
+    snapshot = PoolSnapshot.of("p", states, lease_deadline=10.0)
+    assert snapshot.host_holders((1, 2, 3)) == {"a": 2}
+    assert snapshot.host_holders((5, 6)) == {}
+    index.record("a", (1, 2, 3))
+    request = _request(block_hashes=(1, 2, 3), prompt_tokens=3 * 64)
+    rate = CostModel().prefill_tokens_per_s
+    uncached = 3 * 64 - (2 * 0.75 + 1) * 64
+    assert _affinity(states, request, index)["a"] == pytest.approx(0.25 / (0.25 + uncached / rate))
+    # A draining endpoint's host pages are no route to it.
+    draining = _state("a", host_prefixes=(2,), lifecycle=Lifecycle.DRAINING)
+    assert PoolSnapshot.of("p", [draining], lease_deadline=10.0).host_holders((1, 2)) == {}
+
+
+def test_a_continuation_goes_to_the_endpoint_holding_its_pages_in_host_memory() -> None:
+    """A router that never placed the prompt (another replica did, or it restarted) sends
+    the continuation of an offloaded request where its host pages are, over equal endpoints
+    without them, and past the request-dependent window of a large pool."""
+    request = _request(block_hashes=(11, 12, 13, 14), prompt_tokens=4 * 64 + 10)
+    states = [_state(f"e{i}") for i in range(16)]
+    states[9] = _state("e9", host_prefixes=(14,))
+    assert _decide(states, request, prefix_index=PrefixIndex()).endpoint_id == "e9"
+    # Where another endpoint has the prompt on its device, that one wins.
+    index = PrefixIndex()
+    index.record("e3", (11, 12, 13, 14))
+    assert _decide(states, request, prefix_index=index).endpoint_id == "e3"
+
+
 def test_the_prefix_index_is_bounded_in_lru_order() -> None:
     index = PrefixIndex(capacity_blocks=3)
     index.record("a", (1, 2))
@@ -434,6 +497,7 @@ def test_a_tie_band_never_trades_cached_tokens_for_balance() -> None:
         ({"scorers": ["queue"], "tie_band": math.inf}, "tie_band"),
         ({"scorers": ["queue"], "tie_band": "wide"}, "tie_band"),
         ({"scorers": ["queue"], "tie_band": True}, "tie_band"),
+        ({"scorers": [{"name": "prefix-affinity", "host_weight": 1.5}]}, "host_weight"),
         ([], "must be a mapping"),
     ],
 )

@@ -34,7 +34,14 @@ async def _until(check: Callable[[], Awaitable[bool]], timeout_s: float = 10.0) 
         await asyncio.sleep(0.02)
 
 
-async def test_registers_publishes_drains_and_deregisters(
+async def test_registers_publishes_drains_and_deregisters(redis_url: str) -> None:
+    # An engine slow enough (~10 ms a token) that the stream outlasts the drain command's
+    # start on a loaded machine: at the fixture's 200x it once ended before the deadline.
+    async with serve_engine(engine_config(speed_factor=2.0)) as engine:
+        await _registers_publishes_drains_and_deregisters(engine, redis_url)
+
+
+async def _registers_publishes_drains_and_deregisters(
     engine: RunningEngine, redis_url: str
 ) -> None:
     redis = connect(RedisSettings(url=redis_url))

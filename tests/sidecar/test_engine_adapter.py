@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import msgspec
 import pytest
 
-from engine_sidecar.engine import EngineError, SGLangEngine, StreamEvent
+from engine_sidecar.engine import (
+    EngineError,
+    SGLangEngine,
+    StreamEvent,
+    copy_bandwidth,
+    pool_bytes_per_token,
+)
 from fleetsim.server import serve_engine
 from tests.sidecar.conftest import MODEL, engine_config
+
+CAPTURES = Path(__file__).parent.parent / "sglang" / "captures"
 
 
 @pytest.mark.parametrize(("version", "loads_api"), [("0.5.5", "get_load"), ("0.5.23", "v1_loads")])
@@ -77,3 +88,35 @@ async def test_the_host_tier_is_read_from_server_info(
         finally:
             await engine.close()
     assert info.host_tier_tokens(kv_bytes_per_token=131072) == tokens
+
+
+@pytest.mark.parametrize("version", ["0.5.5", "0.5.23"])
+def testpool_bytes_per_token_is_read_where_the_pool_s_size_is_precise_enough(
+    version: str,
+) -> None:
+    """SGLang reports the KV pool in GB to 3 decimals: a 1 MB pool (the captured test
+    servers') says nothing usable, a pool of GBs says its bytes a token."""
+    captured = json.loads((CAPTURES / version / "get_server_info.json").read_text())["body"]
+    assert pool_bytes_per_token(captured) == 0
+    usage = {"kvcache": 6.554, "token_capacity": 20_000}
+    assert pool_bytes_per_token({"memory_usage": usage}) == 327_700
+    assert pool_bytes_per_token({"internal_states": [{"memory_usage": usage}]}) == 327_700
+
+
+def test_the_host_bandwidth_is_each_rank_s_bytes_over_its_copy_time() -> None:
+    """SGLang 0.5.23's families: bytes moved and copy time, both directions, per rank;
+    the ranks copy their shards side by side, so their bandwidths average."""
+    rank = 'cache_type="HiRadixCache",tp_rank="{r}",pp_rank="0",dp_rank="0"'
+    lines = []
+    for r, (nbytes, seconds) in enumerate(((4e9, 0.5), (2e9, 0.25))):
+        labels = rank.format(r=r)
+        lines += [
+            f"sglang:load_back_bytes_total{{{labels}}} {nbytes / 2}",
+            f"sglang:hicache_backup_bytes_total{{{labels}}} {nbytes / 2}",
+            f"sglang:load_back_duration_seconds_sum{{{labels}}} {seconds / 2}",
+            f"sglang:load_back_duration_seconds_count{{{labels}}} 3",
+            f"sglang:hicache_backup_duration_seconds_sum{{{labels}}} {seconds / 2}",
+            f"sglang:evicted_tokens_total{{{labels}}} 99",
+        ]
+    assert copy_bandwidth("\n".join(lines) + "\n") == pytest.approx(8e9)
+    assert copy_bandwidth("sglang:num_running_reqs 3\n") == 0.0  # 0.5.5: none timed

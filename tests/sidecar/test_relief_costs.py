@@ -85,6 +85,17 @@ def test_recompute_flips_to_offload_as_the_context_grows() -> None:
     assert modes([victim("v", long)], costs) == [("v", Rung.OFFLOAD)]
 
 
+def test_the_host_tier_keeps_whole_pages_and_the_partial_one_is_computed_again() -> None:
+    """Pages of 16: of 8,010 tokens, 8,000 make the round trip and the last 10 are
+    prefilled again, each attending to all before it (what recompute's last 10 cost)."""
+    paged = dataclasses.replace(H200_8B, page_tokens=16)
+    tail = H200_8B.recompute_s(8010) - H200_8B.recompute_s(8000)
+    assert paged.offload_s(8010) == pytest.approx(H200_8B.offload_s(8000) + tail)  # type: ignore[operator]
+    assert paged.offload_s(8000) == H200_8B.offload_s(8000)
+    with pytest.raises(ValueError, match="page_tokens"):
+        dataclasses.replace(H200_8B, page_tokens=0)
+
+
 def test_without_a_host_tier_or_host_room_nothing_is_offloaded() -> None:
     assert modes([victim("v", 8000)], with_bandwidth(0.0)) == [("v", Rung.RECOMPUTE)]
     cramped = dataclasses.replace(H200_8B, host_room_tokens=7999)

@@ -35,8 +35,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="a host-memory KV tier: evicted prefix pages are kept there and loaded back")  # fmt: skip
     add("--hicache-ratio", type=float, default=2.0, help="host pool size over device pool size")
     add("--hicache-size", type=int, default=0, help="host pool GB (overrides the ratio)")
-    add("--hicache-write-policy", choices=("write_back",), default="write_back",
-        help="only write_back is modelled (SGLang's default is write_through)")  # fmt: skip
+    add("--hicache-write-policy", choices=("write_back", "write_through"), default="write_back",
+        help="copy pages to host memory on eviction or as they are cached (SGLang's default "
+        "is write_through; write_through_selective is not modelled)")  # fmt: skip
     add("--enable-mixed-chunk", action="store_true")
     add(
         "--enable-metrics",
