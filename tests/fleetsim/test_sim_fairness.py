@@ -41,7 +41,7 @@ def test_a_long_answer_tenant_and_a_short_answer_tenant_share_kv_seconds_not_tok
     more of short's tokens through. The sidecar's local queue holds two requests, so that
     what the router's fair queue lets go is what gets served (with a deep local queue
     its arrival order would decide). Charged by tokens instead (before), 'long' got over
-    four times short's KV token-seconds (Jain's index 0.73) and only 1.6x fewer tokens."""
+    four times short's KV token-seconds (Jain's index 0.73), short only 1.6x long's tokens."""
     span_s = 60.0
     specs = [
         *_requests("long", 0, 150, 256, 512, span_s),
