@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -101,6 +102,43 @@ class Result:
     count_gap: int
 
 
+@dataclass(frozen=True, slots=True)
+class Job:
+    """One scenario against one target: its label ("router", "direct"), base URL, the path
+    its report goes to, and the engines whose prefix cache is flushed before it starts (the
+    same prompts go to both targets: without a flush the second would find the first's
+    prefixes cached)."""
+
+    scenario: Scenario
+    label: str
+    url: str
+    out: Path
+    flush: tuple[str, ...]
+
+
+def jobs(
+    scenarios: list[Scenario], targets: dict[str, str], engines: list[str], workdir: Path
+) -> list[Job]:
+    """Every scenario against every target (label: base URL), in the order they run:
+    each scenario's targets one after the other."""
+    return [
+        Job(scenario, label, url, workdir / f"{scenario.name}-{label}", tuple(engines))
+        for scenario in scenarios
+        for label, url in targets.items()
+    ]
+
+
+def flush_caches(engines: tuple[str, ...]) -> None:
+    """POST each engine's `/flush_cache` (SGLang's, which the reference engine serves)."""
+    for url in engines:
+        request = urllib.request.Request(url + "/flush_cache", data=b"", method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=30) as reply:
+                reply.read()
+        except OSError as exc:  # URLError and HTTPError (400: requests still running)
+            raise ClientError(f"flushing {url}'s cache failed: {exc}") from exc
+
+
 class Client(Protocol):
     name: str
 
@@ -109,15 +147,9 @@ class Client(Protocol):
         ...
 
     def run(
-        self,
-        scenarios: list[Scenario],
-        targets: dict[str, str],
-        model: str,
-        slo: Slo,
-        workdir: Path,
+        self, todo: list[Job], model: str, slo: Slo, tokenizer: Path
     ) -> dict[tuple[str, str], Result]:
-        """Every scenario against every target (label: base URL), one at a time:
-        {(scenario, label): result}."""
+        """The jobs, one at a time: {(scenario, label): result}."""
         ...
 
 
@@ -164,25 +196,18 @@ class InferencePerf:
         return f"inference-perf {INFERENCE_PERF.version} ({INFERENCE_PERF.folder})"
 
     def run(
-        self,
-        scenarios: list[Scenario],
-        targets: dict[str, str],
-        model: str,
-        slo: Slo,
-        workdir: Path,
+        self, todo: list[Job], model: str, slo: Slo, tokenizer: Path
     ) -> dict[tuple[str, str], Result]:
-        tokenizer = write_ascii_tokenizer(workdir / "tokenizer")
         results = {}
-        for scenario in scenarios:
-            for label, url in targets.items():
-                out = workdir / f"{scenario.name}-{label}"
-                config = out / "config.yaml"
-                out.mkdir(parents=True)
-                config.write_text(json.dumps(_ip_config(scenario, url, model, slo, tokenizer, out)))
-                _run([str(INFERENCE_PERF.bin("inference-perf")), "--config_file", str(config)],
-                     f"inference-perf {scenario.name} against {url}")  # fmt: skip
-                summary = json.loads((out / "summary_lifecycle_metrics.json").read_text())
-                results[scenario.name, label] = _ip_result(summary, scenario)
+        for job in todo:
+            flush_caches(job.flush)
+            config = job.out / "config.yaml"
+            job.out.mkdir(parents=True)
+            config.write_text(json.dumps(_ip_config(job, model, slo, tokenizer)))
+            _run([str(INFERENCE_PERF.bin("inference-perf")), "--config_file", str(config)],
+                 f"inference-perf {job.scenario.name} against {job.url}")  # fmt: skip
+            summary = json.loads((job.out / "summary_lifecycle_metrics.json").read_text())
+            results[job.scenario.name, job.label] = _ip_result(summary, job.scenario)
         return results
 
 
@@ -192,9 +217,8 @@ def _distribution(bounds: tuple[int, int, int], kind: str) -> dict[str, Any]:
             "std_dev": max(1, (high - low) // 4)}  # fmt: skip
 
 
-def _ip_config(
-    scenario: Scenario, url: str, model: str, slo: Slo, tokenizer: Path, out: Path
-) -> dict[str, Any]:
+def _ip_config(job: Job, model: str, slo: Slo, tokenizer: Path) -> dict[str, Any]:
+    scenario = job.scenario
     data: dict[str, Any]
     if scenario.prefix_groups:
         data = {"type": "shared_prefix", "shared_prefix": {
@@ -211,7 +235,7 @@ def _ip_config(
     stage = {"rate": scenario.rate, "duration": max(1, round(scenario.requests / scenario.rate))}
     return {
         "api": {"type": "completion", "streaming": True},
-        "server": {"type": "vllm", "model_name": model, "base_url": url, "ignore_eos": True},
+        "server": {"type": "vllm", "model_name": model, "base_url": job.url, "ignore_eos": True},
         "tokenizer": {"pretrained_model_name_or_path": str(tokenizer)},
         "data": data,
         "load": {"type": "constant", "num_workers": 1, "stages": [stage]},
@@ -219,7 +243,7 @@ def _ip_config(
             "request_lifecycle": {"summary": True, "per_stage": False, "per_request": False},
             "goodput": {"constraints": {"ttft": slo.ttft_ms / 1e3, "tpot": slo.tpot_ms / 1e3}},
         },
-        "storage": {"local_storage": {"path": str(out)}},
+        "storage": {"local_storage": {"path": str(job.out)}},
     }
 
 
@@ -249,7 +273,8 @@ def sglang_python() -> Path:
     return cache_home() / "sglang" / SGLANG_VERSION / "venv" / "bin" / "python"
 
 
-# Run by the SGLang venv's python: `python - WORKDIR ARGV_LISTS_JSON`. One process for
+# Run by the SGLang venv's python: `python -c DRIVER RUNS_JSON`, each run a list of engine
+# URLs to flush first and bench_serving's argv. One process for
 # every run, as importing bench_serving (it imports SGLang, which imports torch) takes
 # longer than a small run. Its module-level import of Hugging Face `datasets`, which the
 # SGLang venv does not carry and the synthetic datasets used here never call, is served
@@ -258,6 +283,7 @@ _BENCH_SERVING_DRIVER = r"""
 import json
 import sys
 import types
+import urllib.request
 
 datasets = types.ModuleType("datasets")
 def load_dataset(*args, **kwargs):
@@ -267,7 +293,10 @@ sys.modules.setdefault("datasets", datasets)
 
 from sglang.benchmark import serving
 
-for argv in json.loads(sys.argv[1]):
+for flush, argv in json.loads(sys.argv[1]):
+    for url in flush:
+        request = urllib.request.Request(url + "/flush_cache", data=b"", method="POST")
+        urllib.request.urlopen(request, timeout=30).read()
     sys.argv = ["bench_serving", *argv]
     serving.cli_main()
 """
@@ -289,32 +318,22 @@ class BenchServing:
         return f"SGLang {SGLANG_VERSION}'s bench_serving ({python})"
 
     def run(
-        self,
-        scenarios: list[Scenario],
-        targets: dict[str, str],
-        model: str,
-        slo: Slo,
-        workdir: Path,
+        self, todo: list[Job], model: str, slo: Slo, tokenizer: Path
     ) -> dict[tuple[str, str], Result]:
-        tokenizer = write_ascii_tokenizer(workdir / "tokenizer")
-        runs, keys = [], []
-        for scenario in scenarios:
-            for label, url in targets.items():
-                out = workdir / f"{scenario.name}-{label}.jsonl"
-                runs.append(_bs_argv(scenario, url, model, slo, tokenizer, out))
-                keys.append((scenario, label, out))
+        for job in todo:
+            job.out.mkdir(parents=True)
+        runs = [(job.flush, _bs_argv(job, model, slo, tokenizer)) for job in todo]
         _run([str(sglang_python()), "-c", _BENCH_SERVING_DRIVER, json.dumps(runs)],
              "bench_serving")  # fmt: skip
-        return {(s.name, label): _bs_result(out, s) for s, label, out in keys}
+        return {(job.scenario.name, job.label): _bs_result(job) for job in todo}
 
 
-def _bs_argv(
-    scenario: Scenario, url: str, model: str, slo: Slo, tokenizer: Path, out: Path
-) -> list[str]:
+def _bs_argv(job: Job, model: str, slo: Slo, tokenizer: Path) -> list[str]:
+    scenario = job.scenario
     argv = [
-        "--backend", "sglang-oai", "--base-url", url, "--model", model,
+        "--backend", "sglang-oai", "--base-url", job.url, "--model", model,
         "--tokenizer", str(tokenizer), "--request-rate", str(scenario.rate), "--seed", "1",
-        "--output-file", str(out), "--disable-tqdm", "--ready-check-timeout-sec", "0",
+        "--output-file", str(job.out / "report.jsonl"), "--disable-tqdm", "--ready-check-timeout-sec", "0",
         "--warmup-requests", "0",
         "--goodput", f"ttft:{slo.ttft_ms}", f"tpot:{slo.tpot_ms}",
     ]  # fmt: skip
@@ -334,7 +353,8 @@ def _bs_argv(
             str(scenario.output_tokens[2]), "--random-range-ratio", f"{ratio:.3f}"]  # fmt: skip
 
 
-def _bs_result(out: Path, scenario: Scenario) -> Result:
+def _bs_result(job: Job) -> Result:
+    scenario, out = job.scenario, job.out / "report.jsonl"
     try:
         line = json.loads(out.read_text().splitlines()[-1])
     except (OSError, IndexError, ValueError) as exc:

@@ -7,7 +7,9 @@ its own Python 3.12 venv, built once into the user's cache) or SGLang's `bench_s
 same fleet, one after the other: through the router (router → sidecar → engine, Weir's
 whole request path) and straight to the first engine. With the default single engine both
 have the same capacity, so the difference is what Weir's path costs; with `--engines N`
-the router spreads the load over N engines and the direct column still sees one.
+the router spreads the load over N engines and the direct column still sees one. Both
+paths get the same prompts (the tools' seeds are fixed), so every engine's prefix cache is
+flushed before each run.
 
 Scenarios: a short/long mix (lognormal prompts, mostly short, some long), long outputs,
 and shared prefixes (groups of prompts behind one long system prompt). Reported per
@@ -36,6 +38,8 @@ from weir.benchmarks._live_clients import (
     Result,
     Scenario,
     Slo,
+    jobs,
+    write_ascii_tokenizer,
 )
 from weir.benchmarks._report import aligned, fmt, heading
 from weir.benchmarks._tool_venv import ToolVenvError
@@ -90,10 +94,11 @@ def run(args: argparse.Namespace) -> int:
     runs = []
     try:
         with LocalFleet(config) as fleet, tempfile.TemporaryDirectory() as scratch:
+            tokenizer = write_ascii_tokenizer(Path(scratch) / "tokenizer")
             targets = {"router": fleet.router_url, "direct": fleet.engine_urls[0]}
             for i in range(args.runs):
-                workdir = Path(scratch) / f"run-{i}"
-                runs.append(client.run(scenarios, targets, _MODEL, slo, workdir))
+                todo = jobs(scenarios, targets, fleet.engine_urls, Path(scratch) / f"run-{i}")
+                runs.append(client.run(todo, _MODEL, slo, tokenizer))
     except (ClientError, FleetError) as exc:
         print(f"weir bench live: {exc}", file=sys.stderr)
         return 1
