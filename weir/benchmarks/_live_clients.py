@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -192,6 +193,9 @@ class InferencePerf:
     name = "inference-perf"
 
     def prepare(self) -> str:
+        if not INFERENCE_PERF.ready():
+            print(f"weir bench live: installing inference-perf {INFERENCE_PERF.version} into "
+                  f"{INFERENCE_PERF.folder} (once; minutes)", file=sys.stderr, flush=True)  # fmt: skip
         INFERENCE_PERF.ensure()
         return f"inference-perf {INFERENCE_PERF.version} ({INFERENCE_PERF.folder})"
 
