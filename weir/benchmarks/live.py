@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
             "--speed-factor and the SLOs positive"
         )
     client: Client = InferencePerf() if args.client == "inference-perf" else BenchServing()
-    names = args.scenarios or list(_SCENARIOS)
+    names = list(dict.fromkeys(args.scenarios or _SCENARIOS))  # each once, in order
     scenarios = [scenario(name, args.requests, args.rate) for name in names]
     slo = Slo(args.slo_ttft_ms, args.slo_tpot_ms)
     try:
