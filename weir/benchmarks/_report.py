@@ -53,16 +53,9 @@ class Report:
         for f in self.figures:
             met = "" if f.met is None else ("yes" if f.met else "NO")
             rows.append(
-                (f.name, _fmt(f.value), "" if f.p99 is None else _fmt(f.p99), f.unit, f.goal, met)
+                (f.name, fmt(f.value), "" if f.p99 is None else fmt(f.p99), f.unit, f.goal, met)
             )
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        lines = [f"== weir bench {self.benchmark} =="]
-        if self.params:
-            lines.append("   " + " ".join(f"{k}={v}" for k, v in self.params.items()))
-        for i, row in enumerate(rows):
-            lines.append("  ".join(cell.ljust(widths[j]) for j, cell in enumerate(row)).rstrip())
-            if i == 0:
-                lines.append("  ".join("-" * w for w in widths))
+        lines = [heading(self.benchmark, self.params), *aligned(rows)]
         lines.extend(f"   note: {f.name}: {f.note}" for f in self.figures if f.note)
         return "\n".join(lines)
 
@@ -71,7 +64,23 @@ class Report:
         sys.stdout.flush()
 
 
-def _fmt(value: float) -> str:
+def heading(benchmark: str, params: dict[str, object]) -> str:
+    line = f"== weir bench {benchmark} =="
+    return line + ("\n   " + " ".join(f"{k}={v}" for k, v in params.items()) if params else "")
+
+
+def aligned(rows: Sequence[Sequence[str]]) -> list[str]:
+    """Rows as left-aligned columns, the first a header underlined with dashes."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = []
+    for i, row in enumerate(rows):
+        lines.append("  ".join(cell.ljust(widths[j]) for j, cell in enumerate(row)).rstrip())
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return lines
+
+
+def fmt(value: float) -> str:
     if value == 0 or math.isnan(value):
         return f"{value:g}"
     if abs(value) >= 1000:
