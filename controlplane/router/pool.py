@@ -24,8 +24,7 @@ from controlplane.contract import EndpointState
 from controlplane.ownership import OwnershipRing
 from controlplane.router.errors import unavailable
 from controlplane.routing import EndpointView, PoolSnapshot
-from controlplane.store import PoolFollower
-from controlplane.store import PoolSnapshot as StoreSnapshot
+from controlplane.store import PoolFollower, StoredPool
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +131,7 @@ def static_endpoints(
     ]
 
 
-def routing_endpoints(store: StoreSnapshot, now: float) -> list[EndpointView]:
+def routing_endpoints(store: StoredPool, now: float) -> list[EndpointView]:
     """The store's endpoints with their leases as local deadlines: a lease that lapses
     between two reads takes its endpoint out of routing on time, reaper or not."""
     server_now = store.server_time_ms
@@ -150,7 +149,7 @@ class RingOwners:
         self.vnodes = vnodes
         self._ring: OwnershipRing | None = None
 
-    def __call__(self, store: StoreSnapshot) -> OwnerLookup:
+    def __call__(self, store: StoredPool) -> OwnerLookup:
         membership = store.membership()
         ring = self._ring
         if ring is None or ring.membership != membership:
@@ -172,7 +171,7 @@ class StoreFeed:
         clock: Callable[[], float],
         *,
         block_s: float = 0.5,
-        owners_for: Callable[[StoreSnapshot], OwnerLookup] | None = None,
+        owners_for: Callable[[StoredPool], OwnerLookup] | None = None,
     ) -> None:
         self.follower = follower
         self.view = view

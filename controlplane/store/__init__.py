@@ -57,7 +57,7 @@ from controlplane.store.snapshot import (
     ChangeBatch,
     ChangeKind,
     FeedPosition,
-    PoolSnapshot,
+    StoredPool,
 )
 
 __all__ = [
@@ -78,13 +78,13 @@ __all__ = [
     "HeartbeatStatus",
     "PoolFollower",
     "PoolKeys",
-    "PoolSnapshot",
     "QuotaHolder",
     "QuotaStore",
     "Reaped",
     "RedisClient",
     "RedisSettings",
     "Refresh",
+    "StoredPool",
     "TenantUsage",
     "cancel_loops",
     "connect",

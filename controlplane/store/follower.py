@@ -22,7 +22,7 @@ from redis.exceptions import RedisError
 from controlplane.contract import EndpointState
 from controlplane.ownership import HotPrefixOverride, HotPrefixTable
 from controlplane.store.registry import EndpointRegistry
-from controlplane.store.snapshot import Change, ChangeKind, FeedPosition, PoolSnapshot
+from controlplane.store.snapshot import Change, ChangeKind, FeedPosition, StoredPool
 
 log = logging.getLogger(__name__)
 
@@ -54,17 +54,17 @@ class PoolFollower:
         self._server_ms = 0
         self._read_at = time.monotonic()
         self._synced = False
-        self._cached: PoolSnapshot | None = None
+        self._cached: StoredPool | None = None
 
     @property
     def position(self) -> FeedPosition:
         return self._position
 
     @property
-    def snapshot(self) -> PoolSnapshot:
+    def snapshot(self) -> StoredPool:
         """An immutable copy of the view (rebuilt only after something changed)."""
         if self._cached is None:
-            self._cached = PoolSnapshot(
+            self._cached = StoredPool(
                 pool=self.registry.pool,
                 position=self._position,
                 membership_version=self._membership_version,
@@ -101,7 +101,7 @@ class PoolFollower:
             if not batch.more:
                 return Refresh(applied, False)
 
-    async def watch(self, block_s: float = 1.0) -> AsyncGenerator[PoolSnapshot, None]:
+    async def watch(self, block_s: float = 1.0) -> AsyncGenerator[StoredPool, None]:
         """Yield the snapshot now and after every change, waiting on the feed in between.
 
         Redis errors are logged and retried after `block_s`. If Redis is unreachable at

@@ -34,7 +34,7 @@ from controlplane.store.scripts import as_text, run_batch, script, server_time_m
 from controlplane.store.snapshot import (
     ChangeBatch,
     FeedPosition,
-    PoolSnapshot,
+    StoredPool,
     endpoint_from_store,
     hot_prefix_from_store,
     parse_change,
@@ -289,7 +289,7 @@ class EndpointRegistry:
         """Redis server time on the node that holds the pool."""
         return await server_time_ms(self.redis, self.keys.counters)
 
-    async def snapshot(self) -> PoolSnapshot:
+    async def snapshot(self) -> StoredPool:
         """The whole pool, read atomically (one script), with its feed position."""
         raw_fields, last, counters, raw_hot, (sec, usec) = await _SNAPSHOT(
             self.redis,
@@ -318,7 +318,7 @@ class EndpointRegistry:
             if override is not None:
                 overrides[override.key] = override
         inc, mv, hv = counters
-        return PoolSnapshot(
+        return StoredPool(
             pool=self.pool,
             position=FeedPosition(inc.decode() if inc else "", _last_seq(last)),
             membership_version=int(mv or 0),

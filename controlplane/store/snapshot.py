@@ -77,8 +77,9 @@ class FeedPosition:
 
 
 @dataclass(frozen=True, slots=True)
-class PoolSnapshot:
-    """One pool at feed position `position`.
+class StoredPool:
+    """One pool as the store holds it, at feed position `position` (what the router builds
+    its routing `PoolSnapshot` from, and the operator its observations).
 
     `server_time_ms` is Redis server time when the snapshot was read (estimated from the
     last read for a follower's view): compare lease expiries with it, never with a local

@@ -20,9 +20,9 @@ from controlplane.contract import Lifecycle, WatermarkState
 from controlplane.store import (
     EndpointRegistry,
     PoolKeys,
-    PoolSnapshot,
     RedisClient,
     RedisSettings,
+    StoredPool,
     connect,
 )
 
@@ -85,7 +85,7 @@ class FleetObservation:
         return committed / capacity
 
 
-def observation_from_snapshot(snapshot: PoolSnapshot) -> FleetObservation:
+def observation_from_snapshot(snapshot: StoredPool) -> FleetObservation:
     return FleetObservation(
         tuple(
             EndpointView(
