@@ -32,7 +32,9 @@ class ControlPlaneUnreachableError(Exception):
 
 
 @dataclass(frozen=True, slots=True)
-class EndpointView:
+class EndpointSummary:
+    """What the operator reads of one endpoint: enough for the pool's status and scaling."""
+
     endpoint_id: str
     lifecycle: Lifecycle
     watermark: WatermarkState
@@ -49,13 +51,13 @@ class EndpointView:
 class FleetObservation:
     """One pool's endpoints as the control plane sees them at one moment."""
 
-    endpoints: tuple[EndpointView, ...] = ()
+    endpoints: tuple[EndpointSummary, ...] = ()
 
-    def by_id(self) -> dict[str, EndpointView]:
+    def by_id(self) -> dict[str, EndpointSummary]:
         return {e.endpoint_id: e for e in self.endpoints}
 
     @property
-    def leased(self) -> tuple[EndpointView, ...]:
+    def leased(self) -> tuple[EndpointSummary, ...]:
         return tuple(e for e in self.endpoints if e.lease_valid)
 
     @property
@@ -88,7 +90,7 @@ class FleetObservation:
 def observation_from_snapshot(snapshot: StoredPool) -> FleetObservation:
     return FleetObservation(
         tuple(
-            EndpointView(
+            EndpointSummary(
                 endpoint_id=eid,
                 lifecycle=state.lifecycle,
                 watermark=state.watermark,

@@ -19,7 +19,7 @@ from controlplane.contract import (
 )
 from fleet_operator.applying import merge_patch
 from fleet_operator.config import OperatorConfig
-from fleet_operator.fleet import EndpointView, FleetObservation
+from fleet_operator.fleet import EndpointSummary, FleetObservation
 from fleet_operator.rendering import (
     POLICY_HASH,
     engine_args,
@@ -56,7 +56,7 @@ SPEC: dict[str, Any] = {
 }  # fmt: skip
 
 
-def endpoint(eid: str, **kw: Any) -> EndpointView:
+def endpoint(eid: str, **kw: Any) -> EndpointSummary:
     fields: dict[str, Any] = {
         "endpoint_id": eid,
         "lifecycle": Lifecycle.READY,
@@ -70,7 +70,7 @@ def endpoint(eid: str, **kw: Any) -> EndpointView:
         "predicted_ttft_s": 0.0,
     }
     fields.update(kw)
-    return EndpointView(**fields)
+    return EndpointSummary(**fields)
 
 
 def test_spec_becomes_the_contracts_policy() -> None:
