@@ -48,7 +48,7 @@ from typing import Any
 
 from controlplane.contract import FinishReason
 from controlplane.routing import kv_cost
-from fleetsim.sim import SLO, Flight, SimResult
+from fleetsim.sim import SLO, SimFlight, SimResult
 from fleetsim.workloads import LENGTH_BUCKETS, length_bucket
 
 CLIENT_ENDINGS = frozenset({FinishReason.CANCELLED, FinishReason.DEADLINE})
@@ -73,7 +73,7 @@ def quantiles(values: Iterable[float]) -> dict[str, float]:
     }
 
 
-def meets_slo(flight: Flight, slo: SLO) -> bool:
+def meets_slo(flight: SimFlight, slo: SLO) -> bool:
     if not flight.completed:
         return False
     inp = flight.spec.input_tokens
@@ -84,7 +84,7 @@ def meets_slo(flight: Flight, slo: SLO) -> bool:
     )
 
 
-def slo_verdict(flight: Flight, slo: SLO, end_s: float) -> bool | None:
+def slo_verdict(flight: SimFlight, slo: SLO, end_s: float) -> bool | None:
     """Whether the request met its SLOs; None when its client withdrew it, or the run
     ended at `end_s`, while it was still within them."""
     if flight.completed:
@@ -102,13 +102,13 @@ def slo_verdict(flight: Flight, slo: SLO, end_s: float) -> bool | None:
     return None if on_track else False
 
 
-def is_rejected(flight: Flight) -> bool:
+def is_rejected(flight: SimFlight) -> bool:
     return flight.reason is FinishReason.OVERLOAD or (
         flight.reason is FinishReason.ERROR and not flight.accepted
     )
 
 
-def is_lost(flight: Flight) -> bool:
+def is_lost(flight: SimFlight) -> bool:
     """Ended, but neither naturally, nor by its client, nor refused with `overload`
     (which a client sees and may retry): an error or an abort. A request still running
     when the run stops is open, not lost."""
@@ -117,7 +117,7 @@ def is_lost(flight: Flight) -> bool:
     return not is_rejected(flight)
 
 
-def kv_service(flights: Iterable[Flight], end_s: float) -> dict[str, float]:
+def kv_service(flights: Iterable[SimFlight], end_s: float) -> dict[str, float]:
     """KV token-seconds delivered per tenant with demand (see the module's docstring)."""
     service: dict[str, float] = {}
     for f in flights:
@@ -214,7 +214,7 @@ def summarize(
     }
 
 
-def _by_bucket(flights: Sequence[Flight], side: str, metric: str) -> dict[str, dict[str, float]]:
+def _by_bucket(flights: Sequence[SimFlight], side: str, metric: str) -> dict[str, dict[str, float]]:
     groups: dict[str, list[float]] = defaultdict(list)
     for f in flights:
         tokens = f.spec.input_tokens if side == "input" else f.generated
@@ -225,7 +225,7 @@ def _by_bucket(flights: Sequence[Flight], side: str, metric: str) -> dict[str, d
     return {b: quantiles(groups[b]) for b in LENGTH_BUCKETS if b in groups}
 
 
-def _starvation(low: Sequence[Flight]) -> dict[str, float]:
+def _starvation(low: Sequence[SimFlight]) -> dict[str, float]:
     if not low:
         return {
             "requests": 0,

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from fleetsim.baselines import LeastOutstanding, LlmdWeighted, RoundRobin, SGLangCacheAware
 from fleetsim.sim.baseline import BaselinePolicy
 from fleetsim.sim.config import LLAMA_70B_FP8, SLO, FleetConfig, Staleness, default_pool_policy
-from fleetsim.sim.flight import Flight, Stage
+from fleetsim.sim.flight import SimFlight, Stage
 from fleetsim.sim.loop import FleetPolicy, KVSample, SimResult, Simulation, engine_config_for
 from fleetsim.sim.oracle import OraclePolicy
 from fleetsim.sim.weir import WeirPolicy
@@ -45,9 +45,9 @@ __all__ = [
     "BaselinePolicy",
     "FleetConfig",
     "FleetPolicy",
-    "Flight",
     "KVSample",
     "OraclePolicy",
+    "SimFlight",
     "SimResult",
     "Simulation",
     "Stage",

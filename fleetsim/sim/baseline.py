@@ -23,7 +23,7 @@ from fleetsim.baselines import BaselineRouter, NoHealthyWorkerError, WorkerView
 from fleetsim.baselines.reservation import MaxTokensReservation
 from fleetsim.engine import EngineConfig
 from fleetsim.sim.config import FleetConfig
-from fleetsim.sim.flight import Flight
+from fleetsim.sim.flight import SimFlight
 from fleetsim.sim.loop import Simulation
 
 
@@ -39,7 +39,7 @@ class BaselinePolicy:
         self._outstanding: list[int] = []
         self._scraped: list[tuple[int, float]] = []
         self._scraped_at = 0.0
-        self._ledgers: list[MaxTokensReservation[Flight]] = []
+        self._ledgers: list[MaxTokensReservation[SimFlight]] = []
         self._assigned: dict[str, int] = {}
 
     @property
@@ -80,15 +80,15 @@ class BaselinePolicy:
             if e.role is role
         ]
 
-    def arrive(self, flight: Flight, now: float) -> None:
+    def arrive(self, flight: SimFlight, now: float) -> None:
         role = Role.PREFILL if self.sim.config.disaggregated else Role.MIXED
         self._dispatch(flight, now, self.router, role)
 
-    def handoff(self, flight: Flight, prefill_engine: int, now: float) -> None:
+    def handoff(self, flight: SimFlight, prefill_engine: int, now: float) -> None:
         self._leave(flight, now)
         self._dispatch(flight, now, self.decode_router, Role.DECODE)
 
-    def _dispatch(self, flight: Flight, now: float, router: BaselineRouter, role: Role) -> None:
+    def _dispatch(self, flight: SimFlight, now: float, router: BaselineRouter, role: Role) -> None:
         sim = self.sim
         try:
             engine = router.route(flight.spec, self._views(role), now)
@@ -111,7 +111,7 @@ class BaselinePolicy:
         ledger.offer(flight, cost)
         ledger.admit(lambda f: self._send(f, engine, now))
 
-    def _send(self, flight: Flight, engine: int, now: float) -> bool:
+    def _send(self, flight: SimFlight, engine: int, now: float) -> bool:
         if flight.done:
             return False
         return self.sim.submit(flight, engine, now)
@@ -123,10 +123,10 @@ class BaselinePolicy:
     def after_step(self, engine: int, now: float) -> None:
         return None
 
-    def ended(self, flight: Flight, now: float) -> None:
+    def ended(self, flight: SimFlight, now: float) -> None:
         self._leave(flight, now)
 
-    def _leave(self, flight: Flight, now: float) -> None:
+    def _leave(self, flight: SimFlight, now: float) -> None:
         """The flight is done with the engine it was assigned to."""
         engine = self._assigned.pop(flight.rid, -1)
         if engine < 0:
@@ -138,7 +138,7 @@ class BaselinePolicy:
             if self.sim.engines[engine].alive:
                 ledger.admit(lambda f: self._send(f, engine, now))
 
-    def engine_failed(self, engine: int, flights: list[Flight], now: float) -> None:
+    def engine_failed(self, engine: int, flights: list[SimFlight], now: float) -> None:
         self.router.forget(engine)
         if self.decode_router is not self.router:
             self.decode_router.forget(engine)

@@ -1,6 +1,6 @@
 """One request's life in the simulator, across every engine it visits.
 
-A `Flight` is the simulator's ledger for a request: when it arrived, was dispatched,
+A `SimFlight` is the simulator's ledger for a request: when it arrived, was dispatched,
 first streamed, finished and why; what it generated (kept across preemptions, so a
 continuation resumes exactly where the stream stopped); and what capacity actions it
 suffered. Reports are computed from flights alone.
@@ -23,7 +23,7 @@ class Stage(enum.StrEnum):
 
 
 @dataclass(slots=True, eq=False)
-class Flight:
+class SimFlight:
     spec: RequestSpec
     stage: Stage = Stage.NEW
     engine: int = -1

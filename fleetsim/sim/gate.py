@@ -20,7 +20,7 @@ from controlplane.contract import PoolPolicy
 from controlplane.contract.credit_rules import CreditLedger, credit_refusal
 from controlplane.contract.quota_rules import QuotaLedger, quota_refusal
 from controlplane.routing import Refusal
-from fleetsim.sim.flight import Flight
+from fleetsim.sim.flight import SimFlight
 
 HOLDER = "router-sim"
 # The router's defaults: the quota holder's lease (renewed at a third of it) and a
@@ -57,7 +57,7 @@ class RouterGate:
         if self.credits is not None:
             self.credits.set_budget(DECODE_CLASS, kv_bytes, largest_bytes)
 
-    def admit(self, flight: Flight, now: float) -> Refusal | None:
+    def admit(self, flight: SimFlight, now: float) -> Refusal | None:
         """Charge the quota, then take the handoff credit; None when both granted."""
         spec, now_ms = flight.spec, _ms(now)
         if self.quotas is not None:
@@ -89,12 +89,12 @@ class RouterGate:
                 return Refusal(*credit_refusal(credit.reason, wait_s))
         return None
 
-    def handed_off(self, flight: Flight, now: float) -> None:
+    def handed_off(self, flight: SimFlight, now: float) -> None:
         """The decode side consumes the credit when the handoff arrives."""
         if self.credits is not None:
             self.credits.consume(flight.rid, _ms(now))
 
-    def release(self, flight: Flight, now: float, *, unused: bool = False) -> None:
+    def release(self, flight: SimFlight, now: float, *, unused: bool = False) -> None:
         """Return the quota charge with what the request used (nothing, if `unused`)."""
         if self.quotas is None or flight.rid not in self._charged:
             return

@@ -29,7 +29,7 @@ from typing import Protocol
 from controlplane.contract import FinishReason, Role
 from fleetsim.engine import EngineConfig, EngineModel, EngineRequest, RequestError
 from fleetsim.sim.config import FleetConfig
-from fleetsim.sim.flight import Flight, Stage
+from fleetsim.sim.flight import SimFlight, Stage
 from fleetsim.workloads import RequestSpec, prompt_token_ids
 from fleetsim.workloads.scenarios import EngineFailure
 
@@ -45,7 +45,7 @@ class FleetPolicy(Protocol):
     def start(self, sim: Simulation) -> None:
         """Called once before the first event (schedule periodic work here)."""
 
-    def arrive(self, flight: Flight, now: float) -> None:
+    def arrive(self, flight: SimFlight, now: float) -> None:
         """A client request arrived: dispatch, queue or refuse it."""
 
     def before_step(self, engine: int, now: float) -> None:
@@ -54,13 +54,13 @@ class FleetPolicy(Protocol):
     def after_step(self, engine: int, now: float) -> None:
         """An iteration's tokens were applied: watch pressure, relieve it."""
 
-    def ended(self, flight: Flight, now: float) -> None:
+    def ended(self, flight: SimFlight, now: float) -> None:
         """A flight ended for any reason (the policy drops its bookkeeping)."""
 
-    def engine_failed(self, engine: int, flights: list[Flight], now: float) -> None:
+    def engine_failed(self, engine: int, flights: list[SimFlight], now: float) -> None:
         """The engine died with these flights on it."""
 
-    def handoff(self, flight: Flight, prefill_engine: int, now: float) -> None:
+    def handoff(self, flight: SimFlight, prefill_engine: int, now: float) -> None:
         """P/D: the flight's prompt KV has reached the decode side (`flight.kv_ready`
         tokens of it); place it on a decode engine."""
 
@@ -75,7 +75,7 @@ class EngineSlot:
     pending: list[EngineRequest] = field(default_factory=list)
     pending_finished: list[EngineRequest] = field(default_factory=list)
     pending_retracted: list[EngineRequest] = field(default_factory=list)
-    flights: dict[str, Flight] = field(default_factory=dict)
+    flights: dict[str, SimFlight] = field(default_factory=dict)
     exhaustion_events: int = 0
     high_water_s: float = 0.0
     busy_s: float = 0.0
@@ -104,7 +104,7 @@ class KVSample:
 @dataclass(slots=True)
 class SimResult:
     policy: str
-    flights: list[Flight]
+    flights: list[SimFlight]
     engines: int
     duration_s: float
     end_s: float
@@ -127,7 +127,7 @@ class Simulation:
     ) -> None:
         self.config = config or FleetConfig()
         self.policy = policy
-        self.flights = [Flight(spec) for spec in specs]
+        self.flights = [SimFlight(spec) for spec in specs]
         self.engine_config = policy.tune(
             engine_config or engine_config_for(self.config), self.config
         )
@@ -207,7 +207,7 @@ class Simulation:
     def alive(self) -> list[EngineSlot]:
         return [e for e in self.engines if e.alive]
 
-    def submit(self, flight: Flight, engine: int, now: float, priority: int = 0) -> bool:
+    def submit(self, flight: SimFlight, engine: int, now: float, priority: int = 0) -> bool:
         """Send a flight (or its continuation) to an engine. False, with the flight ended
         as `error`, when the engine refuses it outright (too long for its context).
 
@@ -247,7 +247,7 @@ class Simulation:
         self._wake(slot, now)
         return True
 
-    def withdraw(self, flight: Flight, now: float) -> None:
+    def withdraw(self, flight: SimFlight, now: float) -> None:
         """Take a flight off its engine (preemption, cancellation): its KV is freed at once
         and what it generated stays with the flight for a continuation."""
         if flight.stage is not Stage.ENGINE:
@@ -260,7 +260,7 @@ class Simulation:
             self._wake(slot, now)
         flight.leave_engine()
 
-    def end(self, flight: Flight, reason: FinishReason, now: float, detail: str = "") -> None:
+    def end(self, flight: SimFlight, reason: FinishReason, now: float, detail: str = "") -> None:
         if flight.done:
             return
         self.withdraw(flight, now)
@@ -273,7 +273,7 @@ class Simulation:
         self.policy.ended(flight, now)
 
     # -- events --------------------------------------------------------------------------
-    def _arrive(self, flight: Flight) -> None:
+    def _arrive(self, flight: SimFlight) -> None:
         spec, now = flight.spec, self.now
         if spec.cancel_after_s > 0:
             self.at(
@@ -283,7 +283,7 @@ class Simulation:
             self.at(now + spec.deadline_s, lambda: self._client_gone(flight, FinishReason.DEADLINE))
         self.policy.arrive(flight, now)
 
-    def _client_gone(self, flight: Flight, reason: FinishReason) -> None:
+    def _client_gone(self, flight: SimFlight, reason: FinishReason) -> None:
         if not flight.done:
             self.end(flight, reason, self.now, "client")
 
@@ -377,7 +377,7 @@ class Simulation:
         slot.pending_finished = []
         slot.pending_retracted = []
 
-    def _transfer(self, slot: EngineSlot, flight: Flight, now: float) -> None:
+    def _transfer(self, slot: EngineSlot, flight: SimFlight, now: float) -> None:
         """The prefill engine streamed the first token: its request is over there (the
         engine finishes it at its one-token limit) and the prompt's KV starts moving."""
         slot.flights.pop(flight.engine_rid, None)

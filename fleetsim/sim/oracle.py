@@ -26,7 +26,7 @@ from dataclasses import replace
 
 from controlplane.contract import PoolPolicy
 from fleetsim.sim.config import Staleness
-from fleetsim.sim.flight import Flight
+from fleetsim.sim.flight import SimFlight
 from fleetsim.sim.loop import Simulation
 from fleetsim.sim.weir import Sidecar, WeirPolicy
 
@@ -84,11 +84,11 @@ class OraclePolicy(WeirPolicy):
             sidecar.account()
             self._heartbeat(sidecar, now)
 
-    def _offer(self, sidecar: Sidecar, flight: Flight, now: float) -> None:
+    def _offer(self, sidecar: Sidecar, flight: SimFlight, now: float) -> None:
         super()._offer(sidecar, flight, now)
         self._heartbeat(sidecar, now)
 
-    def ended(self, flight: Flight, now: float) -> None:
+    def ended(self, flight: SimFlight, now: float) -> None:
         index = self._where.get(flight.rid, -1)
         super().ended(flight, now)
         if index >= 0:

@@ -112,7 +112,7 @@ from engine_sidecar.policy import (
 )
 from fleetsim.engine import EngineConfig
 from fleetsim.sim.config import MODEL, FleetConfig, Staleness
-from fleetsim.sim.flight import Flight, Stage
+from fleetsim.sim.flight import SimFlight, Stage
 from fleetsim.sim.gate import HOLDER_TTL_MS, RouterGate
 from fleetsim.sim.loop import Simulation
 from fleetsim.workloads import BLOCK_TOKENS, prompt_token_ids
@@ -135,7 +135,7 @@ HOLDER_RENEW_S = HOLDER_TTL_MS / 3000
 class _Held:
     """What the sidecar knows about one request it admitted into its engine."""
 
-    flight: Flight
+    flight: SimFlight
     prompt_tokens: int
     generated_at_admission: int
 
@@ -154,7 +154,7 @@ class Sidecar:
     # (smoothed over finished requests, published as `predicted_tpot_s`); the simulator
     # keeps its own KV account below, on the virtual clock.
     ledger: Ledger = field(init=False)
-    queue: AdmissionQueue[Flight] = field(init=False)
+    queue: AdmissionQueue[SimFlight] = field(init=False)
     held: dict[str, _Held] = field(default_factory=dict)
     watermark: WatermarkState = WatermarkState.NORMAL
     admission_paused: bool = False
@@ -163,7 +163,7 @@ class Sidecar:
     accounted_at: float = -1e9
     version: int = 0
     # Offloaded victims not yet back in the engine, with the KV each left in its host tier.
-    offloaded: dict[str, tuple[Flight, int]] = field(default_factory=dict)
+    offloaded: dict[str, tuple[SimFlight, int]] = field(default_factory=dict)
     # Room held for continuations migrating here, as the live ledger holds it.
     reservations: Reservations = field(init=False)
 
@@ -177,7 +177,7 @@ class Sidecar:
     def predictor(self) -> OutputLengthPredictor:
         return self.ledger.predictor
 
-    def predicted_total(self, flight: Flight) -> int:
+    def predicted_total(self, flight: SimFlight) -> int:
         spec = flight.spec
         if self.told_lengths:
             return spec.generated_tokens
@@ -190,7 +190,7 @@ class Sidecar:
             spec.max_tokens,
         )
 
-    def outlook(self, flight: Flight) -> SequenceOutlook:
+    def outlook(self, flight: SimFlight) -> SequenceOutlook:
         return SequenceOutlook(
             flight.generated, flight.spec.max_tokens, self.predicted_total(flight)
         )
@@ -279,7 +279,7 @@ class WeirPolicy:
         # One router per pool: a P/D fleet is a prefill pool and a decode pool, each with
         # its own snapshot, ownership ring and dispatch core (a colocated fleet has one,
         # MIXED).
-        self.routers: dict[Role, Dispatcher[Flight]] = {}
+        self.routers: dict[Role, Dispatcher[SimFlight]] = {}
         self.rings: dict[Role, OwnershipRing] = {}
         self._snapshots: dict[Role, PoolSnapshot] = {}
         # Each endpoint as the routers last heard from it (its state and lease), by
@@ -288,7 +288,7 @@ class WeirPolicy:
         self._where: dict[str, int] = {}  # the sidecar a request is at
         # The routers' decisions, delivered in the order they were made even when acting
         # on one (an engine that refuses, a flight that ends) makes more.
-        self._outbox: deque[tuple[Role, Event[Flight]]] = deque()
+        self._outbox: deque[tuple[Role, Event[SimFlight]]] = deque()
         self._delivering = False
         self._wakeups: dict[Role, float] = {}  # each router's earliest timer set
         self._gate: RouterGate | None = None
@@ -457,7 +457,7 @@ class WeirPolicy:
         return snapshot
 
     # -- the routers ----------------------------------------------------------------------
-    def arrive(self, flight: Flight, now: float) -> None:
+    def arrive(self, flight: SimFlight, now: float) -> None:
         refusal = self.gate.admit(flight, now)
         if refusal is not None:
             self._refused(flight, refusal, now)
@@ -468,7 +468,7 @@ class WeirPolicy:
         self._deliver(role, router.arrive(route, flight, now, self._snapshot(now, role)))
         self._mark_waiting(role, flight, now)
 
-    def _hand_back(self, flight: Flight, now: float, *, broken: bool) -> None:
+    def _hand_back(self, flight: SimFlight, now: float, *, broken: bool) -> None:
         """A continuation (a migration, or a failover when `broken`): its router resumes
         it elsewhere, at the migration's target first."""
         role = self._role(flight)
@@ -479,12 +479,12 @@ class WeirPolicy:
         self._deliver(role, events)
         self._mark_waiting(role, flight, now)
 
-    def _mark_waiting(self, role: Role, flight: Flight, now: float) -> None:
+    def _mark_waiting(self, role: Role, flight: SimFlight, now: float) -> None:
         if self.routers[role].waiting(flight.rid):
             flight.accepted = True
             flight.enqueue(now)
 
-    def _deliver(self, role: Role, events: list[Event[Flight]]) -> None:
+    def _deliver(self, role: Role, events: list[Event[SimFlight]]) -> None:
         """Act on a router's decisions: a placement goes to the endpoint's sidecar (unless
         its engine is dead: the connection is refused, and the router told so); a
         refusal reaches the client, or loses a continuation nobody could take."""
@@ -506,7 +506,7 @@ class WeirPolicy:
             self._delivering = False
         self._arm_wakeups()
 
-    def _placed(self, role: Role, flight: Flight, placed: Placed[Flight]) -> None:
+    def _placed(self, role: Role, flight: SimFlight, placed: Placed[SimFlight]) -> None:
         now = self.sim.now
         endpoint_id = placed.endpoint_id
         index = int(endpoint_id.rsplit("-", 1)[1])
@@ -534,7 +534,7 @@ class WeirPolicy:
         now = self.sim.now
         self._deliver(role, self.routers[role].pump(now, self._snapshot(now, role)))
 
-    def _refused(self, flight: Flight, refusal: Refusal, now: float) -> None:
+    def _refused(self, flight: SimFlight, refusal: Refusal, now: float) -> None:
         """The router's answer reaches the client: a patient one (its own maximum wait)
         sends the request again after Retry-After while that wait lasts. A continuation
         no endpoint took in time is lost."""
@@ -552,18 +552,18 @@ class WeirPolicy:
             ending = FinishReason.DEADLINE
         self.sim.end(flight, ending, now, f"router: {refusal.status} {refusal.reason}")
 
-    def _retry(self, flight: Flight) -> None:
+    def _retry(self, flight: SimFlight) -> None:
         if not flight.done:
             self.arrive(flight, self.sim.now)
 
-    def _role(self, flight: Flight) -> Role:
+    def _role(self, flight: SimFlight) -> Role:
         """Where the flight goes next: a fresh request prefills on a P/D fleet's prefill
         side; a handed-off one, or a continuation, goes to the decode side."""
         if not self.sim.config.disaggregated:
             return Role.MIXED
         return Role.DECODE if flight.kv_ready or flight.generated else Role.PREFILL
 
-    def _route_request(self, flight: Flight, role: Role, now: float) -> RouteRequest:
+    def _route_request(self, flight: SimFlight, role: Role, now: float) -> RouteRequest:
         """The request as the router's prepare step would see it arriving now (a patient
         client's retry arrives anew): its prompt, output limit, deadline left, blocks and
         owners on the pool's current ring."""
@@ -584,7 +584,7 @@ class WeirPolicy:
             owners=self._owners(flight, role),
         )
 
-    def _owners(self, flight: Flight, role: Role) -> tuple[str, ...]:
+    def _owners(self, flight: SimFlight, role: Role) -> tuple[str, ...]:
         """Primary and secondary owner of the prompt's prefix key on the current ring of
         the pool, keyed from the prompt's first tokens exactly as the router keys it."""
         routing = self._policy().routing
@@ -607,7 +607,7 @@ class WeirPolicy:
             ]
             self.rings[role] = OwnershipRing(Membership.of(ring.version + 1, live), ring.vnodes)
 
-    def _patience_left(self, flight: Flight, now: float) -> float:
+    def _patience_left(self, flight: SimFlight, now: float) -> float:
         """How long a new request may wait in a sidecar's queue: until its client's
         patience (`max_wait_s`), else the pool's local-queue wait, counted from its
         arrival at the router — the simulated queue stands in for the live sidecar's
@@ -617,7 +617,7 @@ class WeirPolicy:
         return spec.arrival_s + wait - now
 
     # -- the sidecars ----------------------------------------------------------------------
-    def _offer(self, sidecar: Sidecar, flight: Flight, now: float) -> None:
+    def _offer(self, sidecar: Sidecar, flight: SimFlight, now: float) -> None:
         """A request reaches the sidecar: taken into room held for it at once, else queued
         by the live ledger's rule (`queued_request`; one preempted here ages from now,
         where the live ledger ages it from its first arrival) and admitted as the queue
@@ -648,7 +648,7 @@ class WeirPolicy:
         self._admit(sidecar, now)
 
     def _decision(
-        self, sidecar: Sidecar, flight: Flight, prompt_tokens: int, *, held: bool = False
+        self, sidecar: Sidecar, flight: SimFlight, prompt_tokens: int, *, held: bool = False
     ) -> AdmissionDecision:
         return decide_admission(
             sidecar.outlook(flight), prompt_tokens, sidecar.pool(), self._policy().kv, held=held
@@ -664,7 +664,7 @@ class WeirPolicy:
             self._wait_over(flight, now)
         decisions: dict[str, AdmissionDecision] = {}
 
-        def decide(queued: QueuedRequest, flight: Flight) -> AdmissionVerdict:
+        def decide(queued: QueuedRequest, flight: SimFlight) -> AdmissionVerdict:
             decision = self._decision(sidecar, flight, queued.prompt_tokens)
             decisions[queued.rid] = decision
             return decision.verdict
@@ -680,7 +680,7 @@ class WeirPolicy:
                 continue
             self._enter(sidecar, flight, queued.prompt_tokens, queued.priority, decision, now)
 
-    def _wait_over(self, flight: Flight, now: float) -> None:
+    def _wait_over(self, flight: SimFlight, now: float) -> None:
         """A request waited in a sidecar's queue as long as it may. A new one is refused
         (its client's patience is spent). A resume is accepted work and goes back to its
         router, as the live sidecar answers it: one preempted here is handed back, one
@@ -699,7 +699,7 @@ class WeirPolicy:
     def _enter(
         self,
         sidecar: Sidecar,
-        flight: Flight,
+        flight: SimFlight,
         prompt_tokens: int,
         priority: int,
         decision: AdmissionDecision,
@@ -745,7 +745,7 @@ class WeirPolicy:
                 return target, granted.reservation_id
         return None
 
-    def _consume(self, sidecar: Sidecar, flight: Flight, now: float) -> bool:
+    def _consume(self, sidecar: Sidecar, flight: SimFlight, now: float) -> bool:
         """Whether room was held here for the flight (now released to its admission)."""
         target, reservation = flight.target, flight.reservation
         flight.target = flight.reservation = ""
@@ -871,12 +871,12 @@ class WeirPolicy:
             )
         return candidates
 
-    def _release(self, sidecar: Sidecar, flight: Flight) -> None:
+    def _release(self, sidecar: Sidecar, flight: SimFlight) -> None:
         sidecar.held.pop(flight.rid, None)
         self._where.pop(flight.rid, None)
 
     # -- endings and failures -------------------------------------------------------------
-    def ended(self, flight: Flight, now: float) -> None:
+    def ended(self, flight: SimFlight, now: float) -> None:
         self.gate.release(flight, now)
         self._in_place.discard(flight.rid)
         for role, router in self.routers.items():
@@ -894,7 +894,7 @@ class WeirPolicy:
         if self.sim.engines[index].alive:
             sidecar.account()
 
-    def handoff(self, flight: Flight, prefill_engine: int, now: float) -> None:
+    def handoff(self, flight: SimFlight, prefill_engine: int, now: float) -> None:
         """The prompt's KV reached the decode side: the prefill sidecar lets go of it, the
         credit is consumed, and the decode is routed like a continuation."""
         sidecar = self.sidecars[prefill_engine]
@@ -919,7 +919,7 @@ class WeirPolicy:
         self._deliver(decode, events)
         self._mark_waiting(decode, flight, now)
 
-    def engine_failed(self, engine: int, flights: list[Flight], now: float) -> None:
+    def engine_failed(self, engine: int, flights: list[SimFlight], now: float) -> None:
         sidecar = self.sidecars[engine]
         lease = LEASE_HEARTBEATS * self.staleness.heartbeat_period_s
         self.sim.at(now + lease, lambda: self._membership_changed(self.sim.now))
@@ -960,7 +960,7 @@ class _OnDemand(Sequence[VictimCandidate]):
         return iter(self._all())
 
 
-def _block_hashes(flight: Flight) -> tuple[int, ...]:
+def _block_hashes(flight: SimFlight) -> tuple[int, ...]:
     """The prompt's full blocks (the workloads' block ids are its chained hashes)."""
     spec = flight.spec
     return spec.block_ids[: spec.input_tokens // BLOCK_TOKENS]

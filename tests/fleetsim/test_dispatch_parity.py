@@ -45,7 +45,7 @@ from controlplane.routing import (
 )
 from controlplane.stream import Splicer
 from fleetsim.sim.config import MODEL, FleetConfig
-from fleetsim.sim.flight import Flight, Stage
+from fleetsim.sim.flight import SimFlight, Stage
 from fleetsim.sim.gate import RouterGate
 from fleetsim.sim.weir import Sidecar, WeirPolicy
 from fleetsim.workloads import RequestSpec
@@ -157,14 +157,14 @@ def _state(event: Report, version: int) -> EndpointState:
     )  # fmt: skip
 
 
-def _flight(event: Arrive) -> Flight:
+def _flight(event: Arrive) -> SimFlight:
     spec = RequestSpec(
         request_id=event.rid, arrival_s=event.at, tenant=event.tenant, priority=event.priority,
         input_tokens=event.prompt, output_tokens=100, max_tokens=100,
         block_ids=(sum(map(ord, event.rid)),),  # its own prefix, its own owners
         deadline_s=event.deadline_s,
     )  # fmt: skip
-    return Flight(spec)
+    return SimFlight(spec)
 
 
 Decisions = list[tuple[float, str, str]]  # (when, request, endpoint or refusal reason)
@@ -192,7 +192,7 @@ class _Sim:
             action()
         self.now = until
 
-    def end(self, flight: Flight, reason: FinishReason, now: float, detail: str = "") -> None:
+    def end(self, flight: SimFlight, reason: FinishReason, now: float, detail: str = "") -> None:
         flight.stage, flight.reason = Stage.DONE, reason
         self.policy.ended(flight, now)
 
@@ -206,21 +206,21 @@ class _Recorded(WeirPolicy):
         self.decisions: Decisions = []
         self.routes: dict[str, RouteRequest] = {}
 
-    def _route_request(self, flight: Flight, role: Role, now: float) -> RouteRequest:
+    def _route_request(self, flight: SimFlight, role: Role, now: float) -> RouteRequest:
         route = self.routes[flight.rid] = super()._route_request(flight, role, now)
         return route
 
-    def _offer(self, sidecar: Sidecar, flight: Flight, now: float) -> None:
+    def _offer(self, sidecar: Sidecar, flight: SimFlight, now: float) -> None:
         self.decisions.append((now, flight.rid, sidecar.endpoint_id))
         flight.target = ""  # the sidecar would take (or ignore) the room held for it
 
-    def _placed(self, role: Role, flight: Flight, placed: Placed[Flight]) -> None:
+    def _placed(self, role: Role, flight: SimFlight, placed: Placed[SimFlight]) -> None:
         endpoint_id = placed.endpoint_id
         if not self.sim.engines[int(endpoint_id.rsplit("-", 1)[1])].alive:
             self.decisions.append((self.sim.now, flight.rid, f"refused by {endpoint_id}"))
         super()._placed(role, flight, placed)
 
-    def _refused(self, flight: Flight, refusal: Refusal, now: float) -> None:
+    def _refused(self, flight: SimFlight, refusal: Refusal, now: float) -> None:
         self.decisions.append((now, flight.rid, refusal.reason))
         super()._refused(flight, refusal, now)
 
@@ -246,7 +246,7 @@ def _simulated(script: tuple[Event, ...]) -> tuple[Decisions, dict[str, RouteReq
     weir.routers[Role.MIXED] = Dispatcher(weir.profile, POLICY.routing, weir.index)
     members = (s.endpoint_id for s in weir.sidecars)
     weir.rings[Role.MIXED] = OwnershipRing(Membership.of(1, members), POLICY.routing.virtual_nodes)
-    flights: dict[str, Flight] = {}
+    flights: dict[str, SimFlight] = {}
     finished: set[str] = set()
     version = 0
     for event in script:

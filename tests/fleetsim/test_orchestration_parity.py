@@ -19,8 +19,7 @@ from controlplane.contract import (
     SchedulingPolicy,
 )
 from engine_sidecar.intake import Limits, parse
-from engine_sidecar.ledger import Flight as LiveFlight
-from engine_sidecar.ledger import Ledger, OverloadError
+from engine_sidecar.ledger import Flight, Ledger, OverloadError
 from engine_sidecar.policy import (
     RESERVATION_TTL_S,
     QueuedRequest,
@@ -31,7 +30,7 @@ from engine_sidecar.policy import (
     VictimChoice,
     VictimScore,
 )
-from fleetsim.sim.flight import Flight, Stage
+from fleetsim.sim.flight import SimFlight, Stage
 from fleetsim.sim.gate import RouterGate
 from fleetsim.sim.weir import Sidecar, WeirPolicy
 from fleetsim.workloads import BLOCK_TOKENS, RequestSpec
@@ -106,7 +105,7 @@ async def _live(script: tuple[Event, ...]) -> list[tuple[str, str]]:
     decisions: list[tuple[str, str]] = []
 
     class Recorded(Ledger):
-        def _commit(self, flight: LiveFlight) -> None:
+        def _commit(self, flight: Flight) -> None:
             decisions.append(("admit", flight.rid))
             super()._commit(flight)
 
@@ -115,11 +114,11 @@ async def _live(script: tuple[Event, ...]) -> list[tuple[str, str]]:
             super()._wait_over(queued, waiter)
 
     ledger = Recorded(POLICY, CAPACITY, clock=lambda: now[0])
-    flights: dict[str, LiveFlight] = {}
+    flights: dict[str, Flight] = {}
     held: dict[str, str] = {}
     waiters = []
 
-    async def admit(flight: LiveFlight) -> None:
+    async def admit(flight: Flight) -> None:
         try:
             await ledger.admit(flight)
         except OverloadError as exc:
@@ -140,7 +139,7 @@ async def _live(script: tuple[Event, ...]) -> list[tuple[str, str]]:
                 max_new_tokens=event.max_new - event.resumed, arrived_at=event.at,
                 state_since=event.at, priority=event.priority,
             )  # fmt: skip
-            flight = flights[event.rid] = LiveFlight(
+            flight = flights[event.rid] = Flight(
                 intake, record, event.at, resumed=bool(event.resumed),
                 reservation=held.get(event.rid, "") if event.held else "",
             )  # fmt: skip
@@ -178,7 +177,7 @@ class _Sim:
         self.engines = [_Slot()]
         self.decisions: list[tuple[str, str]] = []
 
-    def submit(self, flight: Flight, engine: int, now: float, priority: int = 0) -> bool:
+    def submit(self, flight: SimFlight, engine: int, now: float, priority: int = 0) -> bool:
         self.decisions.append(("admit", flight.rid))
         flight.stage = Stage.ENGINE
         return True
@@ -189,7 +188,7 @@ class _Sim:
     def at(self, when: float, action: Callable[[], None]) -> None:
         """Timers (a reservation's expiry) are not needed: nothing expires here."""
 
-    def end(self, flight: Flight, reason: FinishReason, now: float, detail: str = "") -> None:
+    def end(self, flight: SimFlight, reason: FinishReason, now: float, detail: str = "") -> None:
         if reason is FinishReason.OVERLOAD:
             self.decisions.append(("refuse", flight.rid))
         flight.stage, flight.reason = Stage.DONE, reason
@@ -200,7 +199,7 @@ class _Glue(WeirPolicy):
     def _heartbeat(self, sidecar: Sidecar, now: float, registered: bool = False) -> None:
         pass  # nothing routes here: what is published does not matter
 
-    def _wait_over(self, flight: Flight, now: float) -> None:
+    def _wait_over(self, flight: SimFlight, now: float) -> None:
         # The sidecar refuses it; where it goes next (its client, or back to its router)
         # is the router's side, which tests/fleetsim/test_dispatch_parity.py holds.
         self.sim.end(flight, FinishReason.OVERLOAD, now, "waited as long as it may")
@@ -213,7 +212,7 @@ def _simulated(script: tuple[Event, ...]) -> list[tuple[str, str]]:
     weir._gate = RouterGate(POLICY, kv_bytes_per_token=1, credits=False)
     sidecar = Sidecar(0, "engine-0", CAPACITY, POLICY, lambda: sim.now)
     weir.sidecars = [sidecar]
-    flights: dict[str, Flight] = {}
+    flights: dict[str, SimFlight] = {}
     held: dict[str, str] = {}
     for event in script:
         sim.now = event.at
@@ -225,7 +224,7 @@ def _simulated(script: tuple[Event, ...]) -> list[tuple[str, str]]:
                 max_tokens=event.max_new,
                 block_ids=tuple(range(-(-event.prompt // BLOCK_TOKENS))),
             )  # fmt: skip
-            flight = flights[event.rid] = Flight(spec, output_ids=[7] * event.resumed)
+            flight = flights[event.rid] = SimFlight(spec, output_ids=[7] * event.resumed)
             if event.held:
                 flight.target, flight.reservation = sidecar.endpoint_id, held[event.rid]
             weir._offer(sidecar, flight, event.at)

@@ -19,13 +19,13 @@ from fleetsim.report import (
     ttft_cdf_plot,
 )
 from fleetsim.report.metrics import is_lost, is_rejected, meets_slo, slo_verdict
-from fleetsim.sim import SLO, Flight, Stage
+from fleetsim.sim import SLO, SimFlight, Stage
 from fleetsim.workloads import BLOCK_TOKENS, RequestSpec
 
 
-def _flight(**changes: object) -> Flight:
+def _flight(**changes: object) -> SimFlight:
     spec = RequestSpec("r", 0.0, "t", 0, BLOCK_TOKENS, 10, 10, (1,))
-    flight = Flight(spec)
+    flight = SimFlight(spec)
     for key, value in changes.items():
         setattr(flight, key, value)
     if flight.reason is not None:

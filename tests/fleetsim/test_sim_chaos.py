@@ -13,7 +13,7 @@ from collections import Counter
 from controlplane.contract import FinishReason
 from fleetsim.report.matrix import CellSpec, fleet_config, workload
 from fleetsim.report.metrics import is_lost
-from fleetsim.sim import FleetConfig, Flight, Simulation, policies
+from fleetsim.sim import FleetConfig, SimFlight, Simulation, policies
 from fleetsim.workloads import BLOCK_TOKENS, RequestSpec
 from fleetsim.workloads.scenarios import EngineFailure
 
@@ -37,11 +37,11 @@ def _streams(count: int, prompt: int, answer: int) -> list[RequestSpec]:
     ]
 
 
-def _preempted(flights: list[Flight]) -> Counter[str]:
+def _preempted(flights: list[SimFlight]) -> Counter[str]:
     return sum((Counter(f.preemptions) for f in flights), Counter())
 
 
-def _assert_whole(flights: list[Flight]) -> None:
+def _assert_whole(flights: list[SimFlight]) -> None:
     """Every stream ran to its natural end with exactly the tokens it asked for."""
     for f in flights:
         assert f.reason is FinishReason.LENGTH, (f.rid, f.reason, f.detail)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from controlplane.contract import Role
 from fleetsim.report import summarize
 from fleetsim.sim import FleetConfig, OraclePolicy, Simulation, WeirPolicy
-from fleetsim.sim.flight import Flight
+from fleetsim.sim.flight import SimFlight
 from fleetsim.workloads import RequestSpec, scenario
 
 
@@ -24,7 +24,7 @@ class _Watched(WeirPolicy):
         self.routed: list[tuple[int, int]] = []
         self.stale: list[bool] = []
 
-    def arrive(self, flight: Flight, now: float) -> None:
+    def arrive(self, flight: SimFlight, now: float) -> None:
         for sidecar in self.sidecars:
             for held in sidecar.held.values():
                 truth = held.flight.spec.generated_tokens
