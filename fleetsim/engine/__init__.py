@@ -9,7 +9,7 @@ time. The model never reads a clock: every call takes `now` (seconds, any origin
     engine = EngineModel(EngineConfig(max_total_tokens=65536, page_size=16))
     req = engine.make_request("rid-1", input_ids, max_new_tokens=128, ignore_eos=True,
                               min_new_tokens=0, stop=(), priority=0, cache_salt="",
-                              now=now)                  # RequestError (→ 400) on bad input;
+                              now=now)                  # EngineRequestError (→ 400) on bad input;
                                                         #   max_new_tokens clipped to fit
     if not engine.submit(req, now):                     # False: queue full, req.finish is
         ...                                             #   an abort with status_code 503
@@ -45,7 +45,7 @@ generated so far) continues exactly as the uninterrupted request would.
 
 from fleetsim.engine.config import EngineConfig
 from fleetsim.engine.request import EngineRequest, Finish, Phase
-from fleetsim.engine.scheduler import EngineModel, Loads, RequestError, StepResult
+from fleetsim.engine.scheduler import EngineModel, EngineRequestError, Loads, StepResult
 from fleetsim.engine.timing import H200, LLAMA_8B, HardwareProfile, ModelProfile, TimingModel
 from fleetsim.engine.tokens import EOS_ID, decode, encode
 
@@ -56,12 +56,12 @@ __all__ = [
     "EngineConfig",
     "EngineModel",
     "EngineRequest",
+    "EngineRequestError",
     "Finish",
     "HardwareProfile",
     "Loads",
     "ModelProfile",
     "Phase",
-    "RequestError",
     "StepResult",
     "TimingModel",
     "decode",

@@ -77,7 +77,7 @@ IN_BATCH_PREFIX_TOKENS = 32
 _CONTINUE, _NO_TOKEN, _OTHER = "continue", "no_token", "other"
 
 
-class RequestError(ValueError):
+class EngineRequestError(ValueError):
     """A request the engine refuses outright (SGLang answers these with 400)."""
 
 
@@ -252,7 +252,7 @@ class EngineModel:
         kv_imported: int = 0,
         now: float = 0.0,
     ) -> EngineRequest:
-        """A validated request. Raises RequestError with SGLang's message on bad input;
+        """A validated request. Raises EngineRequestError with SGLang's message on bad input;
         `max_new_tokens=None` means "as many as fit".
 
         As SGLang's scheduler does on arrival (`init_req_max_new_tokens`), max_new_tokens
@@ -266,21 +266,23 @@ class EngineModel:
         depend only on the history, so an imported request continues exactly as the
         uninterrupted one; a backend holding real KV content has nothing to import.)"""
         if not input_ids:
-            raise RequestError("The input must not be empty.")
+            raise EngineRequestError("The input must not be empty.")
         n = len(input_ids)
         if n >= self.context_len:
-            raise RequestError(
+            raise EngineRequestError(
                 f"The input ({n} tokens) is longer than the model's context length "
                 f"({self.context_len} tokens)."
             )
         low, high = min(input_ids), max(input_ids)
         if low < 0 or high >= VOCAB_SIZE:
             bad = low if low < 0 else high
-            raise RequestError(f"Token id {bad} is out of the vocabulary (0..{VOCAB_SIZE - 1}).")
+            raise EngineRequestError(
+                f"Token id {bad} is out of the vocabulary (0..{VOCAB_SIZE - 1})."
+            )
         if max_new_tokens is not None and max_new_tokens < 0:
-            raise RequestError(f"max_new_tokens must be at least 0, got {max_new_tokens}.")
+            raise EngineRequestError(f"max_new_tokens must be at least 0, got {max_new_tokens}.")
         if max_new_tokens is not None and n + max_new_tokens > self.context_len:
-            raise RequestError(
+            raise EngineRequestError(
                 f"Requested token count exceeds the model's maximum context length of "
                 f"{self.context_len} tokens. You requested a total of {n + max_new_tokens} "
                 f"tokens: {n} tokens from the input messages and {max_new_tokens} tokens "
@@ -289,15 +291,15 @@ class EngineModel:
             )
         limit = self.config.max_req_input_len
         if n >= limit:
-            raise RequestError(
+            raise EngineRequestError(
                 f"Input length ({n} tokens) exceeds the maximum allowed length ({limit} "
                 f"tokens). Use a shorter input or enable --allow-auto-truncate."
             )
         if not 0 <= kv_imported < n:
-            raise RequestError(f"kv_imported must be in [0, {n}), got {kv_imported}.")
+            raise EngineRequestError(f"kv_imported must be in [0, {n}), got {kv_imported}.")
         wanted = self.context_len if max_new_tokens is None else max_new_tokens
         if min_new_tokens < 0 or min_new_tokens > wanted:
-            raise RequestError(
+            raise EngineRequestError(
                 f"min_new_tokens must be in [0, max_new_tokens={wanted}], got {min_new_tokens}."
             )
         clipped = max(0, min(wanted, self.config.max_req_len - n - 1))
@@ -324,7 +326,7 @@ class EngineModel:
         full queue drops its least preferred request instead, if the newcomer is
         preferred to it; the next step reports that one among its finished."""
         if req.rid in self.requests:
-            raise RequestError(f"Duplicate request ID detected: {req.rid}")
+            raise EngineRequestError(f"Duplicate request ID detected: {req.rid}")
         req.arrival = now
         req.hash_state = prefix_hash(req.output_ids, prefix_hash(req.input_ids))
         self.requests[req.rid] = req
@@ -344,7 +346,7 @@ class EngineModel:
         `peer_ready` before it queues; after its first token it keeps its KV until
         `transfer_done`."""
         if req.rid in self.requests:
-            raise RequestError(f"Duplicate request ID detected: {req.rid}")
+            raise EngineRequestError(f"Duplicate request ID detected: {req.rid}")
         req.arrival = req.queued_at = now
         req.kv_export = True
         req.phase = Phase.BOOTSTRAP
@@ -355,7 +357,9 @@ class EngineModel:
         """Its decode peer has pages for the KV: the request queues for prefill. False
         when a full queue refused it (it is then finished with the 503 abort)."""
         if req.phase is not Phase.BOOTSTRAP:
-            raise RequestError(f"request {req.rid} is not waiting for its peer ({req.phase.value})")
+            raise EngineRequestError(
+                f"request {req.rid} is not waiting for its peer ({req.phase.value})"
+            )
         self.bootstrapping.remove(req)
         del self.requests[req.rid]
         arrival = req.arrival
@@ -367,14 +371,14 @@ class EngineModel:
         """Its KV has reached the decode engine: the request ends (SGLang's `length 0`)
         and its pages go to the prefix cache."""
         if req.phase is not Phase.INFLIGHT:
-            raise RequestError(f"request {req.rid} is not transferring ({req.phase.value})")
+            raise EngineRequestError(f"request {req.rid} is not transferring ({req.phase.value})")
         self._finish(req, Finish("length", length=0), now)
 
     def submit_handoff(self, req: EngineRequest, now: float) -> None:
         """P/D decode side: a request whose prompt's KV and first token a prefill engine
         computes. It waits for `preallocate` to give it pages, then for `kv_arrived`."""
         if req.rid in self.requests:
-            raise RequestError(f"Duplicate request ID detected: {req.rid}")
+            raise EngineRequestError(f"Duplicate request ID detected: {req.rid}")
         req.arrival = req.queued_at = now
         req.kv_imported = len(req.input_ids)
         req.hash_state = prefix_hash(req.input_ids)
@@ -436,7 +440,9 @@ class EngineModel:
         running requests to compute the next (SGLang's prebuilt batch), unless the token
         already ends it (then it is finished)."""
         if req.phase is not Phase.TRANSFER:
-            raise RequestError(f"request {req.rid} is not waiting for its KV ({req.phase.value})")
+            raise EngineRequestError(
+                f"request {req.rid} is not waiting for its KV ({req.phase.value})"
+            )
         req.cached_tokens = cached_tokens
         req.first_token_at = now
         req.output_ids.append(output_id)
@@ -517,7 +523,9 @@ class EngineModel:
         running request's KV and requeues it at the tail, `in_place` just stops stepping.
         Returns the requests that ended (aborted, or dropped by a full queue)."""
         if mode not in ("abort", "retract", "in_place"):
-            raise RequestError(f"Unknown pause mode {mode!r}: use abort, retract or in_place.")
+            raise EngineRequestError(
+                f"Unknown pause mode {mode!r}: use abort, retract or in_place."
+            )
         self.paused = True
         if mode == "abort":
             return self.abort(abort_all=True, now=now)

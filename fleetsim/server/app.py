@@ -28,7 +28,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from controlplane.transport.event_stream import EventStreamResponse
-from fleetsim.engine import EngineConfig, EngineModel, EngineRequest, RequestError, decode
+from fleetsim.engine import EngineConfig, EngineModel, EngineRequest, EngineRequestError, decode
 from fleetsim.server.disaggregation import DecodeSide, PrefillSide, handoff_side
 from fleetsim.server.driver import EngineDriver, Stream
 from fleetsim.server.metrics import EngineMetrics, exposition
@@ -187,14 +187,14 @@ class EngineServer:
         if self.handoffs is None or cfg.disaggregation_transfer_backend == "fake":
             return None
         if peer is None:
-            raise RequestError(
+            raise EngineRequestError(
                 f"This is a P/D {cfg.disaggregation_mode} server: a request needs "
                 "bootstrap_host, bootstrap_port and bootstrap_room."
             )
         if peer.fake:
             return None
         if isinstance(self.handoffs, PrefillSide) and self.handoffs.taken(peer.room):
-            raise RequestError(f"bootstrap_room {peer.room} is already in use.")
+            raise EngineRequestError(f"bootstrap_room {peer.room} is already in use.")
         return peer
 
     def _submit(self, spec: GenerateSpec, req: EngineRequest, streaming: bool) -> Stream:
@@ -206,10 +206,10 @@ class EngineServer:
         return self.handoffs.submit(peer, req, streaming)
 
     def _request(self, spec: GenerateSpec) -> EngineRequest:
-        """The engine's request for a parsed body (RequestError when it refuses it). A
+        """The engine's request for a parsed body (EngineRequestError when it refuses it). A
         prefill engine's half of a handoff asks for the first token only."""
         if spec.rid in self.model.requests or any(s.req.rid == spec.rid for s in self.driver.held):
-            raise RequestError(f"Duplicate request ID detected: {spec.rid}")
+            raise EngineRequestError(f"Duplicate request ID detected: {spec.rid}")
         spec.bootstrap = self._peer(spec)
         exported = isinstance(self.handoffs, PrefillSide) and spec.bootstrap is not None
         cfg = self.config
@@ -419,7 +419,7 @@ class EngineServer:
             if exc.schema:
                 return _schema_error(str(exc))
             message = str(exc)
-        except RequestError as exc:
+        except EngineRequestError as exc:
             message = str(exc)
         else:
             if spec.stream:
@@ -545,7 +545,7 @@ class EngineServer:
             req = self._request(spec)
         except BadRequestError as exc:
             return _schema_error(str(exc)) if exc.schema else _openai_error(str(exc))
-        except RequestError as exc:
+        except EngineRequestError as exc:
             return _openai_error(str(exc))
         if spec.stream:
             return await self._stream(request, spec, req, self._openai_chunks(spec, chat))

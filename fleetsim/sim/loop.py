@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from controlplane.contract import FinishReason, Role
-from fleetsim.engine import EngineConfig, EngineModel, EngineRequest, RequestError
+from fleetsim.engine import EngineConfig, EngineModel, EngineRequest, EngineRequestError
 from fleetsim.sim.config import FleetConfig
 from fleetsim.sim.flight import SimFlight, Stage
 from fleetsim.workloads import RequestSpec, prompt_token_ids
@@ -233,7 +233,7 @@ class Simulation:
                 kv_imported=flight.kv_ready,
                 now=now,
             )
-        except RequestError as exc:
+        except EngineRequestError as exc:
             self.end(flight, FinishReason.ERROR, now, f"engine refused: {exc}")
             return False
         model.submit(req, now)

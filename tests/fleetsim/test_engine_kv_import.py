@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from fleetsim.engine import EngineConfig, EngineModel, EngineRequest, Phase, RequestError
+from fleetsim.engine import EngineConfig, EngineModel, EngineRequest, EngineRequestError, Phase
 from tests.fleetsim.test_engine_model import drain, run_alone
 
 
@@ -90,7 +90,7 @@ def test_a_retracted_import_recomputes_its_whole_history() -> None:
 @pytest.mark.parametrize("bad", [-1, len(PROMPT) + 1])
 def test_an_import_must_leave_a_token_to_compute(bad: int) -> None:
     model = EngineModel(EngineConfig(max_total_tokens=1 << 16))
-    with pytest.raises(RequestError, match="kv_imported"):
+    with pytest.raises(EngineRequestError, match="kv_imported"):
         model.make_request("x", [*PROMPT, 7], 4, kv_imported=bad)
 
 
@@ -160,7 +160,7 @@ def test_an_abort_before_the_kv_lands_frees_what_the_handoff_held(phase: Phase) 
     assert not decode.prealloc
     assert not decode.transferring
     decode.check()
-    with pytest.raises(RequestError, match="not waiting for its KV"):
+    with pytest.raises(EngineRequestError, match="not waiting for its KV"):
         decode.kv_arrived(req, 5, 0, 1.0)
 
 
@@ -232,5 +232,5 @@ def test_an_abort_of_an_export_frees_its_kv(phase: Phase) -> None:
     assert not prefill.bootstrapping
     assert not prefill.inflight
     prefill.check()
-    with pytest.raises(RequestError, match="not transferring"):
+    with pytest.raises(EngineRequestError, match="not transferring"):
         prefill.transfer_done(req, 1.0)

@@ -8,7 +8,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fleetsim.engine import EngineConfig, EngineModel, EngineRequest, Phase, RequestError, encode
+from fleetsim.engine import (
+    EngineConfig,
+    EngineModel,
+    EngineRequest,
+    EngineRequestError,
+    Phase,
+    encode,
+)
 
 
 def run_alone(request: EngineRequest, **config: object) -> list[int]:
@@ -149,7 +156,7 @@ def test_queue_limit_refuses_with_503() -> None:
 )
 def test_bad_requests_are_refused(prompt: int, max_new: int, message: str) -> None:
     model = EngineModel(EngineConfig(max_total_tokens=4096, context_length=64))
-    with pytest.raises(RequestError, match=message):
+    with pytest.raises(EngineRequestError, match=message):
         model.make_request("bad", [65] * prompt, max_new)
 
 
