@@ -73,7 +73,7 @@ class Intake:
 
 
 @dataclass(frozen=True, slots=True)
-class Limits:
+class IntakeLimits:
     """What this endpoint can serve."""
 
     model: str
@@ -87,7 +87,7 @@ def parse_json(raw: bytes) -> dict[str, Any]:
         raise RequestError.refusing(exc) from None
 
 
-def parse(api: EngineAPI, body: dict[str, Any], limits: Limits) -> Intake:
+def parse_intake(api: EngineAPI, body: dict[str, Any], limits: IntakeLimits) -> Intake:
     """Validate a client body for `api`; raises RequestError."""
     try:
         checked = checks.check(
@@ -121,7 +121,7 @@ def parse(api: EngineAPI, body: dict[str, Any], limits: Limits) -> Intake:
     )
 
 
-def from_continuation(cont: Continuation, limits: Limits) -> Intake:
+def from_continuation(cont: Continuation, limits: IntakeLimits) -> Intake:
     """The intake for a continuation arriving at `/weir/v1/continue`. Raises RequestError."""
     if cont.model != limits.model:
         raise RequestError(
@@ -132,7 +132,7 @@ def from_continuation(cont: Continuation, limits: Limits) -> Intake:
         raise RequestError(
             "the continuation has no tokens left to generate", reason="invalid_continuation"
         )
-    base = parse(cont.api, dict(cont.body) | {"stream": True}, limits)
+    base = parse_intake(cont.api, dict(cont.body) | {"stream": True}, limits)
     extra = len(cont.generated_ids) or _text_tokens(cont.generated_text)
     return Intake(
         api=base.api,

@@ -68,10 +68,10 @@ from engine_sidecar.engine import EngineAdapter, EngineInfo
 from engine_sidecar.errors import bad_request, body_refused, error_json
 from engine_sidecar.intake import (
     ENGINE_PATH,
-    Limits,
+    IntakeLimits,
     RequestError,
     from_continuation,
-    parse,
+    parse_intake,
     parse_json,
 )
 from engine_sidecar.ledger import Ledger, Preemption
@@ -110,7 +110,7 @@ class SidecarService:
         self.ledger.on_reservation = self._reservation_event
         self.metrics = SidecarMetrics(self.ledger, pool, endpoint_id)
         self.trail = Trail(f"sidecar/{endpoint_id}")
-        self.limits = Limits(
+        self.limits = IntakeLimits(
             model=policy.model or info.model,
             context_length=min(policy.context_length, info.context_length or policy.context_length),
         )
@@ -178,7 +178,7 @@ class SidecarService:
     async def handle(self, request: web.Request, api: EngineAPI) -> web.StreamResponse:
         try:
             body = await self.guard.read(request, parse_json)
-            intake = parse(api, body, self.limits)
+            intake = parse_intake(api, body, self.limits)
         except RequestError as exc:
             return bad_request(exc)
         except BodyError as exc:

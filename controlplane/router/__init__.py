@@ -13,14 +13,14 @@ from controlplane.router.app import Router
 from controlplane.router.config import RouterConfig
 from controlplane.router.errors import RouterError
 from controlplane.router.pool import PoolView, StoreFeed, static_endpoints
-from controlplane.router.requests import ClientRequest, Limits
+from controlplane.router.requests import ClientRequest, RequestLimits
 from controlplane.router.serve import RunningRouter, serve_router
 from controlplane.router.tenants import TenantKeys
 
 __all__ = [
     "ClientRequest",
-    "Limits",
     "PoolView",
+    "RequestLimits",
     "Router",
     "RouterConfig",
     "RouterError",

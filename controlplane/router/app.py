@@ -51,7 +51,7 @@ from controlplane.router.metrics import RouterMetrics
 from controlplane.router.pd import Pairing
 from controlplane.router.pool import PoolView, new_reports
 from controlplane.router.quotas import QuotaGate
-from controlplane.router.requests import ClientRequest, decode_body, parse
+from controlplane.router.requests import ClientRequest, decode_body, parse_client_request
 from controlplane.router.status import StatusRoutes
 from controlplane.router.tenants import TenantKeys
 from controlplane.routing import (
@@ -403,7 +403,7 @@ class Router:
         tenant = "unknown"
         try:
             tenant = self.keys.tenant(request.headers)
-            client = parse(
+            client = parse_client_request(
                 api,
                 await self.guard.read(request, decode_body),
                 request.headers,

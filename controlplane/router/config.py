@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from controlplane.contract import KVPolicy, PoolPolicy, Role, RoutingPolicy, TenantQuota
-from controlplane.router.requests import Limits
+from controlplane.router.requests import RequestLimits
 from controlplane.transport import MAX_CONNECTIONS_PER_ORIGIN
 from controlplane.transport.guard import ServerLimits
 
@@ -28,7 +28,7 @@ class RouterConfig:
     model: str = "reference"
     host: str = "127.0.0.1"
     port: int = 0
-    limits: Limits = field(default_factory=Limits)
+    limits: RequestLimits = field(default_factory=RequestLimits)
     # What the router reads from clients: body size (by default sized to the context
     # length), bytes in flight, header/body/idle timeouts, connections.
     server: ServerLimits = field(default_factory=lambda: ServerLimits(max_connections=8192))
@@ -61,7 +61,7 @@ class RouterConfig:
         fields: dict[str, Any] = {
             "pool": policy.pool,
             "model": policy.model,
-            "limits": Limits(context_length=policy.context_length),
+            "limits": RequestLimits(context_length=policy.context_length),
             "routing": policy.routing,
             "role": policy.role,
             "decode_pool": policy.decode_pool,

@@ -56,7 +56,7 @@ class ClientRequest:
 
 
 @dataclass(frozen=True, slots=True)
-class Limits:
+class RequestLimits:
     """The pool's context length, and how many UTF-8 prompt bytes make a token in the
     router's estimates: 1 for the reference engine (its tokens are bytes), about 4 for
     real tokenizers (`weir router --bytes-per-token`)."""
@@ -76,14 +76,14 @@ def decode_body(raw: bytes) -> dict[str, Any]:
         raise refused(exc) from None
 
 
-def parse(
+def parse_client_request(
     api: EngineAPI,
     body: dict[str, Any],
     headers: Mapping[str, str],
     *,
     models: frozenset[str],
     default_model: str,
-    limits: Limits,
+    limits: RequestLimits,
 ) -> ClientRequest:
     """Validate a decoded body by the shared rules (`controlplane.contract.request_checks`)
     and Weir's headers; raise `RouterError` (400, or 404 for an unknown model)."""

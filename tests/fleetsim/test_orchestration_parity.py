@@ -18,7 +18,7 @@ from controlplane.contract import (
     RoutingPolicy,
     SchedulingPolicy,
 )
-from engine_sidecar.intake import Limits, parse
+from engine_sidecar.intake import IntakeLimits, parse_intake
 from engine_sidecar.ledger import Flight, Ledger, OverloadError
 from engine_sidecar.policy import (
     RESERVATION_TTL_S,
@@ -129,10 +129,10 @@ async def _live(script: tuple[Event, ...]) -> list[tuple[str, str]]:
         now[0] = event.at
         if isinstance(event, Arrive):
             prompt = event.prompt + event.resumed
-            intake = parse(
+            intake = parse_intake(
                 EngineAPI.GENERATE,
                 {"input_ids": [1] * prompt, "sampling_params": {"max_new_tokens": event.max_new}},
-                Limits("m", 100_000),
+                IntakeLimits("m", 100_000),
             )
             record = RequestRecord(
                 rid=event.rid, tenant="t", model="m", prompt_tokens=prompt,

@@ -13,7 +13,7 @@ import pytest
 
 from controlplane.contract import EndpointState, Role, RoutingPolicy
 from controlplane.router import (
-    Limits,
+    RequestLimits,
     RouterConfig,
     RunningRouter,
     TenantKeys,
@@ -102,7 +102,7 @@ async def make_fleet(
             pool=pool,
             model=MODEL,
             routing=routing or RoutingPolicy(),
-            limits=Limits(),
+            limits=RequestLimits(),
             role=role,
             **router_config,  # type: ignore[arg-type]
         )

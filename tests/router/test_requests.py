@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from controlplane.contract import Continuation, EngineAPI
-from controlplane.router import Limits, RouterError
-from controlplane.router.requests import ClientRequest, parse, resume_body
+from controlplane.router import RequestLimits, RouterError
+from controlplane.router.requests import ClientRequest, parse_client_request, resume_body
 
 MODELS = frozenset({"m"})
 
@@ -14,8 +14,8 @@ MODELS = frozenset({"m"})
 def _parse(
     api: EngineAPI, body: dict[str, object], headers: dict[str, str] | None = None
 ) -> ClientRequest:
-    return parse(
-        api, body, headers or {}, models=MODELS, default_model="m", limits=Limits(1000, 1.0)
+    return parse_client_request(
+        api, body, headers or {}, models=MODELS, default_model="m", limits=RequestLimits(1000, 1.0)
     )
 
 

@@ -9,7 +9,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from controlplane.router import Limits, RouterConfig, RunningRouter, TenantKeys, serve_router
+from controlplane.router import RequestLimits, RouterConfig, RunningRouter, TenantKeys, serve_router
 from controlplane.telemetry.catalog import ROUTER
 
 # Nothing listens here: every request in this file must be refused before routing.
@@ -19,7 +19,7 @@ NOWHERE = "http://127.0.0.1:9"
 @pytest.fixture
 async def router() -> AsyncIterator[RunningRouter]:
     running = await serve_router(
-        RouterConfig(model="m", limits=Limits(context_length=1000)),
+        RouterConfig(model="m", limits=RequestLimits(context_length=1000)),
         endpoints=[NOWHERE],
         keys=TenantKeys({"sk-a": "team-a"}),
     )

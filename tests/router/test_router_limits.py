@@ -15,7 +15,7 @@ import aiohttp
 import msgspec
 import pytest
 
-from controlplane.router import Limits, RouterConfig, RunningRouter, serve_router
+from controlplane.router import RequestLimits, RouterConfig, RunningRouter, serve_router
 from controlplane.transport.guard import LARGE_BODY, ServerLimits, body_limit
 from engine_sidecar.server import SidecarConfig, serve_sidecar
 from fleetsim.engine import EngineConfig
@@ -35,7 +35,7 @@ async def router(limits: ServerLimits, speed_factor: float = 50.0) -> AsyncItera
         EngineConfig(model=MODEL, max_total_tokens=50_000, speed_factor=speed_factor)
     ) as engine:
         running = await serve_router(
-            RouterConfig(model=MODEL, limits=Limits(context_length=CONTEXT), server=limits),
+            RouterConfig(model=MODEL, limits=RequestLimits(context_length=CONTEXT), server=limits),
             endpoints=[engine.url],
         )
         try:

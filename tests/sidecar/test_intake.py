@@ -13,22 +13,33 @@ import msgspec
 import pytest
 
 from controlplane.contract import Continuation, EngineAPI
-from controlplane.router import Limits as RouterLimits
-from controlplane.router import RouterConfig, RouterError, RunningRouter, serve_router
-from controlplane.router.requests import parse as router_parse
-from engine_sidecar.intake import Limits, RequestError, from_continuation, parse, parse_json
+from controlplane.router import (
+    RequestLimits,
+    RouterConfig,
+    RouterError,
+    RunningRouter,
+    serve_router,
+)
+from controlplane.router.requests import parse_client_request
+from engine_sidecar.intake import (
+    IntakeLimits,
+    RequestError,
+    from_continuation,
+    parse_intake,
+    parse_json,
+)
 from engine_sidecar.server import RunningSidecar
 from fleetsim.server import RunningEngine
 from tests.controlplane.test_request_checks import CONTEXT, REFUSED
 from tests.sidecar.conftest import MODEL
 
 GEN, CMP, CHAT = EngineAPI.GENERATE, EngineAPI.COMPLETIONS, EngineAPI.CHAT
-LIMITS = Limits("m", CONTEXT)
+LIMITS = IntakeLimits("m", CONTEXT)
 
 
 def _refusal(api: EngineAPI, body: dict[str, Any]) -> RequestError:
     with pytest.raises(RequestError) as caught:
-        parse(api, body, LIMITS)
+        parse_intake(api, body, LIMITS)
     return caught.value
 
 
@@ -38,9 +49,9 @@ def test_sidecar_and_router_refuse_every_rule_alike(
 ) -> None:
     sidecar = _refusal(api, body)
     with pytest.raises(RouterError) as caught:
-        router_parse(
+        parse_client_request(
             api, body, {}, models=frozenset({"m"}), default_model="m",
-            limits=RouterLimits(CONTEXT, 1.0),
+            limits=RequestLimits(CONTEXT, 1.0),
         )  # fmt: skip
     router = caught.value
     assert (sidecar.status, sidecar.reason, sidecar.param) == (status, reason, param)
@@ -58,7 +69,7 @@ def test_a_body_that_is_not_a_json_object_is_refused() -> None:
 
 
 def test_the_prompt_bound_the_output_limit_and_the_fields_the_sidecar_sets_itself() -> None:
-    chat = parse(
+    chat = parse_intake(
         CHAT,
         {"model": "m", "messages": [{"role": "user", "content": "héllo"}], "priority": 5,
          "rid": "client", "stream": True},
@@ -68,16 +79,18 @@ def test_the_prompt_bound_the_output_limit_and_the_fields_the_sidecar_sets_itsel
     assert (chat.prompt_tokens, chat.max_new_tokens) == (12 + 8, CONTEXT - 20)
     assert (chat.priority, chat.stream) == (5, True)
     assert chat.body == {"model": "m", "messages": [{"role": "user", "content": "héllo"}]}
-    assert parse(GEN, {"text": "abc"}, LIMITS).max_new_tokens == 128
-    assert parse(CMP, {"model": "m", "prompt": ["abc"]}, LIMITS).body["prompt"] == "abc"
-    by_ids = parse(CMP, {"model": "m", "prompt": [1, 2, 3], "max_tokens": 4}, LIMITS)
+    assert parse_intake(GEN, {"text": "abc"}, LIMITS).max_new_tokens == 128
+    assert parse_intake(CMP, {"model": "m", "prompt": ["abc"]}, LIMITS).body["prompt"] == "abc"
+    by_ids = parse_intake(CMP, {"model": "m", "prompt": [1, 2, 3], "max_tokens": 4}, LIMITS)
     assert (by_ids.prompt_tokens, by_ids.prompt_ids, by_ids.recomputable) == (3, (1, 2, 3), False)
-    assert parse(GEN, {"input_ids": [1, 2]}, LIMITS).recomputable
+    assert parse_intake(GEN, {"input_ids": [1, 2]}, LIMITS).recomputable
 
 
 def test_only_an_exact_prompt_count_is_held_against_the_context() -> None:
     # Bytes bound the tokens of a text prompt from above: the engine decides.
-    text = parse(GEN, {"text": "x" * CONTEXT, "sampling_params": {"max_new_tokens": 5}}, LIMITS)
+    text = parse_intake(
+        GEN, {"text": "x" * CONTEXT, "sampling_params": {"max_new_tokens": 5}}, LIMITS
+    )
     assert (text.prompt_tokens, text.max_new_tokens) == (CONTEXT, 5)
     refused = _refusal(
         GEN, {"input_ids": [1] * (CONTEXT - 4), "sampling_params": {"max_new_tokens": 5}}
@@ -158,7 +171,7 @@ BAD_BODIES: dict[str, list[tuple[bytes | dict[str, Any], int, str]]] = {
 @pytest.fixture
 async def router(sidecar: RunningSidecar) -> AsyncIterator[RunningRouter]:
     running = await serve_router(
-        RouterConfig(model=MODEL, limits=RouterLimits(CONTEXT_LENGTH, 1.0)),
+        RouterConfig(model=MODEL, limits=RequestLimits(CONTEXT_LENGTH, 1.0)),
         endpoints=[sidecar.url],
     )
     yield running

@@ -14,7 +14,7 @@ from controlplane.contract import (
     SchedulingPolicy,
     WatermarkState,
 )
-from engine_sidecar.intake import Limits, parse
+from engine_sidecar.intake import IntakeLimits, parse_intake
 from engine_sidecar.ledger import Flight, Ledger, OverloadError
 from engine_sidecar.policy import RequestRecord, RequestState
 
@@ -29,10 +29,10 @@ POLICY = PoolPolicy(
 
 
 def flight(rid: str, prompt: int, max_new: int = 64, priority: int = 0) -> Flight:
-    intake = parse(
+    intake = parse_intake(
         EngineAPI.GENERATE,
         {"input_ids": [1] * prompt, "sampling_params": {"max_new_tokens": max_new}},
-        Limits("m", 100_000),
+        IntakeLimits("m", 100_000),
     )
     record = RequestRecord(
         rid=rid, tenant="t", model="m", prompt_tokens=prompt, max_new_tokens=max_new,

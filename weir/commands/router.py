@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     import yaml
 
     from controlplane.contract import PoolPolicy, Role, SchemaError, decode_json
-    from controlplane.router import Limits, RouterConfig, TenantKeys, serve_router
+    from controlplane.router import RequestLimits, RouterConfig, TenantKeys, serve_router
     from controlplane.routing import ProfileError, profile_from_config
     from controlplane.store.connection import redact_url
 
@@ -123,7 +123,9 @@ def run(args: argparse.Namespace) -> int:
             model=args.model or policy.model,
             host=args.host,
             port=args.port,
-            limits=Limits(args.context_length or policy.context_length, args.bytes_per_token),
+            limits=RequestLimits(
+                args.context_length or policy.context_length, args.bytes_per_token
+            ),
             profile=profile,
             max_upstream_connections=args.max_upstream_connections,
             server=server_limits(args),
