@@ -45,7 +45,7 @@ from engine_sidecar.policy import (
     SequenceOutlook,
     VictimCandidate,
     admits_now,
-    classify,
+    classify_watermark,
     decide_admission,
     growth_reserve,
     queue_wait_s,
@@ -290,7 +290,7 @@ class Ledger:
         committed = self.used_tokens + self.reserved + self.held_tokens
         state = self.watermark
         if not low <= committed < high:
-            state = classify(self.usage(), self.watermark, self.policy.kv)
+            state = classify_watermark(self.usage(), self.watermark, self.policy.kv)
         moved = abs(self.own_used - self._published_used) * 100 >= max(1, self.capacity_tokens)
         if state is not self.watermark or moved:
             if state is not self.watermark:

@@ -58,7 +58,7 @@ from engine_sidecar.policy.reservation import (
 from engine_sidecar.policy.watermark import (
     GrowthRate,
     KVUsage,
-    classify,
+    classify_watermark,
     reconcile_used,
     steady_range,
 )
@@ -93,7 +93,7 @@ __all__ = [
     "VictimChoice",
     "VictimScore",
     "admits_now",
-    "classify",
+    "classify_watermark",
     "decide_admission",
     "effective_priority",
     "engine_priority",

@@ -49,7 +49,9 @@ def _level(fraction: float, policy: KVPolicy) -> WatermarkState:
     return WatermarkState.NORMAL
 
 
-def classify(usage: KVUsage, previous: WatermarkState, policy: KVPolicy) -> WatermarkState:
+def classify_watermark(
+    usage: KVUsage, previous: WatermarkState, policy: KVPolicy
+) -> WatermarkState:
     """The watermark state after `previous`, given `usage`: up at once, down with hysteresis."""
     rising = _level(usage.fraction, policy)
     if rising.rank >= previous.rank:
@@ -59,20 +61,20 @@ def classify(usage: KVUsage, previous: WatermarkState, policy: KVPolicy) -> Wate
 
 
 def steady_range(state: WatermarkState, capacity_tokens: int, policy: KVPolicy) -> tuple[int, int]:
-    """The committed token counts `[low, high)` at which `classify` keeps `state`.
+    """The committed token counts `[low, high)` at which `classify_watermark` keeps `state`.
 
     A ledger that moves by a few tokens per streamed event need only compare its sum with
     this range, and classify when it leaves it. The range is found by bisection on
-    `classify` itself (which never falls as the count rises), so it agrees with
-    `classify` exactly, float rounding included."""
+    `classify_watermark` itself (which never falls as the count rises), so it agrees with
+    `classify_watermark` exactly, float rounding included."""
 
-    def above(committed: int) -> bool:  # classify leaves `state` upwards
+    def above(committed: int) -> bool:  # classify_watermark leaves `state` upwards
         usage = KVUsage(capacity_tokens, committed, 0)
-        return classify(usage, state, policy).rank > state.rank
+        return classify_watermark(usage, state, policy).rank > state.rank
 
-    def at_least(committed: int) -> bool:  # classify reaches `state` or more
+    def at_least(committed: int) -> bool:  # classify_watermark reaches `state` or more
         usage = KVUsage(capacity_tokens, committed, 0)
-        return classify(usage, state, policy).rank >= state.rank
+        return classify_watermark(usage, state, policy).rank >= state.rank
 
     top = 4 * max(capacity_tokens, 1)  # past any threshold (fractions are at most ~1)
     high = _first(above, top) if above(top) else sys.maxsize

@@ -18,8 +18,8 @@ predicted to add (`OutputLengthPredictor`, or the client's hint); the bounded lo
 by the live ledger's own discipline (`AdmissionQueue`: no overtaking, priority with aging,
 resumes one class ahead and never refused for a full queue; held equal to the ledger by
 tests/fleetsim/test_orchestration_parity.py); engine priority from urgency (`engine_priority`);
-watermarks with hysteresis (`classify`) published with every heartbeat and at once on a
-change; and the relief ladder (`plan_relief`): at exhaustion, victims are migrated (a
+watermarks with hysteresis (`classify_watermark`) published with every heartbeat and at once
+on a change; and the relief ladder (`plan_relief`): at exhaustion, victims are migrated (a
 continuation re-routed by the router, excluding this endpoint), offloaded (resumed in
 place from the engine's host tier) or recomputed in place. On engines with a host tier
 the choice is relief's cost comparison (`ReliefCosts` from the engines' roofline, the
@@ -100,7 +100,7 @@ from engine_sidecar.policy import (
     VictimCandidate,
     VictimChoice,
     admits_now,
-    classify,
+    classify_watermark,
     decide_admission,
     engine_priority,
     growth_reserve,
@@ -765,7 +765,9 @@ class WeirPolicy:
 
     def _held_changed(self, sidecar: Sidecar, now: float) -> None:
         """Room held changed: re-evaluated and published at once, as the live ledger does."""
-        sidecar.watermark = classify(sidecar.usage(), sidecar.watermark, self._policy().kv)
+        sidecar.watermark = classify_watermark(
+            sidecar.usage(), sidecar.watermark, self._policy().kv
+        )
         self._heartbeat(sidecar, now)
 
     def before_step(self, engine: int, now: float) -> None:
@@ -780,7 +782,7 @@ class WeirPolicy:
             sidecar.accounted_at = now
         previous = sidecar.watermark
         policy = self._policy()
-        sidecar.watermark = classify(sidecar.usage(), previous, policy.kv)
+        sidecar.watermark = classify_watermark(sidecar.usage(), previous, policy.kv)
         if sidecar.watermark.rank >= WatermarkState.PRESSURE.rank:
             self._relieve(sidecar, now)
         else:

@@ -45,7 +45,7 @@ def server_message(exc: ApiException) -> str:
     return str(message or exc.reason or f"HTTP {exc.status}")
 
 
-def classify(exc: ApiException, what: str) -> kopf.TemporaryError | kopf.PermanentError:
+def classify_api_error(exc: ApiException, what: str) -> kopf.TemporaryError | kopf.PermanentError:
     """A request the API server refuses as malformed will fail the same way again; anything
     else (conflicts, throttling, outages, missing RBAC being fixed) may pass later."""
     message = f"{what} failed ({exc.status}): {server_message(exc)}"
@@ -64,7 +64,7 @@ def kubernetes_errors(what: str) -> Iterator[None]:
     try:
         yield
     except ApiException as exc:
-        raise classify(exc, what) from exc
+        raise classify_api_error(exc, what) from exc
     except (aiohttp.ClientError, OSError, TimeoutError) as exc:
         raise kopf.TemporaryError(
             f"{what}: the API server is unreachable ({type(exc).__name__}: {exc})",

@@ -7,7 +7,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from controlplane.contract import KVPolicy, WatermarkState
-from engine_sidecar.policy import GrowthRate, KVUsage, classify, reconcile_used, steady_range
+from engine_sidecar.policy import (
+    GrowthRate,
+    KVUsage,
+    classify_watermark,
+    reconcile_used,
+    steady_range,
+)
 
 W = WatermarkState
 POLICY = KVPolicy(low_watermark=0.7, high_watermark=0.85, emergency_watermark=0.95, hysteresis=0.05)
@@ -22,31 +28,31 @@ def _u(used: int, reserved: int = 0) -> KVUsage:
     [(0, W.NORMAL), (699, W.NORMAL), (700, W.PRESSURE), (850, W.CRITICAL), (950, W.EXHAUSTED)],
 )
 def test_rises_at_once(used: int, state: WatermarkState) -> None:
-    assert classify(_u(used), W.NORMAL, POLICY) is state
+    assert classify_watermark(_u(used), W.NORMAL, POLICY) is state
 
 
 def test_reserved_growth_counts() -> None:
-    assert classify(_u(600, 260), W.NORMAL, POLICY) is W.CRITICAL
+    assert classify_watermark(_u(600, 260), W.NORMAL, POLICY) is W.CRITICAL
 
 
 def test_steps_down_only_past_hysteresis() -> None:
-    assert classify(_u(830), W.CRITICAL, POLICY) is W.CRITICAL
-    assert classify(_u(801), W.CRITICAL, POLICY) is W.CRITICAL
-    assert classify(_u(790), W.CRITICAL, POLICY) is W.PRESSURE
-    assert classify(_u(100), W.EXHAUSTED, POLICY) is W.NORMAL
+    assert classify_watermark(_u(830), W.CRITICAL, POLICY) is W.CRITICAL
+    assert classify_watermark(_u(801), W.CRITICAL, POLICY) is W.CRITICAL
+    assert classify_watermark(_u(790), W.CRITICAL, POLICY) is W.PRESSURE
+    assert classify_watermark(_u(100), W.EXHAUSTED, POLICY) is W.NORMAL
 
 
 def test_no_flapping_around_a_threshold() -> None:
     state = W.NORMAL
     seen = []
     for used in (700, 690, 705, 680, 702, 660, 640):
-        state = classify(_u(used), state, POLICY)
+        state = classify_watermark(_u(used), state, POLICY)
         seen.append(state)
     assert seen == [W.PRESSURE] * 6 + [W.NORMAL]
 
 
 def test_unknown_capacity_fails_closed() -> None:
-    assert classify(KVUsage(0, 0, 0), W.NORMAL, POLICY) is W.EXHAUSTED
+    assert classify_watermark(KVUsage(0, 0, 0), W.NORMAL, POLICY) is W.EXHAUSTED
 
 
 def test_reconcile_prefers_fresh_larger_engine_figure_only() -> None:
@@ -89,5 +95,5 @@ def test_the_steady_range_is_where_classify_keeps_the_state(
     low, high = steady_range(state, capacity, policy)
     edges = [low - 1, low, high - 1, high] if high > low else []
     for committed in [*counts, *(c for c in edges if 0 <= c < 10**7)]:
-        kept = classify(KVUsage(capacity, committed, 0), state, policy) is state
+        kept = classify_watermark(KVUsage(capacity, committed, 0), state, policy) is state
         assert kept == (low <= committed < high), (committed, low, high)
