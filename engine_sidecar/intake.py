@@ -3,7 +3,7 @@
 Each entry API (`/generate`, `/v1/completions`, `/v1/chat/completions`) is validated into
 one `Intake`: the body the engine will get, the prompt size admission charges, the output
 limit, and whether the request can be preempted and resumed. The rules are the router's too
-(`controlplane.contract.request_checks`), so a body the router would refuse is refused here
+(`controlplane.rules.request_checks`), so a body the router would refuse is refused here
 with the same status and reason. Anything malformed, hostile or beyond the context raises
 `RequestError` with the HTTP status to answer; nothing has been reserved at that point, so
 nothing leaks.
@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from controlplane.contract import Continuation, EngineAPI
-from controlplane.contract import request_checks as checks
-from controlplane.contract.request_checks import RequestCheckError
+from controlplane.rules import request_checks as checks
+from controlplane.rules.request_checks import RequestCheckError
 
 # What the engine's path is for each entry API.
 ENGINE_PATH = {

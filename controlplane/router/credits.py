@@ -12,7 +12,7 @@ the next credit expires (or until the budget is published again) as Retry-After;
 decode class with no budget at all: 503.
 
 The budget is the decode pool's: its router publishes, every `BUDGET_PERIOD_S`, what its
-routable endpoints' sidecars would admit now (`credit_rules.decode_budget`) — the class
+routable endpoints' sidecars would admit now (`rules.credits.decode_budget`) — the class
 cap and the largest single endpoint's room, which bounds one credit.
 """
 
@@ -25,9 +25,9 @@ from collections.abc import Callable
 from redis.exceptions import RedisError
 
 from controlplane.contract import HandoffCredit, KVPolicy
-from controlplane.contract.credit_rules import BUDGET_PERIOD_S, credit_refusal, decode_budget
 from controlplane.router.errors import overload, unavailable
 from controlplane.router.pool import PoolView
+from controlplane.rules.credits import BUDGET_PERIOD_S, credit_refusal, decode_budget
 from controlplane.store import CreditRefusal, CreditStore
 
 log = logging.getLogger(__name__)

@@ -12,9 +12,9 @@ import math
 
 from aiohttp import web
 
-from controlplane.contract.request_checks import RequestCheckError
 from controlplane.contract.vocabulary import error_body
 from controlplane.routing import Refusal
+from controlplane.rules.request_checks import RequestCheckError
 from controlplane.trace.trail import handled_request
 from controlplane.transport.guard import BodyError
 

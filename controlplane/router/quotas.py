@@ -23,8 +23,8 @@ from collections.abc import Sequence
 from redis.exceptions import RedisError
 
 from controlplane.contract import TenantQuota
-from controlplane.contract.quota_rules import quota_refusal
 from controlplane.router.errors import RouterError, bad_request, overload, unavailable
+from controlplane.rules.quotas import quota_refusal
 from controlplane.store import Amounts, QuotaHolder, QuotaStore
 
 log = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 Three entry APIs share one shape (`ClientRequest`): SGLang's `/generate` and OpenAI's
 `/v1/completions` and `/v1/chat/completions`, checked by the rules the sidecar checks them by
-too (`controlplane.contract.request_checks`), so both refuse a body alike. Weir's own per-request fields come from
+too (`controlplane.rules.request_checks`), so both refuse a body alike. Weir's own per-request fields come from
 headers or, equivalently, body fields (a header wins when both are given):
 
 | header                | body field          | meaning                                         |
@@ -30,9 +30,9 @@ import msgspec
 
 from controlplane.contract import Continuation, EngineAPI
 from controlplane.contract import headers as wire
-from controlplane.contract import request_checks as checks
-from controlplane.contract.request_checks import RequestCheckError
 from controlplane.router.errors import refused, unavailable
+from controlplane.rules import request_checks as checks
+from controlplane.rules.request_checks import RequestCheckError
 
 _T = TypeVar("_T")
 
@@ -85,7 +85,7 @@ def parse_client_request(
     default_model: str,
     limits: RequestLimits,
 ) -> ClientRequest:
-    """Validate a decoded body by the shared rules (`controlplane.contract.request_checks`)
+    """Validate a decoded body by the shared rules (`controlplane.rules.request_checks`)
     and Weir's headers; raise `RouterError` (400, or 404 for an unknown model)."""
     try:
         checked = checks.check(

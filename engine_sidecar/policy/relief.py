@@ -52,7 +52,7 @@ from controlplane.contract import (
     PreemptionMode,
     WatermarkState,
 )
-from controlplane.contract.credit_rules import endpoint_headroom_tokens
+from controlplane.rules.credits import endpoint_headroom_tokens
 from engine_sidecar.policy.admission import SequenceOutlook, growth_reserve
 from engine_sidecar.policy.reservation import pick_target
 from engine_sidecar.policy.watermark import KVUsage

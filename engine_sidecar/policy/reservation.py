@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from controlplane.contract import KVPolicy, WatermarkState
-from controlplane.contract.credit_rules import endpoint_headroom_tokens
+from controlplane.rules.credits import endpoint_headroom_tokens
 from engine_sidecar.policy.watermark import KVUsage
 
 # How long a target holds room for a continuation that has not arrived. A hand-back

@@ -17,9 +17,9 @@ from __future__ import annotations
 import functools
 
 from controlplane.contract import PoolPolicy
-from controlplane.contract.credit_rules import CreditLedger, credit_refusal
-from controlplane.contract.quota_rules import QuotaLedger, quota_refusal
 from controlplane.routing import Refusal
+from controlplane.rules.credits import CreditLedger, credit_refusal
+from controlplane.rules.quotas import QuotaLedger, quota_refusal
 from fleetsim.sim.flight import SimFlight
 
 HOLDER = "router-sim"

@@ -27,7 +27,7 @@ host room less what this sidecar's offloads not yet resumed hold).
 
 Router gate (`fleetsim.sim.gate`): tenant quotas, when the pool policy declares tenants,
 and on a disaggregated fleet a decode handoff credit before a prefill is admitted, both
-by the control plane's pure rules (`controlplane.contract.quota_rules`, `credit_rules`)
+by the control plane's pure rules (`controlplane.rules`: `quotas`, `credits`)
 and refused as the router refuses (429 with the limit as reason and Retry-After). A
 client with a maximum wait of its own retries after Retry-After while that wait lasts; an
 interactive one takes the refusal.
@@ -35,7 +35,7 @@ interactive one takes the refusal.
 P/D: sidecars publish their engine's role; the prefill is routed over the prefill
 endpoints, and when its KV has moved, the decode over the decode endpoints, by the same
 profile (its role filter and transfer term). The decode class's credit budget comes from
-what the decode sidecars last published (`credit_rules.decode_budget`): the room each
+what the decode sidecars last published (`rules.credits.decode_budget`): the room each
 routable endpoint's sidecar would admit, summed for the class cap, and the largest one
 as the bound on a single credit (a handoff lands on one engine); the decode side
 consumes a credit when the handoff arrives.
@@ -66,7 +66,6 @@ from controlplane.contract import (
     Role,
     WatermarkState,
 )
-from controlplane.contract.credit_rules import decode_budget
 from controlplane.ownership import Membership, OwnershipRing, prefix_key
 from controlplane.routing import (
     Dispatcher,
@@ -81,6 +80,7 @@ from controlplane.routing import (
     profile_from_config,
 )
 from controlplane.routing.dispatch import RESUME_FAILED, Event
+from controlplane.rules.credits import decode_budget
 from engine_sidecar.ledger import Ledger
 from engine_sidecar.policy import (
     RESERVATION_TTL_S,

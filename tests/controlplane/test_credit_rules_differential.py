@@ -21,7 +21,7 @@ import pytest
 from redis.asyncio import Redis
 
 from controlplane.contract import HandoffCredit
-from controlplane.contract.credit_rules import CreditDecision, CreditLedger
+from controlplane.rules.credits import CreditDecision, CreditLedger
 from controlplane.store import CreditRefusal, CreditStore
 from controlplane.store.scripts import as_text
 from tests.controlplane.records import POOL

@@ -18,9 +18,9 @@ from controlplane.contract import (
     SchemaError,
     WatermarkState,
 )
-from controlplane.contract.credit_rules import decode_budget
 from controlplane.routing import PoolSnapshot
 from controlplane.routing.snapshot import EndpointView
+from controlplane.rules.credits import decode_budget
 from controlplane.store import CommandChannel, CreditRefusal, CreditStore
 from tests.controlplane.records import POOL, endpoint
 

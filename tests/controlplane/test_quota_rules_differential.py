@@ -20,7 +20,7 @@ import pytest
 from redis.asyncio import Redis
 
 from controlplane.contract import TenantQuota
-from controlplane.contract.quota_rules import RATES, QuotaLedger
+from controlplane.rules.quotas import RATES, QuotaLedger
 from controlplane.store import Amounts, QuotaStore
 from controlplane.store.scripts import as_text
 from tests.controlplane.records import POOL

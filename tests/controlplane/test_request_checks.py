@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from controlplane.contract import EngineAPI
-from controlplane.contract.request_checks import (
+from controlplane.rules.request_checks import (
     CheckedBody,
     RequestCheckError,
     check,
