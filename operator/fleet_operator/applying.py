@@ -160,13 +160,24 @@ async def apply(api: ApiClient, manifest: Mapping[str, Any]) -> Applied:
 
 
 async def write_status(
-    api: ApiClient, namespace: str, name: str, changes: Mapping[str, Any]
+    api: ApiClient,
+    namespace: str,
+    name: str,
+    changes: Mapping[str, Any],
+    read_version: str = "",
 ) -> None:
-    """Merge `changes` into the pool's status (nothing is sent when there are none)."""
+    """Merge `changes` into the pool's status (nothing is sent when there are none). With
+    `read_version` (the resourceVersion the changes were computed from) the API server
+    refuses the write with 409 Conflict if the pool changed since: a status pass that read
+    the pool before another writer's change must not replace that writer's conditions
+    (a merge patch replaces the list whole), not even until its next pass."""
     if not changes:
         return
+    patch: dict[str, Any] = {"status": dict(changes)}
+    if read_version:
+        patch["metadata"] = {"resourceVersion": read_version}
     # The client's stubs omit `_content_type`; its default for a dict is a JSON patch.
     merge: dict[str, Any] = {"_content_type": MERGE_PATCH}
     await CustomObjectsApi(api).patch_namespaced_custom_object_status(
-        GROUP, VERSION, namespace, PLURAL, name, {"status": dict(changes)}, **merge
+        GROUP, VERSION, namespace, PLURAL, name, patch, **merge
     )

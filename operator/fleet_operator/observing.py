@@ -62,6 +62,7 @@ async def observe(
     recommendations: RecommendationLog,
 ) -> None:
     previous = status.get("conditions") or []
+    read_version = str(body.get("metadata", {}).get("resourceVersion") or "")
     changes: dict[str, Any] = {}  # of the status: only what changed is written
     try:
         pool = parse_pool(name, namespace, spec)
@@ -69,7 +70,7 @@ async def observe(
         seen = Observed(generation=generation, invalid=str(exc))
         changes = merge_patch(build_status(seen, previous, now_iso()), status)
         with kubernetes_errors("writing the pool's status"):
-            await write_status(api, namespace, name, changes)
+            await write_status(api, namespace, name, changes, read_version)
         return
     rejected = rejection(status, generation)
     live = await read_deployment(api, pool)
@@ -107,7 +108,7 @@ async def observe(
     # Only what changed: an idle pool costs the API server no writes.
     changes.update(merge_patch(build_status(seen, previous, now_iso()), status))
     with kubernetes_errors("writing the pool's status"):
-        await write_status(api, namespace, name, changes)
+        await write_status(api, namespace, name, changes, read_version)
 
 
 async def _pods(api: ApiClient, pool: Pool) -> list[PodView]:

@@ -26,12 +26,14 @@ from typing import Any
 import msgspec
 import pytest
 import redis.asyncio
+from kubernetes_asyncio.client.exceptions import ApiException
 
 from controlplane.contract import EndpointState, Lifecycle, PoolPolicy, decode_json
 from controlplane.store import EndpointRegistry, PoolKeys
 from fleet_operator import observing, reconciling
-from fleet_operator.applying import FIELD_MANAGER
+from fleet_operator.applying import FIELD_MANAGER, write_status
 from fleet_operator.config import OperatorConfig
+from fleet_operator.handlers import connect_kubernetes
 from fleet_operator.observing import DELETION_COST
 from tests.kube.control_plane import Cluster, ControlPlane
 from tests.kube.fault_proxy import FaultProxy
@@ -426,6 +428,29 @@ async def test_a_child_the_server_refuses_degrades_the_pool(weir: Weir) -> None:
     weir.patch_pool("refused", {"engine": {"resources": {"requests": {"cpu": "1"}}}})
     await until(lambda: weir.install.get("deployment", "refused"), what="the Deployment")
     await until(lambda: weir.condition("refused", "Degraded").get("status") == "False")
+
+
+async def test_a_status_write_computed_from_an_older_read_of_the_pool_is_refused(
+    weir: Weir,
+) -> None:
+    """A status pass writes over the pool it read, no other: the API server answers a
+    write computed from an older resourceVersion with 409 Conflict (a temporary error:
+    the next pass reads again). Without it a pass that read the pool just before the
+    reconciler recorded a child refusal replaced the conditions (a merge patch replaces
+    the list) and showed Ready=Creating beside Degraded=ChildRejected until its next
+    pass; the refused-child test above caught that on a loaded machine."""
+    weir.apply_pool("stale")
+    await until(lambda: weir.status("stale").get("conditions"), what="a status")
+    read = weir.pool("stale")["metadata"]["resourceVersion"]
+    weir.patch_pool("stale", {"replicas": {"min": 2, "max": 2}})
+    await until(lambda: weir.pool("stale")["metadata"]["resourceVersion"] != read)
+    api = await connect_kubernetes()
+    try:
+        with pytest.raises(ApiException) as refused:
+            await write_status(api, weir.install.namespace, "stale", {"kvUsage": "0%"}, read)
+    finally:
+        await api.close()
+    assert refused.value.status == 409
 
 
 async def test_an_invalid_spec_is_degraded_not_crashing(weir: Weir) -> None:
