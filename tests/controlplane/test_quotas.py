@@ -98,12 +98,15 @@ async def test_subsets_of_dimensions_from_router_and_sidecar(quotas: QuotaStore)
 
 async def test_crashed_holder_charges_come_back(quotas: QuotaStore) -> None:
     await quotas.set_quota(TenantQuota(name="acme", max_concurrency=3))
-    await quotas.renew_holder("router-2", ttl_s=0.2)
+    await quotas.renew_holder("router-2", ttl_s=30)
     for rid in ("a", "b"):
         assert (await quotas.charge("acme", "router-2", rid, Amounts(concurrency=1))).granted
     assert (await quotas.charge("acme", "router-1", "c", Amounts(concurrency=1))).granted
     assert (await quotas.usage("acme")).concurrency == 3
     assert await quotas.reap_holders() == {}  # router-2's lease is still valid
+    # Its last renewal, and then it crashes: the lease lapses. (Taken short from the
+    # start, it lapsed before the check above on a loaded machine.)
+    await quotas.renew_holder("router-2", ttl_s=0.2)
     async with asyncio.timeout(30):
         while True:
             reaped = await quotas.reap_holders()
