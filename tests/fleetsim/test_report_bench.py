@@ -10,29 +10,18 @@ import pytest
 from weir.cli import main
 
 
+def _fleet(out: Path, *extra: str) -> list[str]:
+    """`weir bench fleet` on short_short over two engines for a 3 s window, no sweep,
+    its report in `out`, one JSON object printed."""
+    return ["bench", "fleet", "--scenario", "short_short", "--engines", "2", "--duration",
+            "3", "--sweep", "", *extra, "--out", str(out), "--json"]  # fmt: skip
+
+
 def test_bench_fleet_writes_the_report_and_prints_one_json(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "report"
-    argv = [
-        "bench",
-        "fleet",
-        "--scenario",
-        "short_short",
-        "--engines",
-        "2",
-        "--duration",
-        "3",
-        "--sweep",
-        "",
-        "--policies",
-        "round_robin,weir",
-        "--jobs",
-        "1",
-        "--out",
-        str(out),
-        "--json",
-    ]
+    argv = _fleet(out, "--policies", "round_robin,weir", "--jobs", "1")
     assert main(argv) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["benchmark"] == "fleet"
@@ -48,30 +37,10 @@ def test_bench_fleet_finds_capacities_at_slo_reusing_the_matrix_load(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "report"
-    argv = [
-        "bench",
-        "fleet",
-        "--scenario",
-        "short_short",
-        "--engines",
-        "2",
-        "--duration",
-        "3",
-        "--drain",
-        "30",
-        "--sweep",
-        "",
-        "--policies",
-        "round_robin,weir,oracle",
-        "--jobs",
-        "2",
-        "--capacity",
-        "--capacity-tolerance",
-        "0.5",
-        "--out",
-        str(out),
-        "--json",
-    ]
+    argv = _fleet(
+        out, "--drain", "30", "--policies", "round_robin,weir,oracle", "--jobs", "2",
+        "--capacity", "--capacity-tolerance", "0.5",
+    )  # fmt: skip
     assert main(argv) == 0
     printed = json.loads(capsys.readouterr().out)
     names = [f["name"] for f in printed["figures"]]
