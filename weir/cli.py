@@ -7,6 +7,9 @@ Each subcommand lives in its own module under `weir.commands` (and each benchmar
     HELP: str                     one line for `weir --help`
     def configure(parser) -> None add its arguments
     def run(args) -> int          do the work; heavy imports go here, not at module level
+
+`run` may raise `argparse.ArgumentError` for a value that parses but is refused later (a
+setting out of range): it is reported as argparse reports a bad flag, usage and exit 2.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ def _add(
 ) -> None:
     parser = subparsers.add_parser(module.NAME, help=module.HELP, description=module.HELP)
     module.configure(parser)
-    parser.set_defaults(_run=module.run)
+    parser.set_defaults(_run=module.run, _parser=parser)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,6 +66,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     runner = cast(Runner, args._run)
     try:
         return runner(args)
+    except argparse.ArgumentError as exc:
+        cast(argparse.ArgumentParser, args._parser).error(str(exc))
     except KeyboardInterrupt:
         return 130
 

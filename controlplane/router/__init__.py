@@ -6,11 +6,18 @@ control plane (`redis_url`: the change feed, leases, ownership) or from a fixed 
 engine URLs (`endpoints`). Routes: `POST /v1/chat/completions`, `/v1/completions`,
 `/generate`; `GET /v1/models`, `/health`, `/ready`, `/metrics`, `/weir/v1/pool`. Request
 fields and headers are documented in `controlplane.router.requests`; errors in
-`controlplane.router.errors`.
+`controlplane.router.errors`; the settings (`RouterConfig` and its groups) in
+`controlplane.router.config`.
 """
 
 from controlplane.router.app import Router
-from controlplane.router.config import RouterConfig
+from controlplane.router.config import (
+    HandoffSettings,
+    QuotaSettings,
+    RouterConfig,
+    SettingError,
+    UpstreamSettings,
+)
 from controlplane.router.errors import RouterError
 from controlplane.router.pool import PoolView, StoreFeed, static_endpoints
 from controlplane.router.requests import ClientRequest, RequestLimits
@@ -19,14 +26,18 @@ from controlplane.router.tenants import TenantKeys
 
 __all__ = [
     "ClientRequest",
+    "HandoffSettings",
     "PoolView",
+    "QuotaSettings",
     "RequestLimits",
     "Router",
     "RouterConfig",
     "RouterError",
     "RunningRouter",
+    "SettingError",
     "StoreFeed",
     "TenantKeys",
+    "UpstreamSettings",
     "serve_router",
     "static_endpoints",
 ]

@@ -169,7 +169,7 @@ class Router:
         `decode_view` follows) serves every request as a P/D pair."""
         self.config = config
         self.view = view
-        self.keys = (keys or TenantKeys()).declaring(t.name for t in config.tenants)
+        self.keys = (keys or TenantKeys()).declaring(t.name for t in config.quotas.tenants)
         self.quotas = quotas
         self.clock = clock
         self.profile = profile_from_config(config.profile or default_config(config.routing))
@@ -226,9 +226,9 @@ class Router:
 
     async def _start(self, _app: web.Application) -> None:
         self.http = HTTPClient(
-            connect_timeout_s=self.config.connect_timeout_s,
-            read_timeout_s=self.config.chunk_timeout_s,
-            max_connections_per_origin=self.config.max_upstream_connections,
+            connect_timeout_s=self.config.upstream.connect_timeout_s,
+            read_timeout_s=self.config.upstream.chunk_timeout_s,
+            max_connections_per_origin=self.config.upstream.max_connections,
         )
 
     async def _stop(self, _app: web.Application) -> None:

@@ -111,7 +111,7 @@ class Exchanges:
                     return result
                 if outcome != "refused":
                     # Broken or preempted after bytes reached the client: resume elsewhere.
-                    if ex.splicer.finish or resumes >= self._router.config.max_resumes:
+                    if ex.splicer.finish or resumes >= self._router.config.upstream.max_resumes:
                         return await self.end_stream(ex, complete=bool(ex.splicer.finish))
                     resumes += 1
                     self._router.metrics.resumes.labels(self._router.config.pool, outcome).inc()

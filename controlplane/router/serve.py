@@ -66,10 +66,9 @@ async def serve_router(
     credits: HandoffGate | None = None
     decode_view: PoolView | None = None
     decode_feed: StoreFeed | None = None
-    if (config.enforce_quotas or config.role is Role.PREFILL) and not redis_url:
+    handoff = config.handoff
+    if (config.quotas.enforce or config.role is Role.PREFILL) and not redis_url:
         raise ValueError("quotas and handoff credits live in the control plane: give redis_url")
-    if config.role is Role.PREFILL and not config.decode_pool:
-        raise ValueError("a prefill pool's router needs decode_pool (the handoff credit class)")
     if endpoints:
         view = PoolView(config.pool, math.inf)
         view.update(static_endpoints(config.pool, config.model, endpoints), clock())
@@ -79,20 +78,20 @@ async def serve_router(
         owners = RingOwners(config.routing.virtual_nodes)
         feed = StoreFeed(PoolFollower(EndpointRegistry(redis, config.pool)), view, clock,
                          owners_for=owners)  # fmt: skip
-        if config.enforce_quotas:
-            quotas = QuotaGate(QuotaStore(redis, config.pool), config.tenants)
+        if config.quotas.enforce:
+            quotas = QuotaGate(QuotaStore(redis, config.pool), config.quotas.tenants)
             await quotas.publish()
             await quotas.store.renew_holder(quotas.holder, quotas.lease_ttl_s)
         if config.role is Role.PREFILL:
             # The decode pool keeps the budget; its name is the credit class. Its
             # endpoints are this router's too: each request's decode leg goes to one.
             credits = HandoffGate(
-                CreditStore(redis, config.decode_pool), config.decode_pool,
-                config.kv_bytes_per_token, config.credit_ttl_s,
+                CreditStore(redis, handoff.decode_pool), handoff.decode_pool,
+                handoff.kv_bytes_per_token, handoff.credit_ttl_s,
             )  # fmt: skip
-            decode_view = PoolView(config.decode_pool, config.routing.snapshot_staleness_s)
+            decode_view = PoolView(handoff.decode_pool, config.routing.snapshot_staleness_s)
             decode_feed = StoreFeed(
-                PoolFollower(EndpointRegistry(redis, config.decode_pool)), decode_view, clock
+                PoolFollower(EndpointRegistry(redis, handoff.decode_pool)), decode_view, clock
             )
     router = Router(config, view, keys, clock, quotas, credits, decode_view)
     runner = web.AppRunner(
@@ -116,7 +115,7 @@ async def serve_router(
         tasks.append(loop.create_task(quotas.keep_lease()))
     if redis is not None and config.role is Role.DECODE:
         budget = publish_budget(
-            CreditStore(redis, config.pool), view, clock, config.kv, config.kv_bytes_per_token
+            CreditStore(redis, config.pool), view, clock, handoff.kv, handoff.kv_bytes_per_token
         )
         tasks.append(loop.create_task(budget))
     return RunningRouter(router, f"http://{config.host}:{port}", runner, tasks, redis)

@@ -12,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from controlplane.contract import PoolPolicy, RoutingPolicy, TenantQuota, encode_json
-from controlplane.router import PoolView, Router, RouterConfig
+from controlplane.router import PoolView, QuotaSettings, Router, RouterConfig
 from controlplane.routing.filters import BoundedLoad
 from controlplane.routing.scorers import PrefixAffinity
 from controlplane.store import QuotaStore
@@ -35,9 +35,8 @@ def test_the_pool_policy_sets_the_routers_routing_limits_and_tenants() -> None:
     assert (config.pool, config.model, config.port) == ("p", "m", 9)
     assert config.limits.context_length == 4096
     assert config.routing == routing
-    assert config.enforce_quotas
-    assert config.tenants == TENANTS
-    assert not RouterConfig.from_policy(PoolPolicy(pool="p", model="m")).enforce_quotas
+    assert config.quotas == QuotaSettings(enforce=True, tenants=TENANTS)
+    assert not RouterConfig.from_policy(PoolPolicy(pool="p", model="m")).quotas.enforce
 
     router = Router(config, PoolView("p", math.inf))
     bounded = [f for f in router.profile.filters if isinstance(f, BoundedLoad)]
@@ -52,8 +51,8 @@ async def test_the_policys_quotas_are_published_and_enforced_by_tenant_header(
     redis_url: str,
 ) -> None:
     async with (
-        make_fleet(redis_url, engines=1, speed_factor=1.0, tenants=TENANTS,
-                   enforce_quotas=True) as fleet,
+        make_fleet(redis_url, engines=1, speed_factor=1.0,
+                   quotas=QuotaSettings(enforce=True, tenants=TENANTS)) as fleet,
         aiohttp.ClientSession() as session,
     ):  # fmt: skip
         store = QuotaStore(fleet.registry.redis, POOL)

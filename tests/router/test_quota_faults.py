@@ -13,6 +13,7 @@ import pytest
 import redis
 
 from controlplane.contract import TenantQuota
+from controlplane.router import QuotaSettings
 from controlplane.router.errors import RouterError
 from controlplane.router.quotas import QuotaGate
 from controlplane.store import QuotaStore, RedisSettings, cancel_loops, connect
@@ -173,7 +174,10 @@ async def test_streams_that_end_while_redis_is_down_give_their_slots_back() -> N
     with RedisServer(extra_args=AOF) as server:
         async with (
             make_fleet(
-                server.url, engines=1, speed_factor=1.0, enforce_quotas=True, tenants=policy
+                server.url,
+                engines=1,
+                speed_factor=1.0,
+                quotas=QuotaSettings(enforce=True, tenants=policy),
             ) as fleet,
             aiohttp.ClientSession() as session,
         ):

@@ -15,6 +15,7 @@ import aiohttp
 import pytest
 
 from controlplane.contract import Role
+from controlplane.router import HandoffSettings
 from controlplane.store import CreditStore
 from fleetsim.engine import EngineConfig
 from fleetsim.server import RunningEngine, serve_engine
@@ -24,6 +25,7 @@ from tests.router.conftest import MODEL, Fleet, make_fleet
 pytestmark = pytest.mark.redis
 
 DECODE = "decode-a"
+KV_BYTES_PER_TOKEN = 1000  # both routers of the pair price a prompt's KV alike
 PROMPT = "the river rises against the weir " * 12  # 396 byte tokens
 SLOW_LINK = 2e6  # bytes/s: a 396-token prompt's KV (52 MB) takes 26 s, 1.3 s of wall time
 
@@ -36,9 +38,9 @@ async def pd(
     router serves the clients."""
     async with (
         make_fleet(redis_url, engines=decode, pool=DECODE, role=Role.DECODE, engine=engine,
-                   kv_bytes_per_token=1000) as decode_pool,
-        make_fleet(redis_url, engines=prefill, role=Role.PREFILL, decode_pool=DECODE,
-                   engine=engine, kv_bytes_per_token=1000) as prefill_pool,
+                   handoff=HandoffSettings(kv_bytes_per_token=KV_BYTES_PER_TOKEN)) as decode_pool,
+        make_fleet(redis_url, engines=prefill, role=Role.PREFILL, engine=engine,
+                   handoff=HandoffSettings(DECODE, KV_BYTES_PER_TOKEN)) as prefill_pool,
     ):  # fmt: skip
         pairing = prefill_pool.router.router.pairing
         assert pairing is not None

@@ -13,7 +13,14 @@ import aiohttp
 import pytest
 
 from controlplane.contract import KVPolicy, Role, TenantQuota, WatermarkState
-from controlplane.router import RouterConfig, RunningRouter, TenantKeys, serve_router
+from controlplane.router import (
+    HandoffSettings,
+    QuotaSettings,
+    RouterConfig,
+    RunningRouter,
+    TenantKeys,
+    serve_router,
+)
 from controlplane.store import CreditStore, QuotaStore
 from tests.polling import until
 from tests.router.conftest import MODEL, POOL, Fleet, make_fleet
@@ -30,13 +37,13 @@ def _auth(key: str) -> dict[str, str]:
 @contextlib.asynccontextmanager
 async def _two_routers(redis_url: str) -> AsyncIterator[tuple[Fleet, RunningRouter]]:
     async with make_fleet(
-        redis_url, engines=2, speed_factor=1.0, keys=KEYS, enforce_quotas=True
+        redis_url, engines=2, speed_factor=1.0, keys=KEYS, quotas=QuotaSettings(enforce=True)
     ) as fleet:
         quotas = QuotaStore(fleet.registry.redis, POOL)
         await quotas.set_quota(TenantQuota(name="team-a", max_concurrency=2))
         await quotas.set_quota(TenantQuota(name="team-rate", input_tokens_per_min=100))
         second = await serve_router(
-            RouterConfig(pool=POOL, model=MODEL, enforce_quotas=True),
+            RouterConfig(pool=POOL, model=MODEL, quotas=QuotaSettings(enforce=True)),
             redis_url=redis_url,
             keys=KEYS,
         )
@@ -114,10 +121,10 @@ async def test_a_decode_pools_router_publishes_the_handoff_budget_its_sidecars_w
     pool's router admits against it; a decode pool at critical promises nothing."""
     kv = KVPolicy(emergency_watermark=0.95)
     async with (
-        make_fleet(redis_url, engines=2, pool="decode-a", role=Role.DECODE, kv=kv,
-                   kv_bytes_per_token=1000) as decode,
-        make_fleet(redis_url, engines=1, role=Role.PREFILL, decode_pool="decode-a",
-                   kv_bytes_per_token=1000) as prefill,
+        make_fleet(redis_url, engines=2, pool="decode-a", role=Role.DECODE,
+                   handoff=HandoffSettings(kv_bytes_per_token=1000, kv=kv)) as decode,
+        make_fleet(redis_url, engines=1, role=Role.PREFILL,
+                   handoff=HandoffSettings("decode-a", kv_bytes_per_token=1000)) as prefill,
         aiohttp.ClientSession() as session,
     ):  # fmt: skip
         redis = decode.registry.redis
@@ -154,7 +161,11 @@ async def test_quotas_the_control_plane_lost_are_published_again_from_the_policy
     policy = (TenantQuota(name="team-a", max_concurrency=1),)
     async with (
         make_fleet(
-            redis_url, engines=1, speed_factor=1.0, keys=KEYS, enforce_quotas=True, tenants=policy
+            redis_url,
+            engines=1,
+            speed_factor=1.0,
+            keys=KEYS,
+            quotas=QuotaSettings(enforce=True, tenants=policy),
         ) as fleet,
         aiohttp.ClientSession() as session,
     ):
@@ -181,7 +192,9 @@ async def test_a_burst_of_concurrent_requests_waits_for_redis_connections_rather
     burst = 200
     policy = (TenantQuota(name="team-a", max_concurrency=burst),)
     async with (
-        make_fleet(redis_url, engines=2, keys=KEYS, enforce_quotas=True, tenants=policy) as fleet,
+        make_fleet(
+            redis_url, engines=2, keys=KEYS, quotas=QuotaSettings(enforce=True, tenants=policy)
+        ) as fleet,
         aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session,
     ):
         replies = await asyncio.gather(

@@ -14,7 +14,7 @@ import aiohttp
 import msgspec
 import pytest
 
-from controlplane.router import RouterConfig, RunningRouter, serve_router
+from controlplane.router import RouterConfig, RunningRouter, UpstreamSettings, serve_router
 from controlplane.router.metrics import RETRY_REASONS
 from tests.router.conftest import MODEL
 from tests.transport.raw_server import (
@@ -35,11 +35,8 @@ async def refused_port() -> AsyncIterator[str]:
 
 
 @contextlib.asynccontextmanager
-async def router(endpoint: str, **config: object) -> AsyncIterator[RunningRouter]:
-    running = await serve_router(
-        RouterConfig(model=MODEL, **config),  # type: ignore[arg-type]
-        endpoints=[endpoint],
-    )
+async def router(endpoint: str, upstream: UpstreamSettings) -> AsyncIterator[RunningRouter]:
+    running = await serve_router(RouterConfig(model=MODEL, upstream=upstream), endpoints=[endpoint])
     try:
         yield running
     finally:
@@ -61,24 +58,24 @@ def retries(running: RunningRouter) -> dict[str, float]:
 # Each failing endpoint, and the router settings that make it fail that way (short
 # timeouts only where the failure is a timeout: elsewhere a busy machine could time out
 # before the endpoint's answer arrives).
-UPSTREAMS: dict[str, tuple[Callable[[], AbstractAsyncContextManager[str]], dict[str, float]]] = {
-    "connect_error": (refused_port, {}),
-    "connect_timeout": (unanswered_listener, {"connect_timeout_s": 0.3}),
-    "read_timeout": (lambda: tcp_server(silent), {"chunk_timeout_s": 0.3}),
+UPSTREAMS: dict[str, tuple[Callable[[], AbstractAsyncContextManager[str]], UpstreamSettings]] = {
+    "connect_error": (refused_port, UpstreamSettings()),
+    "connect_timeout": (unanswered_listener, UpstreamSettings(connect_timeout_s=0.3)),
+    "read_timeout": (lambda: tcp_server(silent), UpstreamSettings(chunk_timeout_s=0.3)),
     "protocol_error": (
         lambda: tcp_server(answering(b"HTTP/1.1 200 OK\r\nContent-Length: +2\r\n\r\n{}")),
-        {},
+        UpstreamSettings(),
     ),
-    "connection_closed": (lambda: tcp_server(hang_up), {}),
+    "connection_closed": (lambda: tcp_server(hang_up), UpstreamSettings()),
 }
 
 
 @pytest.mark.parametrize("reason", UPSTREAMS)
 async def test_a_failure_before_the_first_byte_is_counted_as_what_it_was(reason: str) -> None:
-    upstream, config = UPSTREAMS[reason]
+    upstream, settings = UPSTREAMS[reason]
     async with (
         upstream() as endpoint,
-        router(endpoint, **config) as running,
+        router(endpoint, settings) as running,
         aiohttp.ClientSession() as http,
         http.post(running.url + "/v1/completions", data=COMPLETION) as reply,
     ):
@@ -102,7 +99,7 @@ async def test_an_endpoint_whose_connections_are_all_busy_is_a_pool_timeout() ->
 
     async with (
         tcp_server(slow) as endpoint,
-        router(endpoint, max_upstream_connections=1, connect_timeout_s=0.5) as running,
+        router(endpoint, UpstreamSettings(max_connections=1, connect_timeout_s=0.5)) as running,
         aiohttp.ClientSession() as http,
     ):
 

@@ -20,6 +20,14 @@ NAME = "router"
 DEFAULT_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 HELP = "Serve the router: OpenAI/SGLang-compatible gateway with KV-aware routing for one pool."
 
+# The flags that alone give a router setting, by its dotted path (`SettingError.path`):
+# a value the settings refuse is reported against its flag, as argparse reports its own.
+SETTING_FLAGS = {
+    "host": "--host",
+    "port": "--port",
+    "upstream.max_connections": "--max-upstream-connections",
+}
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
@@ -77,7 +85,15 @@ def run(args: argparse.Namespace) -> int:
     import yaml
 
     from controlplane.contract import PoolPolicy, Role, SchemaError, decode_json
-    from controlplane.router import RequestLimits, RouterConfig, TenantKeys, serve_router
+    from controlplane.router import (
+        QuotaSettings,
+        RequestLimits,
+        RouterConfig,
+        SettingError,
+        TenantKeys,
+        UpstreamSettings,
+        serve_router,
+    )
     from controlplane.routing import ProfileError, profile_from_config
     from controlplane.store.connection import redact_url
 
@@ -90,8 +106,6 @@ def run(args: argparse.Namespace) -> int:
             )
         if not (0.5 <= args.bytes_per_token <= 16):
             raise ValueError("--bytes-per-token must be between 0.5 and 16")
-        if args.max_upstream_connections < 1:
-            raise ValueError("--max-upstream-connections must be at least 1")
         keys = TenantKeys.load(args.api_keys) if args.api_keys else TenantKeys()
         profile = yaml.safe_load(Path(args.profile).read_text()) if args.profile else None
         if profile is not None:
@@ -113,11 +127,13 @@ def run(args: argparse.Namespace) -> int:
             policy = msgspec.structs.replace(
                 policy, routing=msgspec.structs.replace(policy.routing, **given)
             )
-        overrides: dict[str, object] = {}
         if args.prefill_for:
-            overrides.update(role=Role.PREFILL, decode_pool=args.prefill_for)
-        if args.quotas:
-            overrides["enforce_quotas"] = True
+            policy = msgspec.structs.replace(
+                policy, role=Role.PREFILL, decode_pool=args.prefill_for
+            )
+        overrides: dict[str, object] = {}
+        if args.quotas:  # enforced even where the policy declares no tenants
+            overrides["quotas"] = QuotaSettings(enforce=True, tenants=policy.tenants)
         config = RouterConfig.from_policy(
             policy,
             model=args.model or policy.model,
@@ -127,16 +143,21 @@ def run(args: argparse.Namespace) -> int:
                 args.context_length or policy.context_length, args.bytes_per_token
             ),
             profile=profile,
-            max_upstream_connections=args.max_upstream_connections,
+            upstream=UpstreamSettings(max_connections=args.max_upstream_connections),
             server=server_limits(args),
             admin_token=admin_token(args.admin_token_file),
             **overrides,
         )
-        if (config.enforce_quotas or config.role is Role.PREFILL) and not url:
+        if (config.quotas.enforce or config.role is Role.PREFILL) and not url:
             raise ValueError(
                 "quotas (--quotas, or tenants in the policy) and --prefill-for need "
                 f"--redis-url (or --redis-url-file, or ${REDIS_URL_ENV}: the control plane)"
             )
+    except SettingError as exc:
+        flag = SETTING_FLAGS.get(exc.path)
+        raise argparse.ArgumentError(
+            None, f"argument {flag}: {exc}" if flag else str(exc)
+        ) from None
     except (OSError, ValueError, ProfileError, SchemaError, yaml.YAMLError) as exc:
         print(f"weir router: {exc}", file=sys.stderr)
         return 2
