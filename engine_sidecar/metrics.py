@@ -14,7 +14,9 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from controlplane.contract import PreemptionMode, WatermarkState
+from controlplane.store import QuotaHolder
 from controlplane.telemetry.catalog import SIDECAR, MetricKind
+from controlplane.transport.guard import LIMITS
 from engine_sidecar.ledger import Ledger
 
 _SPECS = {spec.name: spec for spec in SIDECAR}
@@ -32,6 +34,7 @@ _KNOWN_LABELS = {
     "weir_sidecar_kv_quota_charges_total": ("granted", "refused", "unavailable"),
     "weir_sidecar_preemptions_total": tuple(mode.value for mode in PreemptionMode),
     "weir_sidecar_migration_reservations_total": ("taken", "refused", "consumed", "expired"),
+    "weir_sidecar_client_limits_total": LIMITS,
 }
 # Active-sequence series stay (at zero) for the (priority, tenant) pairs seen, up to this
 # many, so a tenant's line drops to zero when it goes idle instead of vanishing.
@@ -45,6 +48,7 @@ class _Gauges(Collector):
         self._ledger = ledger
         self._ep = (pool, endpoint)
         self._seen: set[tuple[str, str]] = set()
+        self.quota_book: QuotaHolder | None = None  # the KV quota's, once linked
 
     def _family(self, name: str) -> GaugeMetricFamily:
         spec = _SPECS[name]
@@ -76,6 +80,10 @@ class _Gauges(Collector):
             ("weir_sidecar_kv_growth_tokens_per_second", ledger.growth.tokens_per_s),
             ("weir_sidecar_waiting_prefill_tokens", ledger.waiting_prefill),
             ("weir_sidecar_prefill_wait_age_seconds", ledger.oldest_wait_s()),
+            (
+                "weir_sidecar_quota_releases_pending",
+                book.pending if (book := self.quota_book) else 0,
+            ),
         ):
             family = self._family(name)
             family.add_metric(ep, float(value))
@@ -115,6 +123,10 @@ class SidecarMetrics:
                 family.labels(pool, endpoint)
             for value in _KNOWN_LABELS.get(spec.name, ()):
                 self._counters[spec.name].labels(pool, endpoint, value)
+
+    def watch_quota(self, book: QuotaHolder) -> None:
+        """Export the releases this quota holder has not got Redis to take yet."""
+        self._gauges.quota_book = book
 
     def sequence_ended(self, priority: int, tenant: str) -> None:
         """A sequence that ran here ended, perhaps between two scrapes: its active-sequence

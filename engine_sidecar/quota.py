@@ -55,6 +55,8 @@ class KVQuota:
         self.ttl_s = ttl_s
         self.metrics = metrics
         self.book = QuotaHolder(store, holder, ttl_s)
+        if metrics is not None:
+            metrics.watch_quota(self.book)
         self._charged: dict[str, float] = {}  # rid → wall time of the charge
         # Tenants with a quota as of the last heartbeat; None until read: charge everyone.
         self._tenants: frozenset[str] | None = None

@@ -117,7 +117,11 @@ class SidecarService:
         limits = server_limits or ServerLimits().for_context(
             max(policy.context_length, info.context_length or 0)
         )
-        self.guard = RequestGuard(limits, body_refused)
+        self.guard = RequestGuard(
+            limits,
+            body_refused,
+            lambda limit: self.metrics.count("weir_sidecar_client_limits_total", limit),
+        )
         # A continuation carries the client's body and what was generated: twice the room.
         self.continuation_limit = 2 * limits.max_body_bytes
         self.draining = False

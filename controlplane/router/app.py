@@ -204,6 +204,7 @@ class Router:
         self.guard = RequestGuard(
             config.server.for_context(config.limits.context_length),
             lambda exc: body_refused(exc).response(),
+            lambda limit: self.metrics.client_limits.labels(config.pool, limit).inc(),
         )
         self.exchanges = Exchanges(self)
 

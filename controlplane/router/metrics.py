@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from controlplane.telemetry.catalog import ROUTER, MetricKind
 from controlplane.transport import TRANSPORT_REASONS
+from controlplane.transport.guard import LIMITS
 
 # The label values the router produces, by family (reasons are the `reason` of its
 # refusals: `controlplane.router.errors`, the quota store's limits, the fair queue; a
@@ -68,14 +69,18 @@ class RouterMetrics:
         self.snapshot_age = f["weir_router_snapshot_age_seconds"]
         self.lease_expiries = f["weir_router_lease_expiries_total"]
         self.handoff_credits = f["weir_router_handoff_credits_total"]
+        self.quota_releases_pending = f["weir_router_quota_releases_pending"]
+        self.client_limits = f["weir_router_client_limits_total"]
         for family, reasons in (
             (self.retries, RETRY_REASONS),
             (self.resumes, RESUME_REASONS),
             (self.overloads, OVERLOAD_REASONS),
+            (self.client_limits, LIMITS),
         ):
             for reason in reasons:
                 family.labels(pool, reason)
         self.lease_expiries.labels(pool)
+        self.quota_releases_pending.labels(pool)
         self.queue_seconds.labels(pool, DEFAULT_PRIORITY)
 
     def exposition(self) -> bytes:

@@ -62,6 +62,9 @@ class StatusRoutes:
     async def _metrics(self, _request: web.Request) -> web.Response:
         self._observe_snapshot()
         if self._router.quotas is not None:
+            self._router.metrics.quota_releases_pending.labels(self._router.config.pool).set(
+                self._router.quotas.book.pending
+            )
             gauge = self._router.metrics.quota_utilization
             with contextlib.suppress(RedisError, OSError):  # scrape what is known
                 for (tenant, resource), ratio in (await self._router.quotas.utilization()).items():

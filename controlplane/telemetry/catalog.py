@@ -60,6 +60,18 @@ def length_bucket(tokens: int) -> str:
     return LENGTH_BUCKETS[-1]
 
 
+# Families both components export, under their own prefix.
+_RELEASES_PENDING = (
+    "Tenant quota releases Redis has not taken yet (it was unreachable, or failing over): "
+    "each is sent again until Redis takes it; meanwhile the tenant's usage reads high by "
+    "what they hold, so a tenant near its quota may be refused."
+)
+_CLIENT_LIMITS = (
+    "Client connections closed, or request bodies refused, by one of this server's limits "
+    "(docs/security.md): header_timeout, idle_timeout, too_many_connections, "
+    "body_too_large, body_too_complex, body_timeout, body_budget."
+)
+
 SIDECAR: tuple[MetricSpec, ...] = (
     MetricSpec(
         "weir_sidecar_active_sequences",
@@ -154,6 +166,18 @@ SIDECAR: tuple[MetricSpec, ...] = (
         "the request was admitted on local admission alone and its charge is released "
         "when it leaves, in case it landed).",
         (*_EP, "result"),
+    ),
+    MetricSpec(
+        "weir_sidecar_quota_releases_pending",
+        _G,
+        _RELEASES_PENDING,
+        _EP,
+    ),
+    MetricSpec(
+        "weir_sidecar_client_limits_total",
+        _C,
+        _CLIENT_LIMITS,
+        (*_EP, "limit"),
     ),
     MetricSpec(
         "weir_sidecar_requests_finished_total",
@@ -326,6 +350,8 @@ ROUTER: tuple[MetricSpec, ...] = (
         "its client leaves first, expired when consumed too late.",
         ("pool", "outcome"),
     ),
+    MetricSpec("weir_router_quota_releases_pending", _G, _RELEASES_PENDING, ("pool",)),
+    MetricSpec("weir_router_client_limits_total", _C, _CLIENT_LIMITS, ("pool", "limit")),
 )
 
 CATALOG: tuple[MetricSpec, ...] = SIDECAR + ROUTER

@@ -273,7 +273,7 @@ class _Guarded(asyncio.Protocol):
         if self._state == _IDLE and transport.get_write_buffer_size():
             self.idle()  # still sending the last response to a slow reader
             return
-        self._guard.closed["header_timeout" if self._state == _HEAD else "idle_timeout"] += 1
+        self._guard.stopped("header_timeout" if self._state == _HEAD else "idle_timeout")
         transport.close()
 
 
@@ -288,7 +288,7 @@ class _Refused(asyncio.Protocol):
         # uvloop's transports are not asyncio's classes: no isinstance check here.
         transport = cast(asyncio.Transport, transport)
         guard = self._guard
-        guard.closed["too_many_connections"] += 1
+        guard.stopped("too_many_connections")
         if guard.refusing > guard.limits.max_connections:  # a flood: no courtesy
             transport.abort()
             return
@@ -350,22 +350,35 @@ class GuardedSite(web.BaseSite):
             )
 
 
+# The limits a guard enforces, by name: those that close a connection, those that refuse
+# a request's body.
+_CLOSING_LIMITS = ("header_timeout", "idle_timeout", "too_many_connections")
+_REFUSING_LIMITS = ("body_too_large", "body_too_complex", "body_timeout", "body_budget")
+LIMITS = _CLOSING_LIMITS + _REFUSING_LIMITS
+
+
 class RequestGuard:
     """One server's limits in force: its connections' timers and cap (`start`), the
     middleware that tells them when requests are handled, and body reads (`read`).
-    `refuse` answers a `BodyError` in the server's own error format."""
+    `refuse` answers a `BodyError` in the server's own error format; `on_stop`, if given,
+    hears each connection closed (`closed`) or body refused (`refused`) by a limit, by its
+    name (`LIMITS`), for the server's metrics."""
 
-    def __init__(self, limits: ServerLimits, refuse: Callable[[BodyError], web.Response]) -> None:
+    def __init__(
+        self,
+        limits: ServerLimits,
+        refuse: Callable[[BodyError], web.Response],
+        on_stop: Callable[[str], None] | None = None,
+    ) -> None:
         if not limits.max_body_bytes or not limits.max_body_bytes_in_flight:
             raise ValueError("give the guard resolved limits (ServerLimits.for_context)")
         self.limits = limits
         self.budget = ByteBudget(limits.max_body_bytes_in_flight)
         self.open = 0  # guarded connections
         self.refusing = 0  # connections over the cap, being answered
-        self.closed = {"header_timeout": 0, "idle_timeout": 0, "too_many_connections": 0}
-        self.refused = {
-            "body_too_large": 0, "body_too_complex": 0, "body_timeout": 0, "body_budget": 0,
-        }  # fmt: skip
+        self.closed = dict.fromkeys(_CLOSING_LIMITS, 0)
+        self.refused = dict.fromkeys(_REFUSING_LIMITS, 0)
+        self._on_stop = on_stop
         self._refuse = refuse
         self._conns: dict[asyncio.BaseTransport, _Guarded] = {}
         self._decoding = asyncio.Lock()
@@ -404,6 +417,13 @@ class RequestGuard:
                     conn.idle()
 
         self.middleware = middleware
+
+    def stopped(self, limit: str) -> None:
+        """A limit closed a connection or refused a body: counted, and told `on_stop`."""
+        table = self.closed if limit in self.closed else self.refused
+        table[limit] += 1
+        if self._on_stop is not None:
+            self._on_stop(limit)
 
     def protocol_factory(self, server: web.Server) -> Callable[[], asyncio.Protocol]:
         """The server's protocol for each new connection, guarded; over the cap, one that
@@ -451,7 +471,7 @@ class RequestGuard:
         if not budget.try_take(reserved) and not await budget.take(
             reserved, self.limits.body_wait_s
         ):
-            self.refused["body_budget"] += 1
+            self.stopped("body_budget")
             raise BodyError(
                 503, "body_budget",
                 f"this server is reading as many request bodies as it may hold at once "
@@ -466,7 +486,7 @@ class RequestGuard:
                     async with asyncio.timeout(self.limits.body_timeout_s):
                         raw = await self._read(content, limit)
                 except TimeoutError:
-                    self.refused["body_timeout"] += 1
+                    self.stopped("body_timeout")
                     raise BodyError(
                         408, "body_timeout",
                         f"the request body did not arrive within "
@@ -477,7 +497,7 @@ class RequestGuard:
             # An upper bound (brackets and commas inside strings count too), in C.
             values = raw.count(b",") + raw.count(b"[") + raw.count(b"{")
             if values > limit // BYTES_PER_VALUE:
-                self.refused["body_too_complex"] += 1
+                self.stopped("body_too_complex")
                 raise BodyError(
                     413, "body_too_complex",
                     f"the request body holds up to {values} JSON values; this server "
@@ -502,7 +522,7 @@ class RequestGuard:
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     def _too_large(self, limit: int, declared: int | None) -> BodyError:
-        self.refused["body_too_large"] += 1
+        self.stopped("body_too_large")
         size = f"of {declared} bytes " if declared is not None else ""
         return BodyError(
             413, "body_too_large",

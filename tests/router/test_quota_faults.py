@@ -17,6 +17,7 @@ from controlplane.router import QuotaSettings
 from controlplane.router.errors import RouterError
 from controlplane.router.quotas import QuotaGate
 from controlplane.store import QuotaStore, RedisSettings, cancel_loops, connect
+from tests.exposition import by_label
 from tests.polling import until
 from tests.router.conftest import MODEL, POOL, make_fleet
 from weir.local.redis_server import RedisServer
@@ -210,6 +211,7 @@ async def test_streams_that_end_while_redis_is_down_give_their_slots_back() -> N
                 return ended in router.metrics.exposition().decode() and not router._background
 
             await until(released, "the releases to be tried", 30, ignoring=(redis.RedisError,))
+            assert await _pending(session, fleet.url) == 4.0  # an operator sees them wait
             await asyncio.to_thread(server.start)
 
             async def admitted() -> bool:
@@ -221,3 +223,11 @@ async def test_streams_that_end_while_redis_is_down_give_their_slots_back() -> N
                     return reply.status == 200
 
             await until(admitted, "the tenant's slots to come back", timeout_s=30)
+            assert await _pending(session, fleet.url) == 0.0
+
+
+async def _pending(session: aiohttp.ClientSession, url: str) -> float:
+    """The router's quota releases waiting for Redis, as Prometheus scrapes them."""
+    async with session.get(url + "/metrics") as reply:
+        exposition = await reply.text()
+    return by_label(exposition, "weir_router_quota_releases_pending", "pool")[POOL]

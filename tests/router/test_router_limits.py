@@ -16,10 +16,11 @@ import msgspec
 import pytest
 
 from controlplane.router import RequestLimits, RouterConfig, RunningRouter, serve_router
-from controlplane.transport.guard import LARGE_BODY, ServerLimits, body_limit
+from controlplane.transport.guard import LARGE_BODY, LIMITS, ServerLimits, body_limit
 from engine_sidecar.server import SidecarConfig, serve_sidecar
 from fleetsim.engine import EngineConfig
 from fleetsim.server import serve_engine
+from tests.exposition import by_label
 from tests.polling import until
 from tests.router.conftest import MODEL
 from tests.transport.raw_client import RawConnection, chunk, request_head
@@ -258,6 +259,10 @@ async def test_connections_past_the_cap_are_refused_and_the_open_ones_keep_worki
         await again.send(request_head("/health", method="GET"))
         assert (await again.answer()).status == 200
         assert guard.closed["too_many_connections"] == 1
+        hits = by_label(
+            running.router.metrics.exposition(), "weir_router_client_limits_total", "limit"
+        )
+        assert hits == dict.fromkeys(LIMITS, 0.0) | {"too_many_connections": 1.0}
         for conn in [*conns, again, extra]:
             await conn.close()
 

@@ -14,9 +14,10 @@ import aiohttp
 import msgspec
 
 from controlplane.contract import Continuation, EngineAPI, encode_json
-from controlplane.transport.guard import ServerLimits, body_limit
+from controlplane.transport.guard import LIMITS, ServerLimits, body_limit
 from engine_sidecar.server import RunningSidecar, SidecarConfig, serve_sidecar
 from fleetsim.server import serve_engine
+from tests.exposition import by_label
 from tests.sidecar.conftest import MODEL, engine_config, pool_policy
 from tests.transport.raw_client import RawConnection, chunk, request_head
 
@@ -140,6 +141,12 @@ async def test_slow_heads_slow_bodies_and_idle_connections_are_closed() -> None:
         assert guard.closed["header_timeout"] == 1
         assert guard.closed["idle_timeout"] == 1
         assert guard.refused["body_timeout"] == 1
+        hits = by_label(
+            sc.service.metrics.exposition(), "weir_sidecar_client_limits_total", "limit"
+        )
+        assert hits == dict.fromkeys(LIMITS, 0.0) | {
+            "header_timeout": 1.0, "idle_timeout": 1.0, "body_timeout": 1.0,
+        }  # fmt: skip
         for conn in (slow_head, slow_body, idle):
             await conn.close()
         assert sc.service.ledger.flights == {}
