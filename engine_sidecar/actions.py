@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from controlplane.contract import Command, CommandKind, EndpointState, RoomReservation
 from controlplane.trace.trail import request_id_of
@@ -22,7 +22,7 @@ from engine_sidecar.policy import (
     RequestState,
     Rung,
     TargetRooms,
-    VictimChoice,
+    continuation_tokens,
     peer_rooms,
     plan_relief,
 )
@@ -38,6 +38,16 @@ _S = RequestState
 Reserve = Callable[[EndpointState, RoomReservation], Awaitable[tuple[RoomReservation | None, int]]]
 
 
+class PeerLink(Protocol):
+    """The pool's other endpoints, as a migration needs them (the control-plane link)."""
+
+    async def peers(self) -> list[EndpointState]: ...
+
+    async def reserve(
+        self, peer: EndpointState, asked: RoomReservation
+    ) -> tuple[RoomReservation | None, int]: ...
+
+
 class Actions:
     """What the sidecar does to its requests, on its own (relief), when the control plane
     commands it, or when an admin orders it (`/weir/v1/preempt`, `/weir/v1/drain`)."""
@@ -47,6 +57,7 @@ class Actions:
         self._segments = segments
         self.ledger = service.ledger
         self.policy = service.policy
+        self.link: PeerLink | None = None  # the control-plane link, once there is one
 
     def begin_preempt(self, rid: str, mode: Preemption, why: str) -> Flight | None:
         """Mark a decoding request for preemption (recompute, offload, migrate or
@@ -54,24 +65,29 @@ class Actions:
         is not decoding, already being preempted, over its preemption cap, or the mode is
         not allowed for it."""
         flight = self.ledger.flights.get(rid)
-        if flight is None or flight.preempt_mode or flight.record.state is not _S.DECODING:
-            return None
-        rec = flight.record
-        if mode is Preemption.MIGRATE and not rec.migratable:
-            return None
-        if mode is Preemption.RECOMPUTE and not (rec.recomputable and self._service.may_recompute):
-            return None
-        if mode is Preemption.OFFLOAD and not (rec.recomputable and self._service.may_offload):
-            return None
-        if mode is not Preemption.TERMINATE and not self._segments.resumable(flight):
+        if flight is None or not self._may_preempt(flight, mode):
             return None
         flight.preempt_mode = mode
         self._segments.note(
-            flight, "preempt", mode=mode, why=why, generated_tokens=rec.generated_tokens
+            flight, "preempt", mode=mode, why=why, generated_tokens=flight.record.generated_tokens
         )
         return flight
 
+    def _may_preempt(self, flight: Flight, mode: Preemption) -> bool:
+        rec = flight.record
+        if flight.preempt_mode or rec.state is not _S.DECODING:
+            return False
+        if mode is Preemption.MIGRATE and not rec.migratable:
+            return False
+        if mode is Preemption.RECOMPUTE and not (rec.recomputable and self._service.may_recompute):
+            return False
+        if mode is Preemption.OFFLOAD and not (rec.recomputable and self._service.may_offload):
+            return False
+        return mode is Preemption.TERMINATE or self._segments.resumable(flight)
+
     async def preempt(self, rid: str, mode: Preemption, why: str) -> bool:
+        if mode is Preemption.MIGRATE:
+            return rid in await self.migrate([rid], why)
         flight = self.begin_preempt(rid, mode, why)
         if flight is None:
             return False
@@ -88,11 +104,10 @@ class Actions:
             self.ledger.set_admission(kind is CommandKind.RESUME_ADMISSION)
             return True
         if kind is CommandKind.PREEMPT_REQUEST:
-            return await self._preempt_best(command.request_id)
+            return await self._preempt_best([command.request_id])
         if kind is CommandKind.PREEMPT_TENANT:
             rids = [r for r, f in self.ledger.flights.items() if f.record.tenant == command.tenant]
-            done = [await self._preempt_best(rid) for rid in rids]
-            return any(done)
+            return await self._preempt_best(rids)
         if kind is CommandKind.SET_PRIORITY:
             flight = self.ledger.flights.get(command.request_id)
             if flight is None:
@@ -101,12 +116,46 @@ class Actions:
             return True
         return False  # type: ignore[unreachable]  # a newer contract's command kind
 
-    async def _preempt_best(self, rid: str) -> bool:
-        """Migrate when the request can move, else recompute in place."""
+    async def _preempt_best(self, rids: Sequence[str]) -> bool:
+        """Migrate those that can move, else recompute in place; whether any was."""
         why = "ordered by the control plane"
-        return await self.preempt(rid, Preemption.MIGRATE, why) or await self.preempt(
-            rid, Preemption.RECOMPUTE, why
-        )
+        moved = await self.migrate(rids, why)
+        done = [rid in moved or await self.preempt(rid, Preemption.RECOMPUTE, why) for rid in rids]
+        return any(done)
+
+    async def migrate(self, rids: Sequence[str], why: str) -> set[str]:
+        """Migrate these requests, as ordered (a command, a drain): those that can move
+        are handed back, and the ones it migrated are returned. With a control-plane link
+        each first gets room held at a peer that has it, as relief's migrations do, so
+        that a drain's continuations spread by room instead of all waiting at whichever
+        endpoint the routers see as best; one no peer holds room for still moves (it was
+        ordered to) and the router places it."""
+        link = self.link
+        movable = [
+            flight
+            for rid in rids
+            if (flight := self.ledger.flights.get(rid)) is not None
+            and self._may_preempt(flight, Preemption.MIGRATE)
+        ]
+        if not movable:
+            return set()
+        peers = await link.peers() if link is not None else []
+        targets = TargetRooms(peer_rooms(peers, self.policy.kv))
+        by_id = {peer.endpoint_id: peer for peer in peers}
+        moved = set()
+        for flight in movable:
+            held: tuple[str, str] | None = None
+            cand = self.ledger.candidate(flight.rid)
+            if link is not None and cand is not None:
+                tokens = continuation_tokens(cand, self.policy.kv)
+                held = await self._reserve_target(flight.rid, tokens, targets, by_id, link.reserve)
+            where = f"; {held[0]} holds room for it ({held[1]})" if held else ""
+            if self.begin_preempt(flight.rid, Preemption.MIGRATE, why + where) is None:
+                continue  # it ended meanwhile; a hold left behind expires
+            flight.target, flight.target_reservation = held or ("", "")
+            await self._segments.abort_engine(flight)
+            moved.add(flight.rid)
+        return moved
 
     async def relieve(
         self, peers: Sequence[EndpointState] = (), reserve: Reserve | None = None
@@ -139,7 +188,9 @@ class Actions:
             held: tuple[str, str] | None = None
             if mode is Rung.MIGRATE:
                 assert reserve is not None  # no rooms, no migration
-                held = await self._reserve_target(victim, targets, by_id, reserve)
+                held = await self._reserve_target(
+                    victim.rid, victim.tokens, targets, by_id, reserve
+                )
                 if held is None:
                     mode = victim.fallback
                     why += f"; no peer held {victim.tokens} tokens for it"
@@ -159,19 +210,20 @@ class Actions:
 
     async def _reserve_target(
         self,
-        victim: VictimChoice,
+        rid: str,
+        tokens: int,
         targets: TargetRooms,
         peers: dict[str, EndpointState],
         reserve: Reserve,
     ) -> tuple[str, str] | None:
         """(target, reservation id) of the first peer, in `targets`' order, that holds
-        room for the victim's continuation; None when none does."""
+        `tokens` for `rid`'s continuation; None when none does."""
         asked = RoomReservation(
-            request_id=request_id_of(victim.rid), tokens=victim.tokens, ttl_s=RESERVATION_TTL_S
+            request_id=request_id_of(rid), tokens=tokens, ttl_s=RESERVATION_TTL_S
         )
-        while (target := targets.pick(victim.tokens)) is not None:
+        while (target := targets.pick(tokens)) is not None:
             granted, room = await reserve(peers[target], asked)
-            targets.answered(target, victim.tokens, granted is not None, room)
+            targets.answered(target, tokens, granted is not None, room)
             if granted is not None:
                 return target, granted.reservation_id
         return None
@@ -192,15 +244,14 @@ class Actions:
         if self._service.on_drain is not None:
             await self._service.on_drain()
         await self.ledger.wait_idle(deadline_s)
-        migrated = aborted = 0
-        for rid, flight in list(self.ledger.flights.items()):
-            if flight.record.migratable and await self.preempt(rid, Preemption.MIGRATE, "drain"):
-                migrated += 1
-            elif await self.preempt(rid, Preemption.TERMINATE, "drain deadline"):
-                aborted += 1
-            else:
-                await self._segments.abort_engine(flight)
-                aborted += 1
+        left = dict(self.ledger.flights)
+        moved = await self.migrate(list(left), "drain")
+        for rid, flight in left.items():
+            if rid not in moved and not await self.preempt(
+                rid, Preemption.TERMINATE, "drain deadline"
+            ):
+                await self._segments.abort_engine(flight)  # not decoding: ended as it stands
+        migrated, aborted = len(moved), len(left) - len(moved)
         await self.ledger.wait_idle(10.0)
         return {
             "in_flight": before,

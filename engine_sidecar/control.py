@@ -89,6 +89,7 @@ class ControlLink:
             service.metrics,
         )
         service.quota = self.quota
+        service.actions.link = self  # ordered migrations hold room at a peer first
         self.commands = CommandChannel(redis, pool)
         self._executed: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._room_unknown_until = 0.0  # relief's room reads paused until then (monotonic)

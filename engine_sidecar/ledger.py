@@ -219,22 +219,17 @@ class Ledger:
     def candidates(self) -> list[VictimCandidate]:
         """Running sequences that relief may preempt."""
         return [
-            VictimCandidate(
-                rid=f.rid,
-                prompt_tokens=f.record.prompt_tokens,
-                generated_tokens=f.record.generated_tokens,
-                max_new_tokens=f.record.max_new_tokens,
-                predicted_total_tokens=f.predicted_total,
-                reserved_growth_tokens=f.reserve,
-                priority=f.record.priority,
-                deadline_at=f.record.deadline_at,
-                preemptions=f.record.preemptions,
-                recomputable=f.record.recomputable,
-                migratable=f.record.migratable,
-            )
+            _candidate(f)
             for f in self.flights.values()
             if f.record.state is _S.DECODING and not f.preempt_mode
         ]
+
+    def candidate(self, rid: str) -> VictimCandidate | None:
+        """`rid` as a preemption candidate, if it is one."""
+        f = self.flights.get(rid)
+        if f is None or f.record.state is not _S.DECODING or f.preempt_mode:
+            return None
+        return _candidate(f)
 
     # -- changing ------------------------------------------------------------------------
 
@@ -547,3 +542,19 @@ def _ignore(outcome: str, reservation: Reservation) -> None:
 
 def _never_fits(reason: str) -> OverloadError:
     return OverloadError(reason, 60, f"request can never fit this endpoint's KV ({reason})")
+
+
+def _candidate(f: Flight) -> VictimCandidate:
+    return VictimCandidate(
+        rid=f.rid,
+        prompt_tokens=f.record.prompt_tokens,
+        generated_tokens=f.record.generated_tokens,
+        max_new_tokens=f.record.max_new_tokens,
+        predicted_total_tokens=f.predicted_total,
+        reserved_growth_tokens=f.reserve,
+        priority=f.record.priority,
+        deadline_at=f.record.deadline_at,
+        preemptions=f.record.preemptions,
+        recomputable=f.record.recomputable,
+        migratable=f.record.migratable,
+    )

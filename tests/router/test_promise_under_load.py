@@ -191,6 +191,47 @@ async def test_two_sidecars_that_want_one_peer_s_room_do_not_both_move_into_it(
         await _settled(fleet)
 
 
+async def test_a_drain_holds_room_for_each_continuation_and_spreads_them_by_it(
+    redis_url: str,
+) -> None:
+    """An endpoint drained with two streams running migrates both, as relief does: room
+    is held for each at a peer before its engine segment is aborted, the first at the
+    peer with the most room, the second, that peer's room now counted smaller, at the
+    other. The router resumes each where its room is held, and each peer's admission
+    takes it: both streams end whole, one on each peer, every hold consumed."""
+    bodies = [request_body(0, 3000), request_body(1, 3000)]
+    expected = await _expected(bodies)
+    async with (
+        live_fleet(redis_url, size=1, kv_tokens=20_000, speed_factor=3.0) as fleet,
+        aiohttp.ClientSession() as session,
+    ):
+        streams = [Stream(), Stream()]
+        reading = [
+            asyncio.create_task(read_stream(session, fleet.router.url, body, stream))
+            for body, stream in zip(bodies, streams, strict=True)
+        ]
+        for stream in streams:
+            await asyncio.wait_for(stream.progress.wait(), 30.0)
+        for peer in ("s1", "s2"):
+            await fleet.add(peer, 20_000, 3.0)
+        view = fleet.router.router.view
+        await until(lambda: {"s1", "s2"} <= set(view.snapshot.by_id), "the peers registered")
+        drained = await fleet.sidecars["s0"].service.drain(0.0)
+        assert drained["migrated"] == 2, drained
+        await asyncio.wait_for(asyncio.gather(*reading), 180.0)
+        _assert_whole(streams, expected)
+        for peer in ("s1", "s2"):
+            held = {
+                outcome: _sidecar_count(
+                    fleet, peer, "weir_sidecar_migration_reservations_total", outcome=outcome
+                )
+                for outcome in ("taken", "consumed", "refused", "expired")
+            }
+            assert held == {"taken": 1, "consumed": 1, "refused": 0, "expired": 0}, (peer, held)
+        assert _router_count(fleet, "weir_router_resumes_total", reason="preempted") == 2
+        await _settled(fleet)
+
+
 async def test_a_stream_that_cannot_resume_in_place_in_time_goes_back_to_its_router(
     redis_url: str,
 ) -> None:
