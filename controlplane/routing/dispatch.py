@@ -405,8 +405,9 @@ class Dispatcher(Generic[P]):
             # The target alone: it stands as the only owner, every other endpoint excluded.
             others = frozenset(snapshot.by_id).difference((target,))
             decision = self._decide(
-                request, now, snapshot, resume=True, exclude=others, owners=(target,)
-            )
+                request, now, snapshot, resume=True, exclude=others, owners=(target,),
+                reserved_target=target,
+            )  # fmt: skip
         if decision is None or not decision.endpoint_id:
             decision = self._decide(request, now, snapshot, resume=True, exclude=exclude)
         if decision.endpoint_id:
@@ -422,6 +423,7 @@ class Dispatcher(Generic[P]):
         resume: bool = False,
         exclude: frozenset[str] = frozenset(),
         owners: tuple[str, ...] | None = None,
+        reserved_target: str = "",
     ) -> Decision:
         route = request.route
         if now != request.arrived_at or resume:  # a new arrival routes as it came
@@ -434,6 +436,7 @@ class Dispatcher(Generic[P]):
                 waited_s=now - request.waiting_since,
                 exclude=exclude,
                 owners=route.owners if owners is None else owners,
+                reserved_target=reserved_target,
             )
         inflight = self.inflight
         ctx = RoutingContext(snapshot, now, inflight.counts, inflight.total, self.prefix_index)

@@ -116,6 +116,8 @@ class DecisionReason:
     PRIMARY_OWNER = "primary_owner"
     SECONDARY_OWNER = "secondary_owner"
     LEAST_COST = "least_cost"
+    # A migrated continuation resumed where its sidecar had room held for it.
+    RESERVED_TARGET = "reserved_target"
     NO_CANDIDATE = "no_candidate"
 
 
@@ -161,7 +163,9 @@ class Decision:
         """The decision for `eligible[chosen]`, named by which owner it is, if any."""
         picked = eligible[chosen].endpoint_id
         owners = request.owners
-        if owners and picked == owners[0]:
+        if picked == request.reserved_target:
+            reason = DecisionReason.RESERVED_TARGET
+        elif owners and picked == owners[0]:
             reason = DecisionReason.PRIMARY_OWNER
         elif len(owners) > 1 and picked == owners[1]:
             reason = DecisionReason.SECONDARY_OWNER

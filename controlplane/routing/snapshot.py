@@ -145,7 +145,8 @@ class RouteRequest:
     `owners` the consistent-hash owners of its prefix key, primary first: both come from
     `controlplane.ownership` in the router's prepare step, so the pipeline stays pure.
     `deadline_s` is the time budget left (0 = none); `waited_s` how long the request has
-    already queued in the router.
+    already queued in the router. `reserved_target` is the endpoint holding room for a
+    migrated stream's continuation, where its resume is tried first.
     """
 
     request_id: str
@@ -161,6 +162,7 @@ class RouteRequest:
     block_hashes: tuple[int, ...] = ()
     owners: tuple[str, ...] = ()
     exclude: frozenset[str] = frozenset()
+    reserved_target: str = ""
 
     @property
     def primary_owner(self) -> str:

@@ -242,7 +242,9 @@ ROUTER: tuple[MetricSpec, ...] = (
     MetricSpec(
         "weir_router_decisions_total",
         _C,
-        "Routing decisions by reason and whether the primary owner was picked.",
+        "Routing decisions by reason (primary_owner, secondary_owner, least_cost, "
+        "reserved_target; a refusal's reason when nothing was picked) and whether the "
+        "primary owner was picked.",
         ("pool", "reason", "owner_hit"),
     ),
     MetricSpec(

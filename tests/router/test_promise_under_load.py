@@ -229,6 +229,13 @@ async def test_a_drain_holds_room_for_each_continuation_and_spreads_them_by_it(
             }
             assert held == {"taken": 1, "consumed": 1, "refused": 0, "expired": 0}, (peer, held)
         assert _router_count(fleet, "weir_router_resumes_total", reason="preempted") == 2
+        resumed_there = sum(
+            _router_count(
+                fleet, "weir_router_decisions_total", reason="reserved_target", owner_hit=hit
+            )
+            for hit in ("true", "false")
+        )
+        assert resumed_there == 2
         await _settled(fleet)
 
 
