@@ -23,6 +23,7 @@ from typing import Any
 from controlplane.contract import Continuation, EngineAPI
 from controlplane.rules import request_checks as checks
 from controlplane.rules.request_checks import RequestCheckError
+from engine_sidecar.policy.prompt_size import PromptSizer
 
 # What the engine's path is for each entry API.
 ENGINE_PATH = {
@@ -70,6 +71,11 @@ class Intake:
     # The API the first engine request goes to when it is not the client's: a continued
     # chat known by its token ids resumes through completions (Continuation.resume_api).
     engine_api: EngineAPI | None = None
+    # A text prompt sized by estimate: its UTF-8 bytes and the tokens a chat template adds
+    # (both 0 when its size is known, by ids or as a continuation). When the engine says
+    # the real size, the sizer learns from it.
+    prompt_bytes: int = 0
+    template_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,8 +93,12 @@ def parse_json(raw: bytes) -> dict[str, Any]:
         raise RequestError.refusing(exc) from None
 
 
-def parse_intake(api: EngineAPI, body: dict[str, Any], limits: IntakeLimits) -> Intake:
-    """Validate a client body for `api`; raises RequestError."""
+def parse_intake(
+    api: EngineAPI, body: dict[str, Any], limits: IntakeLimits, sizer: PromptSizer | None = None
+) -> Intake:
+    """Validate a client body for `api`, a text prompt sized by `sizer` (a byte a token
+    without one); raises RequestError."""
+    sizer = sizer or PromptSizer()
     try:
         checked = checks.check(
             api, body, models=(limits.model,), default_model=limits.model,
@@ -96,12 +106,14 @@ def parse_intake(api: EngineAPI, body: dict[str, Any], limits: IntakeLimits) -> 
         )  # fmt: skip
         fields = checked.body
         exact = bool(checked.prompt_ids)
+        text_bytes = template = 0
         if exact:
             prompt = len(checked.prompt_ids)
         else:
-            prompt = _text_tokens(checked.prompt_text)
+            text_bytes = len(checked.prompt_text.encode("utf-8"))
             if api is EngineAPI.CHAT:
-                prompt += _MESSAGE_TEMPLATE_TOKENS * len(fields["messages"])
+                template = _MESSAGE_TEMPLATE_TOKENS * len(fields["messages"])
+            prompt = sizer.tokens(text_bytes) + template
         max_new_tokens = checked.output_limit(prompt, limits.context_length, enforce=exact)
         priority = checks.priority(fields.pop("priority", None))
     except RequestCheckError as exc:
@@ -118,11 +130,17 @@ def parse_intake(api: EngineAPI, body: dict[str, Any], limits: IntakeLimits) -> 
         # OpenAI streams carry text, so a completion prompted by token ids cannot be
         # extended by what it generated.
         recomputable=not (exact and api is EngineAPI.COMPLETIONS),
+        prompt_bytes=text_bytes,
+        template_tokens=template,
     )
 
 
-def from_continuation(cont: Continuation, limits: IntakeLimits) -> Intake:
-    """The intake for a continuation arriving at `/weir/v1/continue`. Raises RequestError."""
+def from_continuation(
+    cont: Continuation, limits: IntakeLimits, sizer: PromptSizer | None = None
+) -> Intake:
+    """The intake for a continuation arriving at `/weir/v1/continue`, its text sized by
+    `sizer` where no ids say it. Raises RequestError."""
+    sizer = sizer or PromptSizer()
     if cont.model != limits.model:
         raise RequestError(
             f"model {cont.model!r} is not served here", 404, "model_not_found", "unknown_model",
@@ -132,8 +150,8 @@ def from_continuation(cont: Continuation, limits: IntakeLimits) -> Intake:
         raise RequestError(
             "the continuation has no tokens left to generate", reason="invalid_continuation"
         )
-    base = parse_intake(cont.api, dict(cont.body) | {"stream": True}, limits)
-    extra = len(cont.generated_ids) or _text_tokens(cont.generated_text)
+    base = parse_intake(cont.api, dict(cont.body) | {"stream": True}, limits, sizer)
+    extra = len(cont.generated_ids) or sizer.tokens(len(cont.generated_text.encode("utf-8")))
     return Intake(
         api=base.api,
         engine_api=cont.resume_api,
@@ -146,7 +164,3 @@ def from_continuation(cont: Continuation, limits: IntakeLimits) -> Intake:
         priority=cont.priority,
         recomputable=base.recomputable,
     )
-
-
-def _text_tokens(text: str) -> int:
-    return len(text.encode("utf-8"))

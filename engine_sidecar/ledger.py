@@ -37,6 +37,7 @@ from engine_sidecar.policy import (
     LengthKey,
     OutputLengthPredictor,
     PoolOutlook,
+    PromptSizer,
     QueuedRequest,
     RequestRecord,
     RequestState,
@@ -107,6 +108,7 @@ class Flight:
     task: asyncio.Task[Any] | None = None  # the handler serving it, cancelled by an abort
     preempt_mode: Preemption | None = None  # set by relief, a command or an admin
     offloaded: int = 0  # KV tokens an offload left in the engine's host tier, until it resumes
+    prompt_counted: bool = False  # the engine has said its prompt's size
     prefix_block: int = 0  # the router's key of its prompt (wire.PREFIX_BLOCK); 0: none
     first_token_mono: float = 0.0
     cancelled_mono: float = 0.0
@@ -155,6 +157,7 @@ class Ledger:
         self.capacity_tokens = capacity_tokens
         self.clock = clock
         self.predictor = OutputLengthPredictor()
+        self.prompt_sizer = PromptSizer()  # text prompts' tokens, learnt from the engine's
         self.flights: dict[str, Flight] = {}
         self.own_used = 0
         self.reserved = 0
@@ -317,7 +320,12 @@ class Ledger:
             self._pump()
 
     def set_prompt_tokens(self, flight: Flight, prompt_tokens: int) -> None:
-        """The engine reported the real prompt size: replace the estimate."""
+        """The engine reported the real prompt size: replace the estimate (and, for a
+        text prompt, learn from it how the next ones are sized)."""
+        intake = flight.intake
+        if intake.prompt_bytes and not flight.prompt_counted:
+            flight.prompt_counted = True
+            self.prompt_sizer.observe(intake.prompt_bytes, prompt_tokens - intake.template_tokens)
         if prompt_tokens > 0 and prompt_tokens != flight.record.prompt_tokens:
             flight.record = replace(flight.record, prompt_tokens=prompt_tokens)
             self._account(flight)

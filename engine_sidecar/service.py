@@ -182,7 +182,7 @@ class SidecarService:
     async def handle(self, request: web.Request, api: EngineAPI) -> web.StreamResponse:
         try:
             body = await self.guard.read(request, parse_json)
-            intake = parse_intake(api, body, self.limits)
+            intake = parse_intake(api, body, self.limits, self.ledger.prompt_sizer)
         except RequestError as exc:
             return bad_request(exc)
         except BodyError as exc:
@@ -198,7 +198,7 @@ class SidecarService:
             cont = await self.guard.read(
                 request, _decode_continuation, limit=self.continuation_limit
             )
-            intake = from_continuation(cont, self.limits)
+            intake = from_continuation(cont, self.limits, self.ledger.prompt_sizer)
         except SchemaError as exc:
             return bad_request(RequestError(str(exc)))
         except RequestError as exc:

@@ -168,6 +168,14 @@ SIDECAR: tuple[MetricSpec, ...] = (
         (*_EP, "result"),
     ),
     MetricSpec(
+        "weir_sidecar_prompt_bytes_per_token",
+        _G,
+        "The engine's bytes per token over the text prompts it has counted, by which the "
+        "sidecar sizes a text prompt before the engine says its size (1 until it has "
+        "counted one).",
+        _EP,
+    ),
+    MetricSpec(
         "weir_sidecar_quota_releases_pending",
         _G,
         _RELEASES_PENDING,

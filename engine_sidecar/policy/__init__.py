@@ -22,6 +22,7 @@ from engine_sidecar.policy.lifecycle import (
     RequestState,
 )
 from engine_sidecar.policy.prediction import LengthKey, OutputLengthPredictor
+from engine_sidecar.policy.prompt_size import PromptSizer
 from engine_sidecar.policy.queue import (
     AdmissionQueue,
     QueuedRequest,
@@ -80,6 +81,7 @@ __all__ = [
     "ModeCosts",
     "OutputLengthPredictor",
     "PoolOutlook",
+    "PromptSizer",
     "QueuedRequest",
     "ReliefCosts",
     "ReliefPlan",

@@ -347,3 +347,30 @@ async def test_drain_lets_the_stream_finish_and_refuses_new_work(
         assert streamed_text(lines) == direct
         await until(lambda: bool(drained), "the drain to report")
         assert drained[0]["finished"] == 1
+
+
+async def test_text_prompts_are_sized_by_the_engine_s_own_bytes_per_token(
+    sglang: SGLangServer, redis_url: str
+) -> None:
+    """A byte a token over-counts a real tokenizer's prompts several times, so admission
+    would hold KV for prompts several times their size. After a few text prompts the
+    engine has counted, the sidecar sizes the next one near the engine's count: not
+    under it, and well under its bytes."""
+    line = "the weir holds the river back and lets the water through in measure"
+    prompts = [" ".join(line.split(" ")[i % 5 :] * (3 + i)) for i in range(8)]
+    async with fleet(redis_url, [sglang]) as pool, aiohttp.ClientSession() as session:
+        sidecar = pool.lanes["e0"].sidecar
+        counted = []
+        for prompt in prompts:
+            body = {"model": pool.model, "prompt": prompt, "max_tokens": 2, "temperature": 0}
+            async with session.post(sidecar.url + "/v1/completions", json=body) as reply:
+                assert reply.status == 200, await reply.text()
+                counted.append((await reply.json())["usage"]["prompt_tokens"])
+        sizer = sidecar.service.ledger.prompt_sizer
+        assert sizer.observed == len(prompts)
+        ratios = [len(p.encode()) / n for p, n in zip(prompts, counted, strict=True)]
+        assert min(ratios) > 1.5, ratios  # the premise: a real tokenizer, not bytes
+        last = prompts[-1]
+        estimate = sizer.tokens(len(last.encode()))
+        assert counted[-1] <= estimate <= 1.5 * counted[-1], (estimate, counted[-1])
+        assert estimate < 0.75 * len(last.encode())
