@@ -68,6 +68,7 @@ from controlplane.routing import (
     profile_from_config,
 )
 from controlplane.routing.dispatch import Event
+from controlplane.rules.fairness import tenant_weights
 from controlplane.stream import Asks, Splicer
 from controlplane.trace.middleware import REQUEST_ID, request_ids
 from controlplane.trace.trail import Trail
@@ -180,6 +181,7 @@ class Router:
             _CountedProfile(self.profile, self.metrics, config.pool, self.trail),
             config.routing,
             self.prefix_index,
+            tenant_weights(config.quotas.tenants),
         )
         self._wakeup: asyncio.TimerHandle | None = None
         self._wakeup_at = 0.0

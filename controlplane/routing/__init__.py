@@ -11,7 +11,8 @@ fleet simulator runs it in virtual time:
 - `profile`: the `Profile` pipeline (filters → weighted scorers → picker) that runs them;
   `registry`: plugins by name and profiles from configuration;
 - `prefix_index`: the approximate per-endpoint block index;
-- `fair_queue`: the bounded, tenant-fair admission queue;
+- `fair_queue`: the bounded, tenant-fair admission queue (its rule:
+  `controlplane.rules.fairness`);
 - `inflight`: what a router sent that its snapshot does not show yet;
 - `dispatch`: the `Dispatcher` that the router and the simulator both drive: route or
   queue, reserve, charge, pump, resume.
@@ -25,13 +26,7 @@ from controlplane.routing.dispatch import (
     Refusal,
     Refused,
 )
-from controlplane.routing.fair_queue import (
-    FairQueue,
-    QueueEntry,
-    QueueFullError,
-    kv_cost,
-    kv_cost_estimate,
-)
+from controlplane.routing.fair_queue import FairQueue, QueueEntry, QueueFullError
 from controlplane.routing.framework import (
     Cycle,
     Decision,
@@ -91,8 +86,6 @@ __all__ = [
     "Scorer",
     "WeightedScorer",
     "default_config",
-    "kv_cost",
-    "kv_cost_estimate",
     "profile_from_config",
     "register",
     "registered",

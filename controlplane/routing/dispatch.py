@@ -45,25 +45,23 @@ A request's life here:
   (`kv_cost`: its prompt and the output it generated, held from its first placement to
   its end), the freed room pumped.
 
-Configuration comes from the pool policy's `RoutingPolicy` on both sides.
+Configuration comes from the pool policy on both sides: its `RoutingPolicy`, and its
+tenants' fair-share weights (`controlplane.rules.fairness.tenant_weights`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Generic, Protocol, TypeAlias, TypeVar
 
 from controlplane.contract import RoutingPolicy
-from controlplane.routing.fair_queue import (
-    FairQueue,
-    QueueFullError,
-    kv_cost,
-    kv_cost_estimate,
-)
+from controlplane.routing.fair_queue import FairQueue, QueueFullError
 from controlplane.routing.framework import Decision
 from controlplane.routing.inflight import InFlight
 from controlplane.routing.prefix_index import PrefixIndex
 from controlplane.routing.snapshot import PoolSnapshot, RouteRequest, RoutingContext
+from controlplane.rules.fairness import Charge
 
 P = TypeVar("P")
 
@@ -136,8 +134,7 @@ class _Request(Generic[P]):
     arrived_at: float
     waiting_since: float  # arrival, or the last hand-back: a wait counts from it
     endpoint: str = ""  # reserved for it now
-    charged: float | None = None  # the KV cost charged when it was first placed
-    placed_at: float = 0.0  # when it was first placed: its KV cost counts from then
+    charge: Charge | None = None  # the KV cost charged when it was first placed
     decision: Decision | None = None  # its first placement, for fallbacks
     failed: set[str] = field(default_factory=set)  # never offered it again
     avoided: dict[str, float] = field(default_factory=dict)  # endpoint -> avoided until
@@ -154,12 +151,15 @@ class Dispatcher(Generic[P]):
         decider: Decider,
         policy: RoutingPolicy,
         prefix_index: PrefixIndex | None = None,
+        weights: Mapping[str, float] | None = None,
     ) -> None:
+        """`weights` are the tenants' fair-share weights (`tenant_weights` of the pool
+        policy's tenants; 1 for any other)."""
         self.decider = decider
         self.policy = policy
         self.prefix_index = prefix_index
         self.queue: FairQueue[_Request[P]] = FairQueue(
-            policy.queue_capacity_per_band, policy.queue_max_wait_s
+            policy.queue_capacity_per_band, policy.queue_max_wait_s, weights
         )
         self.inflight = InFlight()
         self._requests: dict[str, _Request[P]] = {}
@@ -448,19 +448,17 @@ class Dispatcher(Generic[P]):
     ) -> float:
         """The KV cost a new request is charged as it is placed, remembered for its end."""
         route, view = request.route, snapshot.by_id[decision.endpoint_id]
-        request.placed_at = now
-        request.charged = kv_cost_estimate(
-            route.prompt_tokens, route.max_new_tokens, view.predicted_ttft_s, view.predicted_tpot_s
-        )
-        return request.charged
+        request.charge = Charge.placed(
+            route.tenant, route.prompt_tokens, route.max_new_tokens, now,
+            view.predicted_ttft_s, view.predicted_tpot_s,
+        )  # fmt: skip
+        return request.charge.estimate
 
     def _settle(self, request: _Request[P], generated_tokens: int, now: float) -> None:
         """A request's life here is over: its tenant's charge becomes what it really cost."""
-        if request.charged is not None:
-            route = request.route
-            cost = kv_cost(route.prompt_tokens, generated_tokens, now - request.placed_at)
-            self.queue.charge(route.tenant, cost - request.charged)
-            request.charged = None
+        if request.charge is not None:
+            self.queue.counters.settle(request.charge, generated_tokens, now)
+            request.charge = None
 
     def _deadline_left(self, request: _Request[P], now: float) -> float:
         """The request's time budget left (0: it has none)."""

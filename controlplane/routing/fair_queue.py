@@ -2,18 +2,10 @@
 
 When every candidate is saturated a request waits here instead of being sent into an
 overloaded engine. Bands are served strictly by priority, highest first. Inside a band,
-tenants share by cost in the spirit of the virtual token counter (Sheng et al., "Fairness
-in Serving Large Language Models"): each tenant has a counter of the service it received,
-divided by its weight, the tenant with the smallest counter goes next, and a tenant that
-becomes active is lifted to the smallest active counter so idle time cannot be banked
-into a burst later.
-
-Service is KV cost, not tokens: the KV token-seconds a request pins, its prompt plus its
-output growth (reserved from admission on) held for its life (`kv_cost`). A tenant of
-long answers pays for the memory it holds while it decodes, which a token count misses:
-1,000 output tokens hold their prompt's KV a thousand decode steps. The caller charges
-an estimate when it places a request (`kv_cost_estimate`: the endpoint's published
-service times) and the difference to what it really cost when it ends.
+tenants share by KV cost with their weights (`controlplane.rules.fairness`: the tenant
+with the smallest virtual counter goes next, a tenant that becomes active in a band is
+lifted to the smallest counter active there). The caller charges what it places,
+queued or not (`charge`, `pop`), and settles the charge when the request ends.
 
 Each entry has a time to live (`max_wait_s`): past it, `expire` hands it back to be
 refused with `overload` and a Retry-After, never silently dropped. Pure: the caller
@@ -28,6 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from controlplane.rules.fairness import VirtualCounters
+
 T = TypeVar("T")
 
 
@@ -39,38 +33,6 @@ class QueueEntry(Generic[T]):
     enqueued_at: float
     expires_at: float
     payload: T
-
-
-# The share of its output limit a request is assumed to generate until it ends (the cost
-# model's `expected_output_fraction`).
-EXPECTED_OUTPUT_FRACTION = 0.5
-# The time per output token assumed of an endpoint that publishes none: the sidecar's own
-# starting estimate, before a request has finished there.
-UNKNOWN_TPOT_S = 0.02
-
-
-def kv_cost(prompt_tokens: int, output_tokens: float, held_s: float) -> float:
-    """A request's KV cost in token-seconds: its prompt plus its output, the growth its
-    endpoint reserves for it from admission on, held for `held_s`. What the router
-    exports per tenant (`weir_router_kv_token_seconds_total`) is this, with the output
-    generated and the time from dispatch to end."""
-    if held_s < 0 or output_tokens < 0:
-        raise ValueError(
-            f"a KV cost needs output >= 0 and time >= 0, got {output_tokens}, {held_s}"
-        )
-    return (prompt_tokens + output_tokens) * held_s
-
-
-def kv_cost_estimate(
-    prompt_tokens: int, max_new_tokens: int, ttft_s: float, tpot_s: float
-) -> float:
-    """The KV cost charged when a request is placed: its expected output (a fixed share
-    of its limit) held from dispatch until that output is done — the first token after
-    `ttft_s`, then `tpot_s` per token, as the endpoint publishes them (`UNKNOWN_TPOT_S`
-    where it publishes no TPOT)."""
-    output = max_new_tokens * EXPECTED_OUTPUT_FRACTION
-    tpot = tpot_s if tpot_s > 0 else UNKNOWN_TPOT_S
-    return kv_cost(prompt_tokens, output, max(0.0, ttft_s) + output * tpot)
 
 
 class QueueFullError(Exception):
@@ -101,9 +63,8 @@ class FairQueue(Generic[T]):
             raise ValueError("max_wait_s must be a positive number")
         self.capacity_per_band = capacity_per_band
         self.max_wait_s = max_wait_s
-        self.weights = dict(weights or {})
+        self.counters = VirtualCounters(weights)
         self._bands: dict[int, _Band[T]] = {}
-        self._counters: dict[str, float] = {}
         self._index: dict[str, QueueEntry[T]] = {}
 
     def __len__(self) -> int:
@@ -113,7 +74,7 @@ class FairQueue(Generic[T]):
         return key in self._index
 
     def counter(self, tenant: str) -> float:
-        return self._counters.get(tenant, 0.0)
+        return self.counters.counter(tenant)
 
     def waiting_at_or_above(self, priority: int) -> bool:
         """Whether anything of this priority or higher waits (a newcomer queues behind)."""
@@ -137,9 +98,7 @@ class FairQueue(Generic[T]):
             raise QueueFullError(priority, self.retry_after_s(now))
         waiting = band.tenants.get(tenant)
         if waiting is None:
-            active = [self._counters.get(t, 0.0) for t in band.tenants]
-            floor = min(active) if active else self._min_counter()
-            self._counters[tenant] = max(self._counters.get(tenant, 0.0), floor)
+            self.counters.join(tenant, band.tenants)
             waiting = band.tenants[tenant] = deque()
         wait_s = self.max_wait_s if max_wait_s is None else min(max_wait_s, self.max_wait_s)
         entry = QueueEntry(key, tenant, priority, now, now + wait_s, payload)
@@ -154,7 +113,8 @@ class FairQueue(Generic[T]):
             band = self._bands[priority]
             if not band.size:
                 continue
-            tenant = min(band.tenants, key=lambda t: (self._counters.get(t, 0.0), t))
+            counter = self.counters.counter
+            tenant = min(band.tenants, key=lambda t: (counter(t), t))
             return band.tenants[tenant][0]
         return None
 
@@ -182,10 +142,8 @@ class FairQueue(Generic[T]):
         return expired
 
     def charge(self, tenant: str, cost: float) -> None:
-        """Add service to a tenant's counter (dispatch, or a correction, perhaps negative,
-        once the real cost is known)."""
-        weight = self.weights.get(tenant, 1.0)
-        self._counters[tenant] = self._counters.get(tenant, 0.0) + cost / max(weight, 1e-9)
+        """Add service to a tenant's counter (a placement that did not wait here)."""
+        self.counters.charge(tenant, cost)
 
     def retry_after_s(self, now: float) -> float:
         """When a refused client should come back: when the oldest queued entry would
@@ -195,9 +153,6 @@ class FairQueue(Generic[T]):
 
     def next_expiry(self) -> float | None:
         return min((e.expires_at for e in self._index.values()), default=None)
-
-    def _min_counter(self) -> float:
-        return min(self._counters.values(), default=0.0)
 
     def _remove(self, entry: QueueEntry[T]) -> None:
         band = self._bands[entry.priority]

@@ -9,5 +9,7 @@ simulator decide alike:
   a refused charge;
 - `credits`: the handoff-credit decisions of the store's Lua scripts, how a router answers
   a refused credit, and the decode budget (and an endpoint's headroom) a pool's snapshot
-  allows.
+  allows;
+- `fairness`: the KV cost a request is charged and the tenants' virtual counters that the
+  router's fair queue and the sidecar's admission queue both order waiting requests by.
 """

@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 
+from controlplane.rules.fairness import tenant_weights
 from fleetsim.report.metrics import summarize
 from fleetsim.sim import FleetConfig, Simulation, engine_config_for, is_baseline, policies
 from fleetsim.sim.capacity import nominal_capacity_rps
@@ -101,8 +102,7 @@ def run_cell(spec: CellSpec) -> Cell:
     per_token = (
         2.0 * timing.model.params / (timing.hardware.flops * timing.hardware.compute_efficiency)
     )
-    weights = {quota.name: quota.weight for quota in config.policy.tenants}
-    summary = summarize(result, config.slo, per_token, weights)
+    summary = summarize(result, config.slo, per_token, tenant_weights(config.policy.tenants))
     summary["capacity_rps"] = capacity
     summary["load"] = spec.load
     short = sorted(f.ttft_s for f in result.flights if f.completed and not f.spec.is_long)

@@ -28,8 +28,8 @@ Definitions (the report and docs/fleet-simulation.md use exactly these):
 - fairness: Jain's index over the tenants with demand (at least one request offered) of
   their normalised service x_t = KV token-seconds delivered to t / t's weight:
   (Σ x_t)² / (n · Σ x_t²), 1 when every tenant got the same share, 1/n when one got all.
-  A request's KV token-seconds are what Weir's fair queue charges (`controlplane.routing.
-  kv_cost`): its prompt plus the tokens it generated, held from its first dispatch to an
+  A request's KV token-seconds are what Weir's fair queues charge (`controlplane.rules.
+  fairness.kv_cost`): its prompt plus the tokens it generated, held from its first dispatch to an
   engine until it ended (or the run stopped). Tenants whose demand is below their fair
   share lower the index under any policy: it compares policies on one workload, it is
   not a grade on its own.
@@ -47,7 +47,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from controlplane.contract import FinishReason
-from controlplane.routing import kv_cost
+from controlplane.rules.fairness import kv_cost
 from fleetsim.sim import SLO, SimFlight, SimResult
 from fleetsim.workloads import LENGTH_BUCKETS, length_bucket
 

@@ -81,6 +81,7 @@ from controlplane.routing import (
 )
 from controlplane.routing.dispatch import RESUME_FAILED, Event
 from controlplane.rules.credits import decode_budget
+from controlplane.rules.fairness import tenant_weights
 from engine_sidecar.ledger import Ledger
 from engine_sidecar.policy import (
     RESERVATION_TTL_S,
@@ -367,7 +368,9 @@ class WeirPolicy:
         sim.every(HOLDER_RENEW_S, self.gate.renew)
         vnodes = policy.routing.virtual_nodes  # as the router's `RingOwners`
         for role in dict.fromkeys(s.role for s in self.sidecars):
-            self.routers[role] = Dispatcher(self.profile, policy.routing, self.index)
+            self.routers[role] = Dispatcher(
+                self.profile, policy.routing, self.index, tenant_weights(policy.tenants)
+            )
             members = (s.endpoint_id for s in self.sidecars if s.role is role)
             self.rings[role] = OwnershipRing(Membership.of(1, members), vnodes)
         period = self.staleness.heartbeat_period_s

@@ -258,3 +258,32 @@ def test_where_a_request_went_is_learnt_by_the_prefix_plugin_once_the_endpoint_h
     without.reached(placed.route, placed.endpoint_id)
     assert len(elsewhere) == 0
     Dispatcher[str](PROFILE, RoutingPolicy()).reached(placed.route, placed.endpoint_id)
+
+
+@pytest.mark.parametrize("gold_output", [50, 150])
+def test_a_tenant_of_weight_two_gets_twice_the_kv_service_while_both_wait(
+    gold_output: int,
+) -> None:
+    """Thirty requests of each tenant wait for a saturated endpoint; when it has room, the
+    pump places them in the fair queue's order. While both tenants still wait, `gold`
+    (weight 2) has been placed twice the KV cost of `iron` (weight 1): twice as many
+    requests of the same size, or as many requests of twice the cost (150 output tokens
+    to 50: 175 KV tokens held 3.5 s against 125 held 1.5 s at 20 ms a token, ~3.3x)."""
+    core: Dispatcher[str] = Dispatcher(PROFILE, RoutingPolicy(), weights={"gold": 2.0})
+    full = _snapshot(e0=CRITICAL)
+    for i in range(30):
+        for tenant, output in (("gold", gold_output), ("iron", 50)):
+            rid = f"{tenant}{i}"
+            assert core.arrive(_route(rid, tenant, max_new_tokens=output), rid, 0.0, full) == []
+    placed = [payload for payload, _ in _outcomes(core.pump(1.0, _snapshot(e0=NORMAL)))]
+    assert len(placed) == 60
+    # Each placement was charged its estimate: served KV per tenant over the first 30.
+    estimate = {"gold": (100 + gold_output / 2) * (0.5 + gold_output / 2 * 0.02)}
+    estimate["iron"] = (100 + 25) * (0.5 + 25 * 0.02)
+    served = dict.fromkeys(estimate, 0.0)
+    for rid in placed[:30]:
+        tenant = rid.rstrip("0123456789")
+        served[tenant] += estimate[tenant]
+    assert served["gold"] / served["iron"] == pytest.approx(2.0, rel=0.15)
+    # Both were backlogged all along: neither ran out within the first 30.
+    assert {rid.rstrip("0123456789") for rid in placed[30:]} == {"gold", "iron"}

@@ -27,14 +27,12 @@ from controlplane.routing import (
     RoutingContext,
     WeightedScorer,
     default_config,
-    kv_cost,
-    kv_cost_estimate,
     profile_from_config,
 )
 from controlplane.routing.cost import CostModel
-from controlplane.routing.fair_queue import UNKNOWN_TPOT_S
 from controlplane.routing.pickers import MaxScore
 from controlplane.routing.scorers import PrefixAffinity
+from controlplane.rules.fairness import UNKNOWN_TPOT_S, kv_cost, kv_cost_estimate
 
 
 def _state(endpoint_id: str, **fields: object) -> EndpointState:
