@@ -1,5 +1,6 @@
 """The router obeys its pool policy (`weir router --policy-file`, the operator's ConfigMap):
-routing settings, context length, and tenant quotas it publishes and enforces; event
+routing settings, context length, tenant quotas it publishes and enforces and the tenants'
+fair-share weights; event
 counters are exported at zero before their first event."""
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from weir.cli import main
 
 TENANTS = (
     TenantQuota(name="default", max_concurrency=8),
-    TenantQuota(name="batch", max_concurrency=1),
+    TenantQuota(name="batch", max_concurrency=1, weight=0.5),
 )
 
 
@@ -44,6 +45,8 @@ def test_the_pool_policy_sets_the_routers_routing_limits_and_tenants() -> None:
     assert [f.factor for f in bounded] == [1.5]
     assert [(s.block_tokens, s.owner_blocks, s.max_wait_s) for s in affinity] == [(32, 2, 0.5)]
     assert router.keys.declared == {"default", "batch"}
+    # Its fair queue weighs the tenants as the policy does.
+    assert router.dispatch.queue.counters.weights == {"default": 1.0, "batch": 0.5}
 
 
 @pytest.mark.redis
