@@ -13,6 +13,10 @@ preemption — so that admission never counts on capacity the engine has not yet
 Room held for a continuation migrating here (`reserve`, see
 `engine_sidecar.policy.reservation`) counts as committed from when it is granted until the
 continuation's admission takes it or it expires.
+
+Each admission charges the request's tenant the KV it is expected to pin, settled to what
+it pinned when its KV is released (`AdmissionQueue.charge`, `settle`): the counters the
+local queue orders tenants by.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from controlplane.contract import FinishReason, PoolPolicy, WatermarkState
+from controlplane.rules.fairness import Charge, tenant_weights
 from controlplane.trace.trail import request_id_of
 from engine_sidecar.intake import Intake
 from engine_sidecar.policy import (
@@ -118,6 +123,10 @@ class Flight:
     target: str = ""
     target_reservation: str = ""
     admission: AdmissionDecision | None = None  # the last admission decision, explained
+    # Its tenant's charge for the KV it holds now (admitted until released), and its
+    # output when it was charged.
+    charge: Charge | None = None
+    charged_from: int = 0
 
     @property
     def record(self) -> RequestRecord:
@@ -186,7 +195,7 @@ class Ledger:
         self._reservations_due: asyncio.TimerHandle | None = None
         sched = policy.scheduling
         self._queue: AdmissionQueue[asyncio.Future[None]] = AdmissionQueue(
-            sched.local_queue_size, sched.aging_per_second
+            sched.local_queue_size, sched.aging_per_second, tenant_weights(policy.tenants)
         )
         self._idle = asyncio.Event()
         self._idle.set()
@@ -312,6 +321,10 @@ class Ledger:
         if to is _S.DECODE_PREEMPTED:
             self.preemptions += 1
         self._account(flight)
+        if flight.charge is not None and to not in COMMITTED:
+            generated = flight.record.generated_tokens - flight.charged_from
+            self._queue.settle(flight.charge, generated, self.clock())
+            flight.charge = None
         if to.is_final:
             self.flights.pop(flight.rid, None)
             if not self.flights:
@@ -422,7 +435,7 @@ class Ledger:
         queued = queued_request(
             flight.rid, rec.priority, rec.prompt_tokens, arrived_at=arrived_at, now=now,
             max_wait_s=queue_wait_s(self.policy, resumed), deadline_at=rec.deadline_at,
-            resumed=resumed,
+            resumed=resumed, charge=self._charge_for(flight, now),
         )  # fmt: skip
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         queue.offer(queued, future)
@@ -508,7 +521,17 @@ class Ledger:
         self._reservations_due = None
         self._expire_reservations(self.clock())
 
+    def _charge_for(self, flight: Flight, now: float) -> Charge:
+        """What admitting `flight` at `now` charges its tenant: the KV it holds (its
+        prompt and what it generated) and the output it may still add, at this engine's
+        TPOT."""
+        rec = flight.record
+        kv = rec.prompt_tokens + rec.generated_tokens
+        return Charge.placed(rec.tenant, kv, rec.remaining_tokens, now, tpot_s=self.tpot_s)
+
     def _commit(self, flight: Flight) -> None:
+        flight.charge = self._queue.charge(self._charge_for(flight, self.clock()))
+        flight.charged_from = flight.record.generated_tokens
         if flight.record.state is _S.WAITING_ADMISSION:
             self.move(flight, _S.PREFILL_READY)
             flight.predicted_at_admission = flight.predicted_total

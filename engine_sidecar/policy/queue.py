@@ -1,22 +1,34 @@
-"""The bounded local admission queue: deadlines, aging and engine priority.
+"""The bounded local admission queue: deadlines, aging, tenant fairness, engine priority.
 
 A request that does not fit right now waits here rather than being refused outright —
 but only a bounded number of them, and only until its deadline or the policy's maximum
-wait. Order is by effective priority, which rises with time waited (`aging_per_second`) so
-that a low-priority request is delayed, never starved. A resume (a preempted request, or a
-continuation migrated here) is work the fleet already accepted: it waits as if it were one
-class higher (`RESUME_LEAD`), so it comes back before new arrivals of its class, and a full
-queue does not refuse it (the streams already running bound how many there can be); it
-waits as long as the pool lets a resume wait (`queue_wait_s`).
+wait. Classes go by effective priority, which rises with time waited
+(`aging_per_second`) so that a low-priority request is delayed, never starved. A resume
+(a preempted request, or a continuation migrated here) is work the fleet already
+accepted: it waits as if it were one class higher (`RESUME_LEAD`), so it comes back
+before new arrivals of its class, and a full queue does not refuse it (the streams
+already running bound how many there can be); it waits as long as the pool lets a
+resume wait (`queue_wait_s`).
+
+Inside a class, tenants share by KV cost with their weights, by the rule of the router's
+fair queue (`controlplane.rules.fairness`): here is where it binds. The router holds
+requests only while every endpoint is saturated and lets them all go when one is not;
+which of them the engine runs is decided here, so this queue orders them by the same
+virtual counters. The sidecar charges every request it admits, queued or not, the KV it
+is expected to pin here (`AdmissionQueue.charge`) and settles that when the request's KV
+is released (`AdmissionQueue.settle`): each stay in the engine is one charge.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import heapq
+from collections import Counter, deque
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from controlplane.contract import PoolPolicy
+from controlplane.rules.fairness import Charge, VirtualCounters
 from engine_sidecar.policy.admission import RESERVED, AdmissionDecision, AdmissionVerdict
 
 T = TypeVar("T")
@@ -30,6 +42,8 @@ class QueuedRequest:
     expires_at: float
     prompt_tokens: int
     resumed: bool = False
+    tenant: str = "default"
+    cost: float = 0.0  # the KV cost its tenant is charged when it is admitted
 
 
 # How far ahead of new work of its class a resume waits, in priority classes.
@@ -56,16 +70,22 @@ def queued_request(
     max_wait_s: float,
     deadline_at: float = 0.0,
     resumed: bool = False,
+    charge: Charge | None = None,
 ) -> QueuedRequest:
     """A request joining the queue at `now`. Its wait runs `max_wait_s` from now
     (`queue_wait_s`), cut short by its deadline: a continuation's from when it was
-    handed back, not from its client's first arrival (it was streaming since). It ages from `arrived_at`: `now` for a request that just came, its first
-    arrival for one preempted here, which keeps the place among its class that its time
-    here earned."""
+    handed back, not from its client's first arrival (it was streaming since). It ages
+    from `arrived_at`: `now` for a request that just came, its first arrival for one
+    preempted here, which keeps the place among its class that its time here earned.
+    `charge` is what its admission would charge its tenant (`Charge.placed`; none: the
+    default tenant, charged nothing)."""
     expires_at = now + max_wait_s
     if deadline_at > 0:
         expires_at = min(expires_at, deadline_at)
-    return QueuedRequest(rid, priority, arrived_at, expires_at, prompt_tokens, resumed)
+    tenant, cost = ("default", 0.0) if charge is None else (charge.tenant, charge.estimate)
+    return QueuedRequest(
+        rid, priority, arrived_at, expires_at, prompt_tokens, resumed, tenant, cost
+    )
 
 
 def admits_now(decision: AdmissionDecision, waiting: int) -> bool:
@@ -90,20 +110,57 @@ def engine_priority(
 
 
 def queue_order(
-    queue: tuple[QueuedRequest, ...], now: float, aging_per_second: float
+    queue: tuple[QueuedRequest, ...],
+    now: float,
+    aging_per_second: float,
+    counters: VirtualCounters,
 ) -> tuple[QueuedRequest, ...]:
-    """Highest effective priority first (a resume `RESUME_LEAD` ahead); ties go to the
-    earliest arrival."""
-    return tuple(
-        sorted(
-            queue,
-            key=lambda q: (
-                -effective_priority(q.priority, now - q.enqueued_at, aging_per_second)
-                - (RESUME_LEAD if q.resumed else 0.0),
-                q.enqueued_at,
-            ),
-        )
-    )
+    """Class by class by aged priority; inside a class, tenant by tenant by KV cost.
+
+    A request's class is its priority, a resume's `RESUME_LEAD` above. Inside a class,
+    tenants take turns by their virtual counters (`counters`): a request ranks at its
+    tenant's counter plus what its tenant's requests ahead of it in the class will be
+    charged (start-time fair queueing: the order the fair queue's pick serves them in,
+    were each admitted as it comes up), each tenant's own in arrival order; ties go to
+    the earliest arrival, then to the order they came in. Across classes the next one is
+    the head of the class whose head has the highest effective priority (ties: the
+    higher class): a head that waited long goes ahead of younger work of a higher
+    class, so a class is delayed, never starved, while aging never reorders tenants
+    inside one."""
+    classes: dict[float, list[tuple[float, int, QueuedRequest]]] = {}
+    for i, q in enumerate(queue):
+        lead = RESUME_LEAD if q.resumed else 0.0
+        classes.setdefault(q.priority + lead, []).append((q.enqueued_at, i, q))
+    lines: dict[float, deque[QueuedRequest]] = {}
+    for klass, members in classes.items():
+        members.sort()
+        ahead: dict[str, float] = {}
+        ranked = []
+        for enqueued_at, i, q in members:
+            start = ahead.get(q.tenant)
+            if start is None:
+                start = counters.counter(q.tenant)
+            ahead[q.tenant] = start + counters.share(q.tenant, q.cost)
+            ranked.append((start, enqueued_at, i, q))
+        ranked.sort()
+        lines[klass] = deque(r[-1] for r in ranked)
+
+    def aged(klass: float) -> tuple[float, float, float]:
+        head = lines[klass][0]
+        waited = now - head.enqueued_at
+        lead = klass - head.priority
+        return (-effective_priority(head.priority, waited, aging_per_second) - lead, -klass, klass)
+
+    heads = [aged(klass) for klass in lines]
+    heapq.heapify(heads)
+    order = []
+    while heads:
+        klass = heapq.heappop(heads)[-1]
+        line = lines[klass]
+        order.append(line.popleft())
+        if line:
+            heapq.heappush(heads, aged(klass))
+    return tuple(order)
 
 
 def expired(queue: tuple[QueuedRequest, ...], now: float) -> tuple[QueuedRequest, ...]:
@@ -119,17 +176,23 @@ def retry_after_s(queue_length: int, capacity: int, max_wait_s: float) -> int:
 class AdmissionQueue(Generic[T]):
     """The local queue's discipline, the one the live ledger and the simulator both run:
     what may join (a full queue refuses new work, never a resume), the order
-    (`queue_order`), who leaves when room frees (`pump`) and when a wait is over
-    (`expire`). A request that fits may pass one ahead of it that waits for KV (a long
-    prompt must not hold short ones back) — unless that one holds the line: a resume, or
-    a request that has waited half its allowed wait. Then nothing passes it until it
-    fits, so it cannot starve. Clock-free: every call is given `now`. Each entry carries
-    the caller's payload (a waiter's future live, a flight in the simulator)."""
+    (`queue_order`, with the tenants' counters kept here), who leaves when room frees
+    (`pump`) and when a wait is over (`expire`). A request that fits may pass one ahead
+    of it that waits for KV (a long prompt must not hold short ones back) — unless that
+    one holds the line: a resume, or a request that has waited half its allowed wait.
+    Then nothing passes it until it fits, so it cannot starve. Clock-free: every call is
+    given `now`. Each entry carries the caller's payload (a waiter's future live, a
+    flight in the simulator). `weights` are the tenants' fair-share weights
+    (`tenant_weights` of the pool policy's tenants; 1 for any other)."""
 
-    def __init__(self, size: int, aging_per_second: float) -> None:
+    def __init__(
+        self, size: int, aging_per_second: float, weights: Mapping[str, float] | None = None
+    ) -> None:
         self.size = size
         self.aging_per_second = aging_per_second
+        self.counters = VirtualCounters(weights)
         self._entries: dict[str, tuple[QueuedRequest, T]] = {}
+        self._waiting: Counter[str] = Counter()  # entries per tenant
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -145,18 +208,37 @@ class AdmissionQueue(Generic[T]):
         return not resumed and len(self._entries) >= self.size
 
     def offer(self, item: QueuedRequest, payload: T) -> None:
+        """Queue `item`; a tenant with nothing waiting here is lifted to the least
+        counter of those waiting (idle time is not banked)."""
+        if not self._waiting[item.tenant]:
+            self.counters.join(item.tenant, +self._waiting)
         self._entries[item.rid] = (item, payload)
+        self._waiting[item.tenant] += 1
 
     def remove(self, rid: str) -> T | None:
-        entry = self._entries.pop(rid, None)
-        return None if entry is None else entry[1]
+        entry = self._entries.get(rid)
+        if entry is None:
+            return None
+        self._take(entry[0])
+        return entry[1]
 
     def expire(self, now: float) -> list[tuple[QueuedRequest, T]]:
         """Take out the entries whose wait is over."""
         gone = [entry for entry in self._entries.values() if entry[0].expires_at <= now]
         for item, _ in gone:
-            del self._entries[item.rid]
+            self._take(item)
         return gone
+
+    def charge(self, charge: Charge) -> Charge:
+        """A request of `charge`'s tenant was admitted, from the queue or not: its tenant
+        is charged the KV it is expected to pin here until `settle`."""
+        self.counters.charge(charge.tenant, charge.estimate)
+        return charge
+
+    def settle(self, charge: Charge, output_tokens: int, now: float) -> None:
+        """The KV the request was admitted with is released (it ended, was preempted or
+        left), `output_tokens` generated since: the charge becomes what it really cost."""
+        self.counters.settle(charge, output_tokens, now)
 
     def pump(
         self, now: float, decide: Callable[[QueuedRequest, T], AdmissionVerdict | None]
@@ -166,7 +248,7 @@ class AdmissionQueue(Generic[T]):
         holds the line, which ends the pump. `decide` may answer None for an entry to
         pass over (its waiter is already gone)."""
         ordered = queue_order(
-            tuple(q for q, _ in self._entries.values()), now, self.aging_per_second
+            tuple(q for q, _ in self._entries.values()), now, self.aging_per_second, self.counters
         )
         for item in ordered:
             entry = self._entries.get(item.rid)
@@ -179,8 +261,12 @@ class AdmissionQueue(Generic[T]):
                 if holds_line(item, now):
                     return
                 continue
-            del self._entries[item.rid]
+            self._take(item)
             yield item, entry[1], verdict
+
+    def _take(self, item: QueuedRequest) -> None:
+        del self._entries[item.rid]
+        self._waiting[item.tenant] -= 1
 
 
 def holds_line(queued: QueuedRequest, now: float) -> bool:

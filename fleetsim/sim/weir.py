@@ -16,8 +16,9 @@ Sidecar (`engine_sidecar.policy`), one per engine: growth-reserve admission
 (`decide_admission`) over the KV its requests hold plus the growth the running ones are
 predicted to add (`OutputLengthPredictor`, or the client's hint); the bounded local queue
 by the live ledger's own discipline (`AdmissionQueue`: no overtaking, priority with aging,
-resumes one class ahead and never refused for a full queue; held equal to the ledger by
-tests/fleetsim/test_orchestration_parity.py); engine priority from urgency (`engine_priority`);
+tenants by KV cost and weight inside a class, each admission charged and settled when its
+KV is released, resumes one class ahead and never refused for a full queue; held equal to
+the ledger by tests/fleetsim/test_orchestration_parity.py); engine priority from urgency (`engine_priority`);
 watermarks with hysteresis (`classify_watermark`) published with every heartbeat and at once
 on a change; and the relief ladder (`plan_relief`): at exhaustion, victims are migrated (a
 continuation re-routed by the router, excluding this endpoint), offloaded (resumed in
@@ -81,7 +82,7 @@ from controlplane.routing import (
 )
 from controlplane.routing.dispatch import RESUME_FAILED, Event
 from controlplane.rules.credits import decode_budget
-from controlplane.rules.fairness import tenant_weights
+from controlplane.rules.fairness import Charge, tenant_weights
 from engine_sidecar.ledger import Ledger
 from engine_sidecar.policy import (
     RESERVATION_TTL_S,
@@ -139,6 +140,7 @@ class _Held:
     flight: SimFlight
     prompt_tokens: int
     generated_at_admission: int
+    charge: Charge  # its tenant's, until its KV is released (`Sidecar.release`)
 
 
 @dataclass(slots=True)
@@ -171,7 +173,9 @@ class Sidecar:
     def __post_init__(self) -> None:
         self.ledger = Ledger(self.policy, self.capacity_tokens, self.clock)
         sched = self.policy.scheduling
-        self.queue = AdmissionQueue(sched.local_queue_size, sched.aging_per_second)
+        self.queue = AdmissionQueue(
+            sched.local_queue_size, sched.aging_per_second, tenant_weights(self.policy.tenants)
+        )
         self.reservations = Reservations(self.endpoint_id)
 
     @property
@@ -190,6 +194,23 @@ class Sidecar:
             flight.generated,
             spec.max_tokens,
         )
+
+    def charge_for(self, flight: SimFlight, prompt_tokens: int, now: float) -> Charge:
+        """What admitting the flight at `now` charges its tenant, as the live ledger
+        charges it: its KV (`prompt_tokens`, what it generated included) and the output it
+        may still add, at this engine's TPOT."""
+        spec = flight.spec
+        left = spec.max_tokens - flight.generated
+        return Charge.placed(spec.tenant, prompt_tokens, left, now, tpot_s=self.ledger.tpot_s)
+
+    def release(self, rid: str, now: float) -> _Held | None:
+        """Its engine let the request go: its KV is no longer held here, and its tenant's
+        charge is settled."""
+        held = self.held.pop(rid, None)
+        if held is not None:
+            generated = held.flight.generated - held.generated_at_admission
+            self.queue.settle(held.charge, generated, now)
+        return held
 
     def outlook(self, flight: SimFlight) -> SequenceOutlook:
         return SequenceOutlook(
@@ -645,7 +666,7 @@ class WeirPolicy:
         self._where[flight.rid] = sidecar.index
         queued = queued_request(
             flight.rid, spec.priority, prompt, arrived_at=now, now=now, max_wait_s=wait,
-            deadline_at=deadline, resumed=resumed,
+            deadline_at=deadline, resumed=resumed, charge=sidecar.charge_for(flight, prompt, now),
         )  # fmt: skip
         sidecar.queue.offer(queued, flight)
         self._admit(sidecar, now)
@@ -717,7 +738,8 @@ class WeirPolicy:
         self._in_place.discard(flight.rid)
         if self.sim.submit(flight, sidecar.index, now, engine_prio):
             self._where[flight.rid] = sidecar.index
-            sidecar.held[flight.rid] = _Held(flight, prompt_tokens, flight.generated)
+            charge = sidecar.queue.charge(sidecar.charge_for(flight, prompt_tokens, now))
+            sidecar.held[flight.rid] = _Held(flight, prompt_tokens, flight.generated, charge)
             sidecar.used_tokens += prompt_tokens
             sidecar.reserved_tokens += decision.needed_tokens - prompt_tokens
             if prompt_tokens >= LONG_PROMPT_TOKENS:
@@ -825,7 +847,7 @@ class WeirPolicy:
             if mode is None:
                 continue  # no peer held room for it, and it cannot resume in place
             flight = sidecar.held[victim.rid].flight
-            self._release(sidecar, flight)
+            self._release(sidecar, flight, now)
             self.sim.withdraw(flight, now)
             # What its continuation computes again is known when it resumes: its history
             # less what a prefix cache (device or host) gives back there.
@@ -876,8 +898,8 @@ class WeirPolicy:
             )
         return candidates
 
-    def _release(self, sidecar: Sidecar, flight: SimFlight) -> None:
-        sidecar.held.pop(flight.rid, None)
+    def _release(self, sidecar: Sidecar, flight: SimFlight, now: float) -> None:
+        sidecar.release(flight.rid, now)
         self._where.pop(flight.rid, None)
 
     # -- endings and failures -------------------------------------------------------------
@@ -892,7 +914,7 @@ class WeirPolicy:
             return
         sidecar = self.sidecars[index]
         sidecar.queue.remove(flight.rid)
-        if sidecar.held.pop(flight.rid, None) is not None and flight.completed:
+        if sidecar.release(flight.rid, now) is not None and flight.completed:
             sidecar.predictor.observe(LengthKey(flight.spec.tenant, MODEL), flight.generated)
             if flight.generated > 1:
                 sidecar.ledger.observe_tpot(flight.tpot_s)
@@ -903,7 +925,7 @@ class WeirPolicy:
         """The prompt's KV reached the decode side: the prefill sidecar lets go of it, the
         credit is consumed, and the decode is routed like a continuation."""
         sidecar = self.sidecars[prefill_engine]
-        self._release(sidecar, flight)
+        self._release(sidecar, flight, now)
         sidecar.account()
         # The transfer ends after the engine let the request go, so no iteration of an
         # engine left idle would look at the queue the freed KV can now admit from.
@@ -931,7 +953,8 @@ class WeirPolicy:
         stranded = [*flights, *(f for _, f in sidecar.queue.entries())]
         for flight in stranded:
             sidecar.queue.remove(flight.rid)
-        sidecar.held.clear()
+        for rid in list(sidecar.held):
+            sidecar.release(rid, now)
         self.index.forget(sidecar.endpoint_id)
         for flight in stranded:
             self._where.pop(flight.rid, None)

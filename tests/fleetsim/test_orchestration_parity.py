@@ -17,6 +17,7 @@ from controlplane.contract import (
     PoolPolicy,
     RoutingPolicy,
     SchedulingPolicy,
+    TenantQuota,
 )
 from engine_sidecar.intake import IntakeLimits, parse_intake
 from engine_sidecar.ledger import Flight, Ledger, OverloadError
@@ -42,6 +43,7 @@ POLICY = PoolPolicy(
     kv=KVPolicy(growth_horizon_steps=16),
     scheduling=SchedulingPolicy(local_queue_size=3, local_queue_max_wait_s=30.0),
     routing=RoutingPolicy(resume_wait_s=30.0),  # how long a resume may wait, here too
+    tenants=(TenantQuota(name="t"), TenantQuota(name="u"), TenantQuota(name="v", weight=2.0)),
 )
 
 
@@ -55,6 +57,7 @@ class Arrive:
     max_new: int = 400
     held: bool = False  # room was held here for it (a migration's reservation)
     first_arrival: float | None = None  # a continuation's client arrived then
+    tenant: str = "t"
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,15 @@ SCRIPT = (
     Arrive(11.5, "k", 300, resumed=10, first_arrival=-500.0),
     Arrive(12.0, "n", 50),  # waits behind k, which holds the line
     End(41.6, "c"),  # k's wait ended at 41.5; n's has not: n goes in
+    *(End(50.0, rid) for rid in "dfmn"),
+    # Tenants: u0 is charged the KV it is expected to pin (950 tokens for 4 s), u1 and
+    # u2 wait behind it, v1 joins them lifted to u's counter. u0 ends after 6 s, which
+    # settles u's charge to the 750 tokens it pinned for 6 s: v1 goes first.
+    Arrive(51.0, "u0", 750, tenant="u"),
+    Arrive(52.0, "u1", 200, tenant="u"),
+    Arrive(52.1, "u2", 200, tenant="u"),
+    Arrive(52.2, "v1", 200, tenant="v"),
+    End(57.0, "u0"),
 )
 
 
@@ -135,7 +147,7 @@ async def _live(script: tuple[Event, ...]) -> list[tuple[str, str]]:
                 IntakeLimits("m", 100_000),
             )
             record = RequestRecord(
-                rid=event.rid, tenant="t", model="m", prompt_tokens=prompt,
+                rid=event.rid, tenant=event.tenant, model="m", prompt_tokens=prompt,
                 max_new_tokens=event.max_new - event.resumed, arrived_at=event.at,
                 state_since=event.at, priority=event.priority,
             )  # fmt: skip
@@ -219,7 +231,8 @@ def _simulated(script: tuple[Event, ...]) -> list[tuple[str, str]]:
         if isinstance(event, Arrive):
             arrival = event.at if event.first_arrival is None else event.first_arrival
             spec = RequestSpec(
-                request_id=event.rid, arrival_s=arrival, tenant="t", priority=event.priority,
+                request_id=event.rid, arrival_s=arrival, tenant=event.tenant,
+                priority=event.priority,
                 input_tokens=event.prompt, output_tokens=event.max_new,
                 max_tokens=event.max_new,
                 block_ids=tuple(range(-(-event.prompt // BLOCK_TOKENS))),
@@ -246,9 +259,10 @@ async def test_the_simulator_admits_as_the_live_sidecar_does() -> None:
     assert live == _simulated(SCRIPT)
     # The script exercises what it claims to: both refusals, a short request passing a
     # long one that had not waited long, the class order, a resume holding the line, a
-    # continuation taking the room held for it, and one whose wait ran out.
+    # continuation taking the room held for it, one whose wait ran out, and a tenant
+    # served less going ahead of one served more.
     assert ("refuse", "i") in live
     assert ("refuse", "h") in live
     assert ("refuse", "k") in live
     admitted = [rid for verdict, rid in live if verdict == "admit"]
-    assert admitted == ["a", "b", "d", "e", "c", "g", "f", "m", "n"]
+    assert admitted == ["a", "b", "d", "e", "c", "g", "f", "m", "n", "u0", "v1", "u1", "u2"]

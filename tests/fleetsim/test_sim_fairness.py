@@ -1,11 +1,13 @@
-"""Fairness by KV cost, end to end in the simulator: Weir's router charges each tenant the
-KV token-seconds its requests pin, so a tenant of long answers gets fewer requests through
-than one of short answers, in proportion to the memory each holds."""
+"""Fairness by KV cost, end to end in the simulator: Weir's router and sidecars charge each
+tenant the KV token-seconds its requests pin, divided by its weight, so a tenant of long
+answers gets fewer requests through than one of short answers, in proportion to the
+memory each holds, and a tenant of weight 2 twice the memory of one of weight 1."""
 
 from __future__ import annotations
 
 import msgspec
 
+from controlplane.contract import TenantQuota
 from fleetsim.report.metrics import jain_index, kv_service
 from fleetsim.sim import FleetConfig, Simulation, policies
 from fleetsim.sim.config import default_pool_policy
@@ -38,20 +40,16 @@ def test_a_long_answer_tenant_and_a_short_answer_tenant_share_kv_seconds_not_tok
     minute: 'long' sends 256-token prompts for 512-token answers, 'short' ten times as
     many 768-token prompts for 32-token answers. A 'long' request holds its KV through
     512 decode steps, a 'short' one through 32, so KV-fair service lets several times
-    more of short's tokens through. The sidecar's local queue holds two requests, so that
-    what the router's fair queue lets go is what gets served (with a deep local queue
-    its arrival order would decide). Charged by tokens instead (before), 'long' got over
-    four times short's KV token-seconds (Jain's index 0.73), short only 1.6x long's tokens."""
+    more of short's tokens through. The sidecar's local queue (256 deep) decides who of
+    what the router let go runs, by the same counters. Charged by tokens (d9696e4),
+    'long' got over four times short's KV token-seconds (Jain's index 0.73); with the
+    sidecar's queue in arrival order (4d3d5cb), twice (0.83)."""
     span_s = 60.0
     specs = [
         *_requests("long", 0, 150, 256, 512, span_s),
         *_requests("short", 1_000_000, 1500, 768, 32, span_s),
     ]
-    base = default_pool_policy()
-    policy = msgspec.structs.replace(
-        base, scheduling=msgspec.structs.replace(base.scheduling, local_queue_size=2)
-    )
-    config = FleetConfig(engines=1, kv_tokens=20_000, drain_s=10.0, policy=policy)
+    config = FleetConfig(engines=1, kv_tokens=20_000, drain_s=10.0)
     result = Simulation(specs, policies()["weir"](), config).run()
 
     served = kv_service(result.flights, result.end_s)
@@ -64,3 +62,23 @@ def test_a_long_answer_tenant_and_a_short_answer_tenant_share_kv_seconds_not_tok
     assert jain_index(served.values()) >= 0.9
     assert 0.5 <= served["long"] / served["short"] <= 2.0
     assert tokens["short"] >= 3 * tokens["long"]
+
+
+def test_a_tenant_of_weight_two_gets_twice_the_kv_seconds_of_one_of_weight_one() -> None:
+    """Two tenants of the same requests (512-token prompts, 128-token answers), both
+    asking far more than one engine serves for a minute; 'iron' arrives first at every
+    instant. With 'gold' at weight 2 it gets twice iron's KV token-seconds; unweighted
+    (4d3d5cb) iron got 1.6x gold's, first in every tie."""
+    span_s = 60.0
+    specs = [
+        *_requests("iron", 1_000_000, 600, 512, 128, span_s),
+        *_requests("gold", 0, 600, 512, 128, span_s),
+    ]
+    tenants = (TenantQuota(name="gold", weight=2.0), TenantQuota(name="iron"))
+    policy = msgspec.structs.replace(default_pool_policy(), tenants=tenants)
+    config = FleetConfig(engines=1, kv_tokens=20_000, drain_s=10.0, policy=policy)
+    result = Simulation(specs, policies()["weir"](), config).run()
+
+    served = kv_service(result.flights, result.end_s)
+    assert all(any(not f.completed for f in result.flights if f.spec.tenant == t) for t in served)
+    assert 1.7 <= served["gold"] / served["iron"] <= 2.3

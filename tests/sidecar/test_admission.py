@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from controlplane.contract import KVPolicy, WatermarkState
+from controlplane.rules.fairness import Charge, VirtualCounters, kv_cost
 from engine_sidecar.policy import (
+    AdmissionQueue,
     AdmissionVerdict,
     PoolOutlook,
     QueuedRequest,
@@ -19,6 +21,7 @@ from engine_sidecar.policy import (
 from engine_sidecar.policy.admission import ALONE, alone_tokens
 
 POLICY = KVPolicy(emergency_watermark=0.95, growth_horizon_steps=100, headroom_tokens=10)
+EQUAL = VirtualCounters()  # no tenant served yet
 
 
 def test_reserve_is_bounded_by_horizon_remaining_and_prediction() -> None:
@@ -102,20 +105,92 @@ def test_a_request_past_the_margin_that_fits_the_whole_kv_runs_alone() -> None:
 def test_queue_orders_by_aged_priority_and_expires() -> None:
     old_low = QueuedRequest("a", priority=0, enqueued_at=0.0, expires_at=100.0, prompt_tokens=1)
     new_high = QueuedRequest("b", priority=5, enqueued_at=8.0, expires_at=9.0, prompt_tokens=1)
-    assert [q.rid for q in queue_order((old_low, new_high), 9.0, 0.1)] == ["b", "a"]
+    assert [q.rid for q in queue_order((old_low, new_high), 9.0, 0.1, EQUAL)] == ["b", "a"]
     # With aging the old low-priority request overtakes: never starved.
-    assert [q.rid for q in queue_order((old_low, new_high), 9.0, 1.0)] == ["a", "b"]
+    assert [q.rid for q in queue_order((old_low, new_high), 9.0, 1.0, EQUAL)] == ["a", "b"]
     assert expired((old_low, new_high), 9.0) == (new_high,)
     # A resume waits one class ahead of new work: of its own class, and the next one
     # down however long that waited (without aging).
     resume = QueuedRequest("r", 0, 9.0, 100.0, 1, resumed=True)
     same = QueuedRequest("s", 0, 1.0, 100.0, 1)
     above = QueuedRequest("t", 2, 9.0, 100.0, 1)
-    assert [q.rid for q in queue_order((same, resume, above), 9.0, 0.0)] == ["t", "r", "s"]
+    assert [q.rid for q in queue_order((same, resume, above), 9.0, 0.0, EQUAL)] == ["t", "r", "s"]
     # Requests that came at the same instant (a router's queue let go at once) keep the
     # order they came in: the router's fair order, not their ids'.
     late, early = QueuedRequest("z", 0, 5.0, 100.0, 1), QueuedRequest("a", 0, 5.0, 100.0, 1)
-    assert [q.rid for q in queue_order((late, early), 9.0, 0.0)] == ["z", "a"]
+    assert [q.rid for q in queue_order((late, early), 9.0, 0.0, EQUAL)] == ["z", "a"]
+
+
+def test_inside_a_class_tenants_take_turns_by_kv_cost_and_weight() -> None:
+    """Six requests of each of two tenants, all of one class and KV cost: `gold` (weight
+    2) goes twice for each turn of `iron`; a tenant already served goes after; a higher
+    class keeps its precedence whatever its tenant was served."""
+    counters = VirtualCounters({"gold": 2.0})
+
+    def waiting(tenant: str, priority: int = 0, n: int = 6) -> list[QueuedRequest]:
+        return [
+            QueuedRequest(f"{tenant}{i}", priority, i, 100.0, 100, tenant=tenant, cost=100.0)
+            for i in range(n)
+        ]
+
+    queue = (*waiting("iron"), *waiting("gold"))
+    order = [q.rid for q in queue_order(queue, 0.0, 0.0, counters)]
+    assert order[:9] == [
+        "iron0", "gold0", "gold1", "iron1", "gold2", "gold3", "iron2", "gold4", "gold5",
+    ]  # fmt: skip
+    counters.charge("gold", 1000.0)  # gold is 500 ahead: iron's next five go first
+    order = [q.rid for q in queue_order(queue, 0.0, 0.0, counters)]
+    assert order[:6] == ["iron0", "iron1", "iron2", "iron3", "iron4", "gold0"]
+    urgent = waiting("gold", priority=2, n=1)
+    assert queue_order((*queue, *urgent), 0.0, 0.0, counters)[0] is urgent[0]
+    # Aging lifts the head of a class past younger work of a higher class: gold0 has
+    # waited 3 s (at a class a second it ranks as 3.0), the class-2 requests 0.5 s (2.5).
+    newer = [QueuedRequest(f"new{i}", 2, 2.5, 100.0, 100, tenant="iron") for i in range(2)]
+    order = [q.rid for q in queue_order((queue[6], *newer), 3.0, 1.0, counters)]
+    assert order == ["gold0", "new0", "new1"]
+    # Inside a class it never reorders tenants: iron's request waited longer, but iron
+    # was served more.
+    served = VirtualCounters()
+    served.charge("iron", 100.0)
+    order = [q.rid for q in queue_order((queue[0], queue[7]), 3.0, 1.0, served)]
+    assert order == ["gold1", "iron0"]
+
+
+def test_a_tenant_of_weight_two_is_admitted_twice_the_kv_of_one_of_weight_one() -> None:
+    """Both tenants keep twenty requests waiting for an engine with room for one at a
+    time, each request charged as it is admitted and settled when it ends a second
+    later: over fifteen admissions gold (weight 2) got twice iron's KV token-seconds.
+    A tenant that comes back after idling is lifted to the others' counters."""
+    queue: AdmissionQueue[str] = AdmissionQueue(100, 0.0, {"gold": 2.0})
+
+    def charge(tenant: str, now: float) -> Charge:
+        return Charge.placed(tenant, 100, 100, now, tpot_s=0.01)
+
+    for i in range(20):
+        for tenant in ("gold", "iron"):
+            item = QueuedRequest(
+                f"{tenant}{i}", 0, 0.0, 1e9, 100, tenant=tenant, cost=charge(tenant, 0.0).estimate
+            )
+            queue.offer(item, tenant)
+    room = [False]  # the engine has room for one request when a step begins
+
+    def decide(item: QueuedRequest, payload: str) -> AdmissionVerdict:
+        fits, room[0] = room[0], False
+        return AdmissionVerdict.ADMIT if fits else AdmissionVerdict.WAIT
+
+    served = {"gold": 0.0, "iron": 0.0}
+    for step in range(15):
+        now = float(step)
+        room[0] = True
+        ((item, tenant, _),) = list(queue.pump(now, decide))
+        running = queue.charge(charge(tenant, now))
+        queue.settle(running, 50, now + 1.0)  # it ran a second and generated 50 tokens
+        served[tenant] += kv_cost(100, 50, 1.0)
+    assert served["gold"] == 2 * served["iron"]
+    assert queue.counters.counter("gold") == queue.counters.counter("iron")
+    # Newcomers are lifted to the least counter waiting, not to zero.
+    queue.offer(QueuedRequest("late0", 0, 20.0, 1e9, 100, tenant="late"), "late")
+    assert queue.counters.counter("late") == queue.counters.counter("iron")
 
 
 def test_engine_priority_rises_with_wait_and_urgency() -> None:

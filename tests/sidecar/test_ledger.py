@@ -12,8 +12,10 @@ from controlplane.contract import (
     KVPolicy,
     PoolPolicy,
     SchedulingPolicy,
+    TenantQuota,
     WatermarkState,
 )
+from controlplane.rules.fairness import kv_cost, kv_cost_estimate
 from engine_sidecar.intake import IntakeLimits, parse_intake
 from engine_sidecar.ledger import Flight, Ledger, OverloadError
 from engine_sidecar.policy import RequestRecord, RequestState
@@ -28,14 +30,16 @@ POLICY = PoolPolicy(
 )
 
 
-def flight(rid: str, prompt: int, max_new: int = 64, priority: int = 0) -> Flight:
+def flight(
+    rid: str, prompt: int, max_new: int = 64, priority: int = 0, tenant: str = "t"
+) -> Flight:
     intake = parse_intake(
         EngineAPI.GENERATE,
         {"input_ids": [1] * prompt, "sampling_params": {"max_new_tokens": max_new}},
         IntakeLimits("m", 100_000),
     )
     record = RequestRecord(
-        rid=rid, tenant="t", model="m", prompt_tokens=prompt, max_new_tokens=max_new,
+        rid=rid, tenant=tenant, model="m", prompt_tokens=prompt, max_new_tokens=max_new,
         arrived_at=0.0, priority=priority,
     )  # fmt: skip
     return Flight(intake, record, 0.0)
@@ -64,6 +68,31 @@ async def test_sums_follow_tokens_and_transitions() -> None:
     assert ledger.own_used == 160
     ledger.move(f, S.CANCELLED, FinishReason.CANCELLED)
     assert (ledger.own_used, ledger.reserved, ledger.flights) == (0, 0, {})
+
+
+async def test_each_stay_in_the_engine_charges_its_tenant_what_its_kv_pinned() -> None:
+    """Admitted, a request's tenant is charged the KV it is expected to pin (at the
+    ledger's TPOT, 20 ms to start with), divided by the tenant's weight; when its KV is
+    released (preempted, ended) the charge becomes what it pinned. Resumed, it is
+    charged again for what is left."""
+    now = [0.0]
+    policy = PoolPolicy(pool="p", model="m", tenants=(TenantQuota(name="gold", weight=2.0),))
+    ledger = Ledger(policy, 10_000, clock=lambda: now[0])
+    counter = ledger._queue.counters.counter
+    f = await admitted(ledger, flight("a", 1000, max_new=200, tenant="gold"))
+    assert counter("gold") == pytest.approx(kv_cost_estimate(1000, 200, 0.0, 0.02) / 2)
+    for state in (S.PREFILL_RUNNING, S.DECODE_READY, S.DECODING):
+        ledger.move(f, state)
+    ledger.add_tokens(f, 50)
+    now[0] = 2.0
+    ledger.move(f, S.DECODE_PREEMPTED)
+    pinned = kv_cost(1000, 50, 2.0)
+    assert counter("gold") == pytest.approx(pinned / 2)
+    await ledger.admit(f)  # resumes: its prompt and the 50 it generated, 150 to go
+    assert counter("gold") == pytest.approx((pinned + kv_cost_estimate(1050, 150, 0.0, 0.02)) / 2)
+    now[0] = 3.0
+    ledger.move(f, S.CANCELLED, FinishReason.CANCELLED)
+    assert counter("gold") == pytest.approx((pinned + kv_cost(1050, 0, 1.0)) / 2)
 
 
 async def test_watermark_follows_committed_kv() -> None:
