@@ -39,6 +39,7 @@ _COLUMNS = (
     ("TTFT p99 by input s", lambda s: _buckets(s["ttft_by_input"])),
     ("TPOT p99 by output ms", lambda s: _buckets(s["tpot_by_output"], 1000)),
     ("tenant share", lambda s: _shares(s["tenant_share"])),
+    ("tenant SLO met", lambda s: _shares(s["tenant_slo_attainment"])),
     ("Jain's index (KV·s)", lambda s: _f(s["fairness_jain"])),
 )
 

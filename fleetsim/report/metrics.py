@@ -29,10 +29,11 @@ Definitions (the report and docs/fleet-simulation.md use exactly these):
   their normalised service x_t = KV token-seconds delivered to t / t's weight:
   (Σ x_t)² / (n · Σ x_t²), 1 when every tenant got the same share, 1/n when one got all.
   A request's KV token-seconds are what Weir's fair queues charge (`controlplane.rules.
-  fairness.kv_cost`): its prompt plus the tokens it generated, held from its first dispatch to an
-  engine until it ended (or the run stopped). Tenants whose demand is below their fair
-  share lower the index under any policy: it compares policies on one workload, it is
-  not a grade on its own.
+  fairness.kv_cost`): its prompt plus the tokens it generated, held from its first
+  dispatch to an engine until it ended (or the run stopped). Tenants whose demand is
+  below their fair share lower the index under any policy: it compares policies on one
+  workload, it is not a grade on its own. Beside it, each tenant's SLO attainment (the
+  share of its judged requests that met their SLOs).
 - starvation: over low-priority requests (priority 0), the share that completed, the
   share whose first token came within their `max_wait_s`, and the longest wait for a first
   token (or until the request ended without one). Requests their clients cancelled are
@@ -152,8 +153,13 @@ def summarize(
     span = max(result.duration_s, 1e-9)
     completed = [f for f in flights if f.completed]
     good = [f for f in completed if meets_slo(f, slo)]
-    unjudged = sum(slo_verdict(f, slo, result.end_s) is None for f in flights)
-    judged = len(flights) - unjudged
+    verdicts: dict[str, list[bool]] = defaultdict(list)  # by tenant, of those judged
+    for f in flights:
+        verdict = slo_verdict(f, slo, result.end_s)
+        if verdict is not None:
+            verdicts[f.spec.tenant].append(verdict)
+    judged = sum(map(len, verdicts.values()))
+    unjudged = len(flights) - judged
     rejected = [f for f in flights if is_rejected(f)]
     lost = [f for f in flights if is_lost(f)]
     short = [f for f in completed if not f.spec.is_long]
@@ -208,6 +214,7 @@ def summarize(
         "prefill_s_saved": cached * prefill_s_per_token,
         "tenant_share": {t: n / total_served for t, n in sorted(served.items())},
         "tenant_kv_token_s": dict(sorted(kv_by_tenant.items())),
+        "tenant_slo_attainment": {t: sum(v) / len(v) for t, v in sorted(verdicts.items())},
         "fairness_jain": jain_index(kv / weight.get(t, 1.0) for t, kv in kv_by_tenant.items()),
         "starvation": _starvation(low),
         "end_s": result.end_s,

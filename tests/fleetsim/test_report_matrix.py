@@ -103,6 +103,11 @@ def test_a_small_matrix_writes_goals_markdown_json_and_plots(tmp_path: Path) -> 
     cells = run_cells(specs, jobs=2)
     assert [c.spec for c in cells] == specs
     assert all(c.summary["offered"] > 0 for c in cells)
+    for cell in cells:  # the overall attainment is the tenants' weighted by their requests
+        summary = cell.summary
+        tenants = summary["tenant_slo_attainment"]
+        assert set(tenants) <= set(summary["tenant_kv_token_s"])
+        assert min(tenants.values()) <= summary["slo_attainment"] <= max(tenants.values())
     rows = goals(cells)
     assert [(r["scenario"], r["load"]) for r in rows] == [
         ("few_long_many_short", 0.5),
@@ -117,6 +122,7 @@ def test_a_small_matrix_writes_goals_markdown_json_and_plots(tmp_path: Path) -> 
     assert "## Capacity at SLO" not in text  # no search was run
     header = next(line for line in text.splitlines() if line.startswith("| policy | offered"))
     assert "| goodput req/s | refused |" in header  # refusals beside goodput
+    assert "| tenant SLO met |" in header
     encoded = json.dumps(json_safe({"cells": [c.summary for c in cells], "x": math.nan}))
     assert json.loads(encoded)["x"] is None
 
