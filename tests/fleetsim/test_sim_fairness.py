@@ -43,7 +43,7 @@ def test_a_long_answer_tenant_and_a_short_answer_tenant_share_kv_seconds_not_tok
     more of short's tokens through. The sidecar's local queue (256 deep) decides who of
     what the router let go runs, by the same counters. Charged by tokens (d9696e4),
     'long' got over four times short's KV token-seconds (Jain's index 0.73); with the
-    sidecar's queue in arrival order (4d3d5cb), twice (0.83)."""
+    sidecar's queue in arrival order (312853a), 2.7 times (0.83)."""
     span_s = 60.0
     specs = [
         *_requests("long", 0, 150, 256, 512, span_s),
@@ -67,8 +67,9 @@ def test_a_long_answer_tenant_and_a_short_answer_tenant_share_kv_seconds_not_tok
 def test_a_tenant_of_weight_two_gets_twice_the_kv_seconds_of_one_of_weight_one() -> None:
     """Two tenants of the same requests (512-token prompts, 128-token answers), both
     asking far more than one engine serves for a minute; 'iron' arrives first at every
-    instant. With 'gold' at weight 2 it gets twice iron's KV token-seconds; unweighted
-    (4d3d5cb) iron got 1.6x gold's, first in every tie."""
+    instant. With 'gold' at weight 2 it gets twice iron's KV token-seconds; with no
+    weights anywhere and the sidecar's queue in arrival order (312853a), iron got 1.6x
+    gold's, first in every tie."""
     span_s = 60.0
     specs = [
         *_requests("iron", 1_000_000, 600, 512, 128, span_s),
