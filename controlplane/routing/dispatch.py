@@ -450,7 +450,7 @@ class Dispatcher(Generic[P]):
         route, view = request.route, snapshot.by_id[decision.endpoint_id]
         request.charge = Charge.placed(
             route.tenant, route.prompt_tokens, route.max_new_tokens, now,
-            view.predicted_ttft_s, view.predicted_tpot_s,
+            ttft_s=view.predicted_ttft_s, tpot_s=view.predicted_tpot_s,
         )  # fmt: skip
         return request.charge.estimate
 

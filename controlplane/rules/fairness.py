@@ -78,6 +78,7 @@ class Charge:
         prompt_tokens: int,
         max_new_tokens: int,
         now: float,
+        *,
         ttft_s: float = 0.0,
         tpot_s: float = 0.0,
     ) -> Charge:
