@@ -12,7 +12,8 @@ import subprocess
 import pytest
 
 from e2e.conftest import WEIR
-from tests.sglang.server import cpu_environment, weir_sglang_args
+from tests.sglang.server import weir_sglang_args
+from weir.local.sglang_cpu import cpu_environment
 
 pytestmark = [pytest.mark.sglang, pytest.mark.redis, pytest.mark.slow, pytest.mark.timeout(420)]
 VERSION = "0.5.23"

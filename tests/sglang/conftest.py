@@ -9,9 +9,10 @@ import pytest
 
 from tests.sglang import server
 from tests.sglang.server import SGLangServer
+from weir.local.sglang_cpu import versions
 
 
-@pytest.fixture(scope="session", params=server.versions())
+@pytest.fixture(scope="session", params=versions())
 def sglang(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[SGLangServer]:

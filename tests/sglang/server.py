@@ -4,8 +4,8 @@ tiny random-weight Llama that `scripts/sglang_env.py` installs and builds.
     with SGLangServer("0.5.23") as server:
         urllib.request.urlopen(server.url + "/get_server_info")
 
-The venv and the model are found where the installer puts them (its path functions are the
-one source: this module loads `scripts/sglang_env.py` by file location). Nothing is
+The venv, the model and the CPU launch flags come from `weir.local.sglang_cpu`, the one
+recipe (`weir bench live --engine sglang-VERSION` launches the same way). Nothing is
 installed here: the install takes minutes and belongs to the bootstrap, not to a test's
 timeout; `unavailable_reason(version)` says why a tier cannot run.
 
@@ -18,8 +18,6 @@ ends the whole group and removes that folder.
 from __future__ import annotations
 
 import contextlib
-import functools
-import importlib.util
 import os
 import random
 import shutil
@@ -32,35 +30,20 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from types import ModuleType, TracebackType
+from types import TracebackType
 
-ROOT = Path(__file__).resolve().parents[2]
-INSTALLER = ROOT / "scripts" / "sglang_env.py"
+from weir.local.sglang_cpu import (
+    cpu_environment,
+    cpu_flags,
+    model_dir,
+    unavailable_reason,
+    venv_python,
+)
 
-# Flags each version needs on the CPU besides the common ones. 0.5.5's paged KV allocator
-# (page size > 1) runs a Triton kernel, which has no CPU driver: 0.5.5 keeps page size 1.
-VERSION_FLAGS: dict[str, tuple[str, ...]] = {
-    "0.5.23": ("--page-size", "16"),
-    "0.5.5": ("--page-size", "1"),
-}
 START_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 20.0
 # Loopback only: no proxy from the environment.
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-def cpu_flags(version: str) -> list[str]:
-    """The launch flags that make `version` serve the tiny model on this machine's CPU,
-    with a small KV pool (4,096 tokens) that a handful of requests fills."""
-    return [
-        "--device", "cpu",
-        "--attention-backend", "torch_native",
-        "--disable-overlap-schedule",
-        "--max-total-tokens", "4096",
-        "--mem-fraction-static", "0.05",
-        "--skip-server-warmup",
-        *VERSION_FLAGS.get(version, ()),
-    ]  # fmt: skip
 
 
 def weir_sglang_args(version: str) -> list[str]:
@@ -80,53 +63,8 @@ def weir_sglang_args(version: str) -> list[str]:
     ]  # fmt: skip
 
 
-def cpu_environment() -> dict[str, str]:
-    """SGLang's CPU engine, offline: what a server's environment adds to ours."""
-    return {"SGLANG_USE_CPU_ENGINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-
-
 class SGLangUnavailableError(RuntimeError):
     """The version is not installed, or its server did not come up."""
-
-
-@functools.cache
-def installer() -> ModuleType:
-    """`scripts/sglang_env.py`, loaded by file location (scripts/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("weir_sglang_env", INSTALLER)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot load {INSTALLER}")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def versions() -> tuple[str, ...]:
-    """The SGLang versions the installer knows, newest first."""
-    return tuple(str(version) for version in installer().SUPPORTED)
-
-
-def venv_python(version: str) -> Path:
-    return Path(installer().venv_python(version))
-
-
-def model_dir() -> Path:
-    return Path(installer().model_dir())
-
-
-def unavailable_reason(version: str) -> str | None:
-    """Why a real SGLang `version` cannot run here, or None when it can. Reads only the
-    installer's stamps (no subprocess): a venv installed from other pins is stale."""
-    env = installer()
-    command = f"python3 {INSTALLER.relative_to(ROOT)} {version}"
-    if version not in env.SUPPORTED:
-        return f"SGLang {version} is not one the installer knows ({', '.join(versions())})"
-    if not venv_python(version).is_file():
-        return f"SGLang {version} is not installed in {env.venv_dir(version)}: run {command}"
-    if not env.venv_ready(version):
-        return f"SGLang {version}'s venv is unfinished or stale (other pins): run {command}"
-    if not env.model_ready():
-        return f"the tiny model is not built in {model_dir()}: run {command}"
-    return None
 
 
 def _ephemeral_low() -> int:
@@ -362,7 +300,7 @@ def serve(
     """The body of a pytest fixture: skips through `tests.tiers.unavailable` (fails in CI)
     when the version cannot run, else yields a started server and stops it afterwards.
 
-        @pytest.fixture(scope="session", params=sglang_server.versions())
+        @pytest.fixture(scope="session", params=versions())
         def sglang(request, tmp_path_factory):
             logs = tmp_path_factory.mktemp("sglang")
             yield from sglang_server.serve(request.param, log_dir=logs)

@@ -27,8 +27,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from fleetsim.engine import LLAMA_8B, EngineConfig, TimingModel
 from fleetsim.server import RunningEngine, serve_engine
-from tests.sglang import server as sglang_server
 from tests.sglang.server import SGLangServer
+from weir.local.sglang_cpu import model_dir
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(600)]
 
@@ -96,7 +96,7 @@ PROMPT_IDS = list(range(3, 21))  # 18 token ids every vocabulary of both engines
 def reference_config(version: str) -> EngineConfig:
     """The reference engine launched as tests/sglang/server.py launches SGLang."""
     return EngineConfig(
-        model=str(sglang_server.model_dir()),
+        model=str(model_dir()),
         max_total_tokens=4096,
         page_size=16 if version == "0.5.23" else 1,
         # What each version picks for this machine's memory.

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from weir.benchmarks._tool_venv import ToolVenv, ToolVenvError, cache_home
+from weir.benchmarks._tool_venv import ToolVenv, ToolVenvError
+from weir.local import sglang_cpu
 
 # inference-perf 0.7.0 and its dependency closure as pip resolved it on Python 3.12.
 INFERENCE_PERF = ToolVenv(
@@ -274,7 +275,7 @@ def _ip_result(summary: dict[str, Any], scenario: Scenario) -> Result:
 
 def sglang_python() -> Path:
     """The python of the SGLang venv that `scripts/sglang_env.py` installs."""
-    return cache_home() / "sglang" / SGLANG_VERSION / "venv" / "bin" / "python"
+    return sglang_cpu.venv_python(SGLANG_VERSION)
 
 
 # Run by the SGLang venv's python: `python -c DRIVER RUNS_JSON`, each run a list of engine
@@ -313,13 +314,10 @@ class BenchServing:
     name = "bench_serving"
 
     def prepare(self) -> str:
-        python = sglang_python()
-        if not python.is_file():
-            raise ToolVenvError(
-                f"bench_serving needs SGLang's venv ({python}): run "
-                f"`python3.11 scripts/sglang_env.py {SGLANG_VERSION}`"
-            )
-        return f"SGLang {SGLANG_VERSION}'s bench_serving ({python})"
+        reason = sglang_cpu.unavailable_reason(SGLANG_VERSION)
+        if reason is not None:
+            raise ToolVenvError(f"bench_serving needs SGLang's venv: {reason}")
+        return f"SGLang {SGLANG_VERSION}'s bench_serving ({sglang_python()})"
 
     def run(
         self, todo: list[Job], model: str, slo: Slo, tokenizer: Path

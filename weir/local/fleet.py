@@ -72,6 +72,8 @@ class FleetConfig:
     # to Weir's (`--device cpu ...` on a machine without a GPU).
     sglang_python: str = ""
     engine_args: tuple[str, ...] = ()
+    # SGLang: variables its servers' environment adds to ours (the CPU engine's switch).
+    engine_env: tuple[tuple[str, str], ...] = ()
     redis_url: str = ""  # empty: start a redis-server
     speed_factor: float = 1.0
     kv_tokens: int = 0  # reference engines: KV pool size in tokens (0: the model's)
@@ -95,7 +97,7 @@ class FleetConfig:
             raise ValueError("engine must be 'reference' or 'sglang'")
         if self.engine == "sglang":
             check_launch(self.sglang_python, self.model_path)
-        elif self.sglang_python or self.engine_args:
+        elif self.sglang_python or self.engine_args or self.engine_env:
             raise ValueError("--sglang-python and --engine-arg go with --engine sglang")
 
 
@@ -160,7 +162,8 @@ class LocalFleet(LocalService):
             )
             ports = [free_port() for _ in roles]
             for i, (role, port) in enumerate(zip(roles, ports, strict=True)):
-                self._spawn(f"engine-{i}", self._engine_command(port, role), port, wait=False)
+                self._spawn(f"engine-{i}", self._engine_command(port, role), port, wait=False,
+                            env=dict(c.engine_env))  # fmt: skip
                 self.engine_urls.append(f"http://127.0.0.1:{port}")
             for child, port in zip(self._children[-len(roles) :], ports, strict=True):
                 self._wait_listening(child, port)
@@ -232,13 +235,16 @@ class LocalFleet(LocalService):
         wait: bool = True,
         *,
         control_plane: bool = False,
+        env: dict[str, str] | None = None,
     ) -> None:
-        """Start a child; `control_plane`: it gets the Redis URL in $WEIR_REDIS_URL (not
-        on its command line, where a password would show in process listings)."""
+        """Start a child, its environment ours plus `env`; `control_plane`: it gets the
+        Redis URL in $WEIR_REDIS_URL (not on its command line, where a password would show
+        in process listings)."""
         log = self.workdir / f"{name}.log"
-        env = {**os.environ, "WEIR_REDIS_URL": self.redis_url} if control_plane else None
+        added = {**(env or {}), **({"WEIR_REDIS_URL": self.redis_url} if control_plane else {})}
         with log.open("wb") as out:
-            proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+            proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
+                                    env={**os.environ, **added})  # fmt: skip
         child = _Child(name, proc, log)
         self._children.append(child)
         if wait:
