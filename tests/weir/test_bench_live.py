@@ -44,7 +44,9 @@ def test_bench_live_reports_router_and_direct_side_by_side(
 
 
 @pytest.mark.parametrize("flags", [["--requests", "0"], ["--rate", "0"],
-                                   ["--slo-ttft-ms", "-1"], ["--engines", "0"]])  # fmt: skip
+                                   ["--slo-ttft-ms", "-1"], ["--engines", "0"],
+                                   ["--speed-factor", "0"],
+                                   ["--engine", "sglang-0.5.23", "--speed-factor", "2"]])  # fmt: skip
 def test_bench_live_refuses_bad_flags(flags: list[str]) -> None:
     with pytest.raises(SystemExit, match="bad arguments"):
         main(["bench", "live", *flags])

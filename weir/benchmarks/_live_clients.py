@@ -5,12 +5,13 @@ SGLang's `bench_serving` in the venv `scripts/sglang_env.py` installs), against 
 URL at a time, and its own report file is read back into a `Result`: the tool's figures,
 not figures recomputed here.
 
-Both count tokens with a local ASCII tokenizer written here, one token per printable ASCII
-character: there is no Hugging Face hub to download one from, the reference engine counts
-one token per byte and generates printable ASCII, and the tools' random generators decode
-random token ids, which with any byte-level vocabulary could be invalid UTF-8. So a prompt
-the tool sizes at N tokens is N tokens to the engine, and the tool's count of the streamed
-text equals the engine's `usage`.
+Against reference engines both count tokens with a local ASCII tokenizer written here, one
+token per printable ASCII character: there is no Hugging Face hub to download one from, the
+reference engine counts one token per byte and generates printable ASCII, and the tools'
+random generators decode random token ids, which with any byte-level vocabulary could be
+invalid UTF-8. So a prompt the tool sizes at N tokens is N tokens to the engine, and the
+tool's count of the streamed text equals the engine's `usage`. Against SGLang's own server
+they count with the model's tokenizer, and the counts differ as docs/benchmarks.md says.
 """
 
 from __future__ import annotations
