@@ -246,7 +246,14 @@ def _ip_config(job: Job, model: str, slo: Slo, tokenizer: Path) -> dict[str, Any
         "data": data,
         "load": {"type": "constant", "num_workers": 1, "stages": [stage]},
         "report": {
-            "request_lifecycle": {"summary": True, "per_stage": False, "per_request": False},
+            # Output tokens as the engine's usage counts them, not the tool's retokenizing
+            # of the streamed text: with a real model's tokenizer the two differ.
+            "request_lifecycle": {
+                "summary": True,
+                "per_stage": False,
+                "per_request": False,
+                "use_server_output_tokens": True,
+            },
             "goodput": {"constraints": {"ttft": slo.ttft_ms / 1e3, "tpot": slo.tpot_ms / 1e3}},
         },
         "storage": {"local_storage": {"path": str(job.out)}},
