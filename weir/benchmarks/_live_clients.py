@@ -244,7 +244,9 @@ def _ip_config(job: Job, model: str, slo: Slo, tokenizer: Path) -> dict[str, Any
         "server": {"type": "vllm", "model_name": model, "base_url": job.url, "ignore_eos": True},
         "tokenizer": {"pretrained_model_name_or_path": str(tokenizer)},
         "data": data,
-        "load": {"type": "constant", "num_workers": 1, "stages": [stage]},
+        # A fixed seed (its default is the clock): it seeds the random dataset's prompts
+        # and lengths too, so both targets get the same requests.
+        "load": {"type": "constant", "num_workers": 1, "stages": [stage], "base_seed": 1},
         "report": {
             # Output tokens as the engine's usage counts them, not the tool's retokenizing
             # of the streamed text: with a real model's tokenizer the two differ.
