@@ -1,7 +1,8 @@
 """`weir bench live`: the local fleet under load generators nobody on this team wrote.
 
-Starts a fleet as `weir up` does (Redis, engines each with a sidecar, a router) and drives it with a client from elsewhere: kubernetes-sigs' `inference-perf` (default;
-its own Python 3.12 venv, built once into the user's cache) or SGLang's `bench_serving`
+Starts a fleet as `weir up` does (Redis, engines each with a sidecar, a router) and drives
+it with a client from elsewhere: kubernetes-sigs' `inference-perf` (default; its own
+Python 3.12 venv, built once into the user's cache) or SGLang's `bench_serving`
 (from the SGLang venv `scripts/sglang_env.py` installs). Every scenario runs twice in the
 same fleet, one after the other: through the router (router → sidecar → engine, Weir's
 whole request path) and straight to the first engine. With the default single engine both
@@ -74,8 +75,9 @@ class Sizing:
     shrink: int
 
 
-# SGLang on two shared CPU cores: 16 requests at 1 per second, lengths halved, make a run
-# of the three scenarios about four minutes with the servers' start (docs/benchmarks.md).
+# SGLang on the CPU: 16 requests at 1 per second, lengths halved, keep a run of the three
+# scenarios to minutes; on two cores shared with other jobs it took about 7 with the
+# server's start (docs/benchmarks.md).
 _SIZING = {"reference": Sizing(40, 4.0, 1), "sglang": Sizing(16, 1.0, 2)}
 
 
@@ -87,8 +89,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="run only this scenario (repeatable; default: all)")  # fmt: skip
     add("--engine", choices=_ENGINES, default="reference",
         help="the engines: reference engines, or SGLang's own server (that version, from "
-             "scripts/sglang_env.py) on the CPU with the tiny model; slow: a run of the "
-             "three scenarios takes about 4 minutes with its defaults")  # fmt: skip
+             "scripts/sglang_env.py) on the CPU with the tiny model; slow: with its own "
+             "defaults a run of the three scenarios takes minutes (about 7 on two busy "
+             "cores)")  # fmt: skip
     add("--engines", type=int, default=1, help="engines behind the router")
     add("--requests", type=int,
         help="requests per scenario and path (default: 40; SGLang on the CPU: 16)")  # fmt: skip
@@ -182,7 +185,7 @@ def _engines(args: argparse.Namespace) -> tuple[FleetConfig, str, Path | None]:
     return config, f"SGLang {version} on the CPU ({model.name})", model
 
 
-def scenario(name: str, requests: int, rate: float, shrink: int = 1) -> Scenario:
+def scenario(name: str, requests: int, rate: float, shrink: int) -> Scenario:
     """A named workload at this size, every length divided by `shrink`. Prompt and answer
     lengths are in tokens (one a byte to the reference engine); a shared-prefix run splits
     its requests over 4 groups."""
