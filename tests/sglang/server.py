@@ -5,7 +5,7 @@ tiny random-weight Llama that `scripts/sglang_env.py` installs and builds.
         urllib.request.urlopen(server.url + "/get_server_info")
 
 The venv, the model and the CPU launch flags come from `weir.local.sglang_cpu`, the one
-recipe (`weir bench live --engine sglang-VERSION` launches the same way). Nothing is
+recipe (`weir bench live --engine sglang-0.5.23` launches the same way). Nothing is
 installed here: the install takes minutes and belongs to the bootstrap, not to a test's
 timeout; `unavailable_reason(version)` says why a tier cannot run.
 

@@ -18,7 +18,7 @@ requests within the SLO, `--slo-ttft-ms` and `--slo-tpot-ms`), TTFT and ITL p50/
 output and total token throughput, and whether the tool's own count of the output tokens
 agrees with the engine's `usage`.
 
-The engines are reference engines (default) or, with `--engine sglang-VERSION`, SGLang's
+The engines are reference engines (default) or, with `--engine sglang-0.5.23`, SGLang's
 own server on this machine's CPU serving the tiny model, launched as the SGLang test tier
 launches it (`weir.local.sglang_cpu`; `scripts/sglang_env.py` installs both). The CPU
 server is slow and its KV pool small (4,096 tokens), so that engine gets its own smaller
@@ -62,7 +62,9 @@ HELP = "The local fleet under inference-perf or bench_serving: router vs engine,
 _MODEL = "bench-live"
 _CLIENTS = ("inference-perf", "bench-serving")
 _SCENARIOS = ("mix", "long-output", "shared-prefix")
-_ENGINES = ("reference", *(f"sglang-{version}" for version in sglang_cpu.VERSION_FLAGS))
+# SGLang 0.5.5 is left out: in its one try here its sidecar asked for the server info
+# 2 s after the server came up and had no answer in 300 s (docs/benchmarks.md).
+_ENGINES = ("reference", "sglang-0.5.23")
 
 
 @dataclass(frozen=True, slots=True)

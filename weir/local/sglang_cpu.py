@@ -2,7 +2,7 @@
 tiny random-weight Llama, both installed and built by `scripts/sglang_env.py`.
 
 The one recipe for launching it, shared by the SGLang test tier (`tests/sglang/server.py`)
-and `weir bench live --engine sglang-VERSION`: where the installer put the venv and the
+and `weir bench live --engine sglang-0.5.23`: where the installer put the venv and the
 model (its own path functions, loaded by file location: scripts/ is not a package, so this
 works from a source checkout only), whether they are ready, and the launch flags and
 environment that make a version serve on the CPU. Nothing is installed here: the install
