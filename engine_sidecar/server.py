@@ -83,20 +83,32 @@ class RunningSidecar:
         await self._stop.wait()
 
 
-async def _engine_info(engine: EngineAdapter, wait_s: float) -> EngineInfo:
-    """The engine's server info, waiting while it starts (it answers 503 or not at all)."""
+# How long one ask for the engine's server info may go unanswered while it starts: an
+# SGLang server can accept a connection and hold the request until its warmup is done, or
+# for good when a warmup stalls; asked again, it may answer.
+_INFO_ASK_S = 10.0
+
+
+async def _engine_info(
+    engine: EngineAdapter, wait_s: float, ask_s: float = _INFO_ASK_S
+) -> EngineInfo:
+    """The engine's server info, waiting while it starts (it answers 503, refuses the
+    connection, or holds the request unanswered); each wait over 10 s is logged."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait_s
     next_log = loop.time() + 10.0
     while True:
         try:
-            return await engine.server_info()
-        except EngineError as exc:
+            return await asyncio.wait_for(engine.server_info(), min(ask_s, wait_s))
+        except (EngineError, TimeoutError) as exc:
             now = loop.time()
             if now > deadline:
+                if isinstance(exc, TimeoutError):
+                    raise EngineError(f"no server info within {wait_s:g} s") from None
                 raise
             if now > next_log:
-                log.info("waiting for the engine: %s", exc)
+                why = exc if isinstance(exc, EngineError) else f"no answer in {ask_s:g} s"
+                log.info("waiting for the engine: %s", why)
                 next_log = now + 10.0
             await asyncio.sleep(0.2)
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
 import msgspec
 import pytest
+from aiohttp import web
 
 from engine_sidecar.engine import (
     EngineError,
@@ -15,6 +17,7 @@ from engine_sidecar.engine import (
     copy_bandwidth,
     pool_bytes_per_token,
 )
+from engine_sidecar.server import _engine_info
 from fleetsim.server import serve_engine
 from tests.sidecar.conftest import MODEL, engine_config
 
@@ -120,3 +123,42 @@ def test_the_host_bandwidth_is_each_rank_s_bytes_over_its_copy_time() -> None:
         ]
     assert copy_bandwidth("\n".join(lines) + "\n") == pytest.approx(8e9)
     assert copy_bandwidth("sglang:num_running_reqs 3\n") == 0.0  # 0.5.5: none timed
+
+
+async def test_an_engine_that_holds_its_server_info_unanswered_is_asked_again() -> None:
+    """SGLang can accept the request and hold it while it warms up (or for good, when a
+    warmup stalls): the sidecar asks again rather than wait on the one request, and gives
+    up with an engine error at its deadline instead of hanging."""
+    held = asyncio.Event()  # never set: an ask it holds stays unanswered
+    asked, holding = 0, 1  # how many asks it holds: the first, then (0) none or (-1) all
+
+    async def server_info(_request: web.Request) -> web.Response:
+        nonlocal asked
+        asked += 1
+        if asked <= holding or holding < 0:
+            await held.wait()
+        return web.json_response(
+            {"version": "0.5.23", "served_model_name": MODEL, "max_total_num_tokens": 1000}
+        )
+
+    async def loads(_request: web.Request) -> web.Response:
+        return web.json_response({"loads": []})
+
+    app = web.Application()
+    app.router.add_get("/server_info", server_info)
+    app.router.add_get("/v1/loads", loads)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    engine = SGLangEngine(f"http://127.0.0.1:{port}")
+    try:
+        info = await _engine_info(engine, wait_s=30.0, ask_s=0.3)
+        assert (info.model, info.kv_capacity_tokens, asked) == (MODEL, 1000, 2)
+        holding = -1  # and one that never answers: refused at the deadline, not hung on
+        with pytest.raises(EngineError, match=r"no server info within 0\.5 s"):
+            await _engine_info(engine, wait_s=0.5, ask_s=0.3)
+    finally:
+        await engine.close()
+        await runner.cleanup()
