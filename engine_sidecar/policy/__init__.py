@@ -15,6 +15,13 @@ from engine_sidecar.policy.admission import (
     total_growth_reserve,
 )
 from engine_sidecar.policy.host_prefixes import HostPrefixes
+from engine_sidecar.policy.latency import (
+    EngineLoad,
+    ForecastError,
+    LatencyForecast,
+    LatencyPredictor,
+    OnlineLinear,
+)
 from engine_sidecar.policy.lifecycle import (
     TRANSITIONS,
     IllegalTransitionError,
@@ -73,12 +80,17 @@ __all__ = [
     "AdmissionDecision",
     "AdmissionQueue",
     "AdmissionVerdict",
+    "EngineLoad",
+    "ForecastError",
     "GrowthRate",
     "HostPrefixes",
     "IllegalTransitionError",
     "KVUsage",
+    "LatencyForecast",
+    "LatencyPredictor",
     "LengthKey",
     "ModeCosts",
+    "OnlineLinear",
     "OutputLengthPredictor",
     "PoolOutlook",
     "PromptSizer",
