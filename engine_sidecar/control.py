@@ -44,7 +44,6 @@ from controlplane.store import (
 from controlplane.store.commands import CommandChannel
 from controlplane.store.quotas import QuotaStore
 from controlplane.transport.http import HTTPClient, TransportError
-from engine_sidecar.ledger import COMMITTED
 from engine_sidecar.quota import KVQuota
 from engine_sidecar.service import RESERVE_PATH, SidecarService
 
@@ -109,7 +108,7 @@ class ControlLink:
         elapsed = max(1e-3, now - self._last_beat)
         preemptions_per_s = (ledger.preemptions - self._last_preemptions) / elapsed
         self._last_preemptions, self._last_beat = ledger.preemptions, now
-        running = sum(1 for f in ledger.flights.values() if f.record.state in COMMITTED)
+        forecast = ledger.latency.forecast(ledger.load())
         return EndpointState(
             pool=self.pool,
             endpoint_id=self.endpoint_id,
@@ -129,10 +128,12 @@ class ControlLink:
             kv_reserved_growth_tokens=ledger.reserved + ledger.held_tokens,
             kv_growth_tokens_per_s=max(0.0, ledger.growth.tokens_per_s),
             waiting_prefill_tokens=ledger.waiting_prefill,
-            running_requests=running,
+            running_requests=ledger.running,
             queued_requests=ledger.queued,
             preemptions_per_s=preemptions_per_s,
-            predicted_tpot_s=ledger.tpot_s,
+            predicted_ttft_s=forecast.wait_s,
+            predicted_tpot_s=forecast.tpot_s,
+            predicted_prefill_s_per_token=forecast.prefill_s_per_token,
             host_prefixes=service.host_prefixes.published(),
             started_at=self.started_at,
             updated_at=time.time(),

@@ -37,8 +37,12 @@ from engine_sidecar.policy import (
     AdmissionDecision,
     AdmissionQueue,
     AdmissionVerdict,
+    EngineLoad,
+    ForecastError,
     GrowthRate,
     KVUsage,
+    LatencyForecast,
+    LatencyPredictor,
     LengthKey,
     OutputLengthPredictor,
     PoolOutlook,
@@ -127,6 +131,9 @@ class Flight:
     # output when it was charged.
     charge: Charge | None = None
     charged_from: int = 0
+    # The latency model's forecast when it reached this sidecar (new requests only).
+    forecast: LatencyForecast | None = None
+    committed: bool = False  # counted in the ledger's `running`
 
     @property
     def record(self) -> RequestRecord:
@@ -167,10 +174,12 @@ class Ledger:
         self.clock = clock
         self.predictor = OutputLengthPredictor()
         self.prompt_sizer = PromptSizer()  # text prompts' tokens, learnt from the engine's
+        self.latency = LatencyPredictor()
         self.flights: dict[str, Flight] = {}
         self.own_used = 0
         self.reserved = 0
         self.waiting_prefill = 0
+        self.running = 0  # requests whose KV is committed: the engine's batch, or about to be
         self.watermark = WatermarkState.NORMAL
         # Committed KV within this range keeps the watermark (no classification needed).
         self._steady = steady_range(self.watermark, capacity_tokens, policy.kv)
@@ -221,6 +230,18 @@ class Ledger:
     def queued(self) -> int:
         """Requests waiting in the local queue (not those admitted and about to leave it)."""
         return sum(1 for _, future in self._queue.entries() if not future.done())
+
+    def load(self) -> EngineLoad:
+        """The engine's load as the latency model sees it: prompt tokens admitted or queued
+        and not yet prefilled, the batch, the KV committed."""
+        queued = sum(q.prompt_tokens for q, _ in self._queue.entries())
+        usage = self.usage()
+        committed = usage.used_tokens + usage.reserved_growth_tokens
+        return EngineLoad(
+            self.waiting_prefill + queued,
+            self.running,
+            committed / self.capacity_tokens if self.capacity_tokens > 0 else 1.0,
+        )
 
     def oldest_wait_s(self) -> float:
         now = self.clock()
@@ -286,7 +307,9 @@ class Ledger:
         self.own_used += kv - flight.kv
         self.reserved += reserve - flight.reserve
         self.waiting_prefill += prefill - flight.prefill
+        self.running += committed - flight.committed
         flight.kv, flight.reserve, flight.prefill = kv, reserve, prefill
+        flight.committed = committed
         now = self.clock()
         if released:
             self.last_release_at = now
@@ -378,6 +401,20 @@ class Ledger:
         self.predictor.observe(flight.key, total)
         return abs(flight.predicted_at_admission - total)
 
+    def finished_latency(
+        self, flight: Flight, cached_tokens: int, now: float
+    ) -> ForecastError | None:
+        """Train the latency model on a request that finished naturally; returns how far
+        its forecast was. Only a request that ran undisturbed teaches it: one that waited
+        out a preemption, or a continuation, saw latency its arrival's load did not cause."""
+        rec, forecast = flight.record, flight.forecast
+        if forecast is None or not flight.first_token_mono or rec.preemptions:
+            return None
+        tokens = rec.generated_tokens
+        tpot = (now - flight.first_token_mono) / (tokens - 1) if tokens > 1 else None
+        ttft = flight.first_token_mono - flight.arrived_mono
+        return self.latency.observe(forecast, rec.prompt_tokens - cached_tokens, ttft, tpot)
+
     def set_admission(self, open_: bool) -> None:
         self.admission_open = open_
         if open_:
@@ -410,6 +447,8 @@ class Ledger:
         its KV is committed. A continuation for which room is held here takes that room
         at once, ahead of anything waiting."""
         sched = self.policy.scheduling
+        if flight.forecast is None and not flight.resumed and flight.generated == 0:
+            flight.forecast = self.latency.forecast(self.load())
         decision = self._decide(flight, held=self._consume(flight))
         verdict, reason = decision.verdict, decision.reason
         if verdict is AdmissionVerdict.REFUSE:

@@ -336,7 +336,7 @@ class Segments:
                 return response
             if finish and not (finish == "abort" and mode):
                 await response.write_eof(DONE_FRAME)
-                self._finish(flight, finish_reason(finish))
+                self._finish(flight, finish_reason(finish), reader.cached_tokens or 0)
                 return response
             if lost and not mode and flight.record.migratable and flight.record.state in _RESUMABLE:
                 # The router can resume it elsewhere at once: waiting here for the engine
@@ -471,7 +471,7 @@ class Segments:
         if reader.engine_prompt_tokens:
             self.ledger.set_prompt_tokens(flight, reader.engine_prompt_tokens)
         self._note_tokens(flight, reader.generated)
-        self._finish(flight, finish_reason(finish))
+        self._finish(flight, finish_reason(finish), reader.cached_tokens or 0)
         return web.Response(
             body=payload,
             content_type="application/json",
@@ -480,12 +480,19 @@ class Segments:
 
     # -- endings -------------------------------------------------------------------------
 
-    def _finish(self, flight: Flight, reason: FinishReason) -> None:
+    def _finish(self, flight: Flight, reason: FinishReason, cached_tokens: int) -> None:
+        """`cached_tokens`: the prompt tokens the engine reported served from its cache."""
         rec = flight.record
         now = self.ledger.clock()
         if reason in (FinishReason.STOP, FinishReason.LENGTH):
             error = self.ledger.finished_naturally(flight)
             self.metrics.observe("weir_sidecar_output_length_prediction_error_tokens", error)
+            latency = self.ledger.finished_latency(flight, cached_tokens, now)
+            if latency is not None:
+                name = "weir_sidecar_latency_prediction_error_ratio"
+                self.metrics.observe(name, latency.ttft, "ttft")
+                if latency.tpot is not None:
+                    self.metrics.observe(name, latency.tpot, "tpot")
             buckets = (length_bucket(rec.prompt_tokens), length_bucket(rec.max_new_tokens))
             self.metrics.observe("weir_sidecar_e2e_seconds", now - flight.arrived_mono, *buckets)
             if rec.generated_tokens > 1 and flight.first_token_mono:

@@ -121,8 +121,14 @@ class EndpointState(msgspec.Struct, frozen=True, kw_only=True):
     running_requests: int = 0
     queued_requests: int = 0
     preemptions_per_s: float = 0.0
+    # The sidecar's latency model (engine_sidecar.policy.latency): the wait before a new
+    # request's own prefill starts, the prefill seconds per uncached prompt token (0: no
+    # model — a sidecar older than it — so routers use their own calibration), and the
+    # TPOT of a request admitted now. A router predicts a request's TTFT as
+    # `predicted_ttft_s + uncached tokens * predicted_prefill_s_per_token`.
     predicted_ttft_s: float = 0.0
     predicted_tpot_s: float = 0.0
+    predicted_prefill_s_per_token: float = 0.0
     # The prompts whose pages this engine holds in its host tier rather than on the
     # device (offloaded requests), each named by the last of its block hashes as routers
     # key it, most recent first, at most MAX_HOST_PREFIXES: routers credit them as

@@ -82,23 +82,43 @@ class CostModel:
         ]
 
     def slo_risk_s(
-        self, request: RouteRequest, views: Sequence[EndpointView], queue_s: Sequence[float]
+        self,
+        request: RouteRequest,
+        views: Sequence[EndpointView],
+        queue_s: Sequence[float],
+        ctx: RoutingContext,
     ) -> list[float]:
         """Seconds by which the request is expected to miss its TTFT objective or its
-        deadline on each endpoint (0 when it is expected to make both), given each one's
-        queue."""
-        base = request.prompt_tokens / self.prefill_tokens_per_s - self.ttft_slo_s
-        deadline, tokens = request.deadline_s, request.max_new_tokens
+        deadline on each endpoint (0 when it is expected to make both).
+
+        Where the endpoint publishes its latency model (`prefill_s_per_token` > 0), the
+        first token comes after its predicted wait, the requests this router sent there
+        since its heartbeat (`queued_request_s` each, as in the queue term), and the
+        prompt's prefill at the engine's learned pace; the answer after the published
+        TPOT per token. Elsewhere (a sidecar without the model) the first token comes
+        after the queue term and the prompt at this model's calibrated pace."""
+        prompt, rate, per_request = (
+            request.prompt_tokens,
+            self.prefill_tokens_per_s,
+            self.queued_request_s,
+        )
+        inflight = ctx.inflight
+        firsts = [
+            v.predicted_ttft_s
+            + inflight.get(v.endpoint_id, 0) * per_request
+            + prompt * v.prefill_s_per_token
+            if v.prefill_s_per_token > 0.0
+            else queued + prompt / rate + v.predicted_ttft_s
+            for v, queued in zip(views, queue_s, strict=True)
+        ]
+        slo, deadline = self.ttft_slo_s, request.deadline_s
         if deadline <= 0:
-            return [
-                late if (late := queued + base + v.predicted_ttft_s) > 0.0 else 0.0
-                for v, queued in zip(views, queue_s, strict=True)
-            ]
-        slo = self.ttft_slo_s
+            return [first - slo if first > slo else 0.0 for first in firsts]
+        tokens = request.max_new_tokens
         risks = []
-        for v, queued in zip(views, queue_s, strict=True):
-            late = queued + base + v.predicted_ttft_s  # first token, past the objective
-            missed = late + slo + tokens * v.predicted_tpot_s - deadline
+        for v, first in zip(views, firsts, strict=True):
+            late = first - slo  # first token, past the objective
+            missed = first + tokens * v.predicted_tpot_s - deadline
             risks.append((late if late > 0.0 else 0.0) + (missed if missed > 0.0 else 0.0))
         return risks
 

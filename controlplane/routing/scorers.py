@@ -130,7 +130,8 @@ class KVPressureScorer:
 @dataclass(frozen=True, slots=True)
 class SLORiskScorer:
     """The SLO-risk term: expected lateness against the TTFT objective and the request's
-    deadline on each endpoint, from its queue, the uncached prefill and its predictions."""
+    deadline on each endpoint, from the latency its sidecar predicts (or, without a
+    prediction, its queue and the prompt's prefill)."""
 
     cost: CostModel = field(default_factory=CostModel)
     half_at_s: float = 0.5
@@ -141,7 +142,8 @@ class SLORiskScorer:
 
     def score(self, cycle: Cycle, candidates: Sequence[EndpointView]) -> list[float]:
         request, cost, half = cycle.request, self.cost, self.half_at_s
-        risks = cost.slo_risk_s(request, candidates, cycle.queue_s(cost, candidates))
+        queue = cycle.queue_s(cost, candidates)
+        risks = cost.slo_risk_s(request, candidates, queue, cycle.ctx)
         return [half / (half + c) for c in risks]
 
 

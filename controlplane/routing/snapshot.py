@@ -46,6 +46,7 @@ class EndpointView:
     waiting_prefill_tokens: int = field(init=False)
     predicted_ttft_s: float = field(init=False)
     predicted_tpot_s: float = field(init=False)
+    prefill_s_per_token: float = field(init=False)
     is_prefill: bool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -61,6 +62,7 @@ class EndpointView:
         setattr_(self, "waiting_prefill_tokens", s.waiting_prefill_tokens)
         setattr_(self, "predicted_ttft_s", s.predicted_ttft_s)
         setattr_(self, "predicted_tpot_s", s.predicted_tpot_s)
+        setattr_(self, "prefill_s_per_token", s.predicted_prefill_s_per_token)
         setattr_(self, "is_prefill", s.role is Role.PREFILL)
 
 

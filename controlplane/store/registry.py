@@ -65,6 +65,7 @@ _NON_NEGATIVE = (
     "preemptions_per_s",
     "predicted_ttft_s",
     "predicted_tpot_s",
+    "predicted_prefill_s_per_token",
     "started_at",
     "updated_at",
 )

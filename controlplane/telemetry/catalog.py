@@ -208,6 +208,15 @@ SIDECAR: tuple[MetricSpec, ...] = (
         (16, 64, 256, 1024, 4096, 16384),
     ),
     MetricSpec(
+        "weir_sidecar_latency_prediction_error_ratio",
+        _H,
+        "Absolute percentage error of the latency model (absolute error over the observed "
+        "value) per request that finished undisturbed: measure ttft (arrival at the sidecar "
+        "to the first token) or tpot.",
+        (*_EP, "measure"),
+        (0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0),
+    ),
+    MetricSpec(
         "weir_sidecar_ttft_seconds",
         _H,
         "Time to first token at the sidecar.",

@@ -554,3 +554,50 @@ def test_the_fair_queue_is_bounded_and_expires_with_a_retry_after() -> None:
     assert queue.remove("b") is not None
     assert len(queue) == 0
     assert queue.counter("t") == 0.0  # nothing was served, nothing charged
+
+
+@pytest.mark.parametrize(
+    ("slow", "fast"),
+    [
+        # The same learned prefill pace; one predicts a long wait before its prefill.
+        ({"predicted_ttft_s": 3.0}, {"predicted_ttft_s": 0.1}),
+        # No wait anywhere; one engine prefills 20x slower than the other.
+        ({"predicted_prefill_s_per_token": 1e-3}, {"predicted_prefill_s_per_token": 5e-5}),
+    ],
+)
+def test_the_endpoint_predicting_the_earlier_first_token_wins(
+    slow: dict[str, float], fast: dict[str, float]
+) -> None:
+    """Two endpoints identical in everything they publish but their latency model's
+    prediction: the SLO-risk term sends the request where it is predicted to make its
+    TTFT objective, whichever way round they are listed."""
+    model = {"predicted_prefill_s_per_token": 5e-5, "predicted_tpot_s": 0.02}
+    for order in ((slow, fast), (fast, slow)):
+        states = [
+            _state(name, **{**model, **fields})
+            for name, fields in zip(("a", "b"), order, strict=True)
+        ]
+        fast_one = "a" if order[0] is fast else "b"
+        assert _decide(states, _request()).endpoint_id == fast_one
+
+
+def test_slo_risk_reads_the_published_model_and_falls_back_to_the_calibration() -> None:
+    cost = CostModel(prefill_tokens_per_s=20_000.0, ttft_slo_s=1.0)
+    request = _request(prompt_tokens=10_000, max_new_tokens=100, deadline_s=5.0)
+    modelled = EndpointView(
+        _state("m", predicted_ttft_s=0.5, predicted_prefill_s_per_token=1e-4,
+               predicted_tpot_s=0.05, waiting_prefill_tokens=400_000),
+        10.0,
+    )  # fmt: skip
+    legacy = EndpointView(_state("l", predicted_tpot_s=0.05), 10.0)
+    snapshot = PoolSnapshot("p", (modelled, legacy))
+    ctx = RoutingContext(snapshot, 0.0, inflight={"m": 2})
+    queue = cost.queue_s([modelled, legacy], ctx)
+    risks = cost.slo_risk_s(request, [modelled, legacy], queue, ctx)
+    # Modelled: the first token after 0.5 s + 2 sent since its heartbeat x 50 ms + 1 s of
+    # prefill, 0.6 s past the objective; the answer 5 s later, 1.6 s past the deadline.
+    # The calibrated queue (400K tokens waiting: 20 s) is the model's business, not added.
+    assert risks[0] == pytest.approx(0.6 + 1.6)
+    # Legacy: the prompt at the calibrated 20K tokens/s, 0.5 s, within the objective;
+    # the answer at 5.5 s, past the deadline by 0.5 s.
+    assert risks[1] == pytest.approx(0.5)
