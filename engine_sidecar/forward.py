@@ -20,7 +20,7 @@ class LedgerWatch(SegmentWatch):
         splicer: Splicer,
         flight: Flight,
         ledger: Ledger,
-        note_tokens: Callable[[Flight, int], None],
+        note_tokens: Callable[[Flight, int, int], None],
         base: int,
     ) -> None:
         self._splicer = splicer
@@ -44,4 +44,5 @@ class LedgerWatch(SegmentWatch):
         if prompt != self._prompt:
             self._prompt = prompt
             self._ledger.set_prompt_tokens(self._flight, prompt)
-        self._note_tokens(self._flight, self._splicer.generated - self._base)
+        splicer = self._splicer
+        self._note_tokens(self._flight, splicer.generated - self._base, splicer.cached_tokens or 0)

@@ -38,7 +38,6 @@ from engine_sidecar.policy import (
     AdmissionQueue,
     AdmissionVerdict,
     EngineLoad,
-    ForecastError,
     GrowthRate,
     KVUsage,
     LatencyForecast,
@@ -186,6 +185,7 @@ class Ledger:
         self.admission_open = True
         self.growth = GrowthRate()
         self.engine_used: int | None = None
+        self.engine_waiting = 0  # requests waiting in the engine, as it last reported
         self.engine_sampled_at = 0.0
         self.last_release_at = 0.0
         self.preemptions = 0
@@ -233,14 +233,18 @@ class Ledger:
 
     def load(self) -> EngineLoad:
         """The engine's load as the latency model sees it: prompt tokens admitted or queued
-        and not yet prefilled, the batch, the KV committed."""
-        queued = sum(q.prompt_tokens for q, _ in self._queue.entries())
+        and not yet prefilled, the batch, the KV committed, the requests queued here and
+        in the engine."""
+        entries = self._queue.entries()
+        queued = sum(q.prompt_tokens for q, _ in entries)
         usage = self.usage()
         committed = usage.used_tokens + usage.reserved_growth_tokens
         return EngineLoad(
             self.waiting_prefill + queued,
             self.running,
             committed / self.capacity_tokens if self.capacity_tokens > 0 else 1.0,
+            len(entries),
+            self.engine_waiting,
         )
 
     def oldest_wait_s(self) -> float:
@@ -385,8 +389,11 @@ class Ledger:
         flight.reserve = reserve
         self._reclassify(self.clock())
 
-    def observe_engine(self, used_tokens: int, sampled_at: float) -> None:
+    def observe_engine(
+        self, used_tokens: int, sampled_at: float, waiting_requests: int = 0
+    ) -> None:
         self.engine_used = used_tokens
+        self.engine_waiting = waiting_requests
         self.engine_sampled_at = sampled_at
         now = self.clock()
         self.growth = self.growth.observe(self.used_tokens, now)
@@ -401,19 +408,25 @@ class Ledger:
         self.predictor.observe(flight.key, total)
         return abs(flight.predicted_at_admission - total)
 
-    def finished_latency(
-        self, flight: Flight, cached_tokens: int, now: float
-    ) -> ForecastError | None:
-        """Train the latency model on a request that finished naturally; returns how far
-        its forecast was. Only a request that ran undisturbed teaches it: one that waited
-        out a preemption, or a continuation, saw latency its arrival's load did not cause."""
+    def first_token_latency(self, flight: Flight, cached_tokens: int) -> float | None:
+        """Train the latency model's TTFT on a new request's first token (`cached_tokens`:
+        the prompt tokens the engine served from its cache); returns the forecast's error.
+        Only a request that reached its first token undisturbed teaches it: one that
+        waited out a preemption saw latency its arrival's load did not cause."""
         rec, forecast = flight.record, flight.forecast
-        if forecast is None or not flight.first_token_mono or rec.preemptions:
+        if forecast is None or rec.preemptions:
             return None
-        tokens = rec.generated_tokens
-        tpot = (now - flight.first_token_mono) / (tokens - 1) if tokens > 1 else None
         ttft = flight.first_token_mono - flight.arrived_mono
-        return self.latency.observe(forecast, rec.prompt_tokens - cached_tokens, ttft, tpot)
+        return self.latency.observe_ttft(forecast, rec.prompt_tokens - cached_tokens, ttft)
+
+    def finished_latency(self, flight: Flight, now: float) -> float | None:
+        """Train the latency model's TPOT on a request that finished undisturbed; returns
+        the forecast's error."""
+        rec, forecast = flight.record, flight.forecast
+        tokens = rec.generated_tokens
+        if forecast is None or rec.preemptions or tokens < 2 or not flight.first_token_mono:
+            return None
+        return self.latency.observe_tpot(forecast, (now - flight.first_token_mono) / (tokens - 1))
 
     def set_admission(self, open_: bool) -> None:
         self.admission_open = open_

@@ -49,6 +49,7 @@ _S = RequestState
 _TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
 _HEX16 = re.compile(r"[0-9a-f]{16}")
 _RESUMABLE = frozenset({_S.DECODING, _S.DECODE_READY})
+_PREDICTION_ERROR = "weir_sidecar_latency_prediction_error_ratio"
 
 
 @dataclass
@@ -250,7 +251,8 @@ class Segments:
             return ()
         return tuple(ids) if len(ids) == reader.prompt_tokens else ()
 
-    def _note_tokens(self, flight: Flight, generated_here: int) -> None:
+    def _note_tokens(self, flight: Flight, generated_here: int, cached_tokens: int) -> None:
+        """`cached_tokens`: the prompt tokens the engine reported served from its cache."""
         if generated_here <= flight.generated:
             return
         state = flight.state
@@ -267,6 +269,9 @@ class Segments:
                     length_bucket(flight.record.prompt_tokens),
                     length_bucket(flight.record.max_new_tokens),
                 )
+                error = self.ledger.first_token_latency(flight, cached_tokens)
+                if error is not None:
+                    self.metrics.observe(_PREDICTION_ERROR, error, "ttft")
         self.ledger.add_tokens(flight, generated_here)
 
     async def _stream(
@@ -336,7 +341,7 @@ class Segments:
                 return response
             if finish and not (finish == "abort" and mode):
                 await response.write_eof(DONE_FRAME)
-                self._finish(flight, finish_reason(finish), reader.cached_tokens or 0)
+                self._finish(flight, finish_reason(finish))
                 return response
             if lost and not mode and flight.record.migratable and flight.record.state in _RESUMABLE:
                 # The router can resume it elsewhere at once: waiting here for the engine
@@ -470,8 +475,8 @@ class Segments:
         finish = reader.take_answer(payload)
         if reader.engine_prompt_tokens:
             self.ledger.set_prompt_tokens(flight, reader.engine_prompt_tokens)
-        self._note_tokens(flight, reader.generated)
-        self._finish(flight, finish_reason(finish), reader.cached_tokens or 0)
+        self._note_tokens(flight, reader.generated, reader.cached_tokens or 0)
+        self._finish(flight, finish_reason(finish))
         return web.Response(
             body=payload,
             content_type="application/json",
@@ -480,19 +485,15 @@ class Segments:
 
     # -- endings -------------------------------------------------------------------------
 
-    def _finish(self, flight: Flight, reason: FinishReason, cached_tokens: int) -> None:
-        """`cached_tokens`: the prompt tokens the engine reported served from its cache."""
+    def _finish(self, flight: Flight, reason: FinishReason) -> None:
         rec = flight.record
         now = self.ledger.clock()
         if reason in (FinishReason.STOP, FinishReason.LENGTH):
             error = self.ledger.finished_naturally(flight)
             self.metrics.observe("weir_sidecar_output_length_prediction_error_tokens", error)
-            latency = self.ledger.finished_latency(flight, cached_tokens, now)
+            latency = self.ledger.finished_latency(flight, now)
             if latency is not None:
-                name = "weir_sidecar_latency_prediction_error_ratio"
-                self.metrics.observe(name, latency.ttft, "ttft")
-                if latency.tpot is not None:
-                    self.metrics.observe(name, latency.tpot, "tpot")
+                self.metrics.observe(_PREDICTION_ERROR, latency, "tpot")
             buckets = (length_bucket(rec.prompt_tokens), length_bucket(rec.max_new_tokens))
             self.metrics.observe("weir_sidecar_e2e_seconds", now - flight.arrived_mono, *buckets)
             if rec.generated_tokens > 1 and flight.first_token_mono:

@@ -117,7 +117,7 @@ async def _poll_engine(service: SidecarService, every_s: float) -> None:
     while True:
         try:
             load = await service.engine.load()
-            service.ledger.observe_engine(load.used_tokens, load.sampled_at)
+            service.ledger.observe_engine(load.used_tokens, load.sampled_at, load.waiting_requests)
             service.engine_ok = True
         except EngineError as exc:
             log.debug("engine load: %s", exc)

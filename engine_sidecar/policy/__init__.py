@@ -17,7 +17,6 @@ from engine_sidecar.policy.admission import (
 from engine_sidecar.policy.host_prefixes import HostPrefixes
 from engine_sidecar.policy.latency import (
     EngineLoad,
-    ForecastError,
     LatencyForecast,
     LatencyPredictor,
     OnlineLinear,
@@ -81,7 +80,6 @@ __all__ = [
     "AdmissionQueue",
     "AdmissionVerdict",
     "EngineLoad",
-    "ForecastError",
     "GrowthRate",
     "HostPrefixes",
     "IllegalTransitionError",

@@ -2,8 +2,9 @@
 
 Each request that reaches the sidecar is described by the engine's load at that moment
 (`EngineLoad`: prompt tokens ahead of it waiting for prefill, the running batch, the KV
-committed) and, once the engine reports it, its own uncached prompt. When it finishes,
-its observed TTFT (arrival at the sidecar to first token) and TPOT train two small
+committed, the requests queued for KV) and, once the engine reports it, its own uncached
+prompt. Its first token trains the TTFT model (arrival at the sidecar to first token:
+feedback within seconds even for long answers), its end the TPOT model: two small
 linear models by exponentially weighted recursive least squares (`OnlineLinear`): a few
 features, O(features²) work and memory per update, old samples forgotten at a fixed
 rate (a sample's weight halves every ~35 newer ones by default) so the model follows an
@@ -41,9 +42,15 @@ class EngineLoad:
     prefill_ahead_tokens: int  # prompt tokens admitted or queued here, not yet prefilled
     running_requests: int  # requests in the engine's batch
     kv_fraction: float  # KV committed (used plus reserved growth) over capacity
+    queued_requests: int = 0  # requests waiting here for KV to be admitted
+    # Requests the engine itself holds waiting (its last load report): admitted here but
+    # not scheduled there, or retracted by it and waiting to run again.
+    engine_waiting_requests: int = 0
 
     def __post_init__(self) -> None:
-        if self.prefill_ahead_tokens < 0 or self.running_requests < 0:
+        counts = (self.prefill_ahead_tokens, self.running_requests, self.queued_requests,
+                  self.engine_waiting_requests)  # fmt: skip
+        if min(counts) < 0:
             raise ValueError(f"engine load must not be negative: {self}")
         if not math.isfinite(self.kv_fraction) or self.kv_fraction < 0.0:
             raise ValueError(f"kv_fraction must be a finite number >= 0, got {self.kv_fraction}")
@@ -54,16 +61,22 @@ class OnlineLinear:
     """y ≈ w·x by recursive least squares with forgetting factor `forgetting`.
 
     `prior` is the starting w and `prior_variance` how far each weight may move from it
-    on the first samples. The covariance's trace is capped at its prior's: a feature that
+    on the first samples. Each weight's variance is capped at its prior: a feature that
     stays constant for a long time would otherwise let its variance grow without bound
     under forgetting (windup), and the next change would throw the weights far off."""
 
     prior: Sequence[float]
     prior_variance: Sequence[float]
     forgetting: float = 0.995
+    # Covariance resetting: when the recent relative errors keep one sign beyond this
+    # (an engine that slowed down or sped up), the covariance goes back to the prior's,
+    # so the next samples move the weights at once instead of against everything the
+    # old regime taught (with relative weights, a slowdown's samples weigh less than the
+    # fast ones before them, and forgetting alone would take hundreds of samples).
+    drift_reset: float = 0.5
     weights: list[float] = field(init=False)
     _cov: list[list[float]] = field(init=False, repr=False)
-    _max_trace: float = field(init=False, repr=False)
+    _drift: float = field(init=False, repr=False, default=0.0)
 
     def __post_init__(self) -> None:
         n = len(self.prior)
@@ -74,9 +87,12 @@ class OnlineLinear:
         if any(not (math.isfinite(v) and v > 0.0) for v in self.prior_variance):
             raise ValueError("prior_variance must be positive numbers")
         self.weights = [float(w) for w in self.prior]
+        self._reset_cov()
+
+    def _reset_cov(self) -> None:
+        n = len(self.prior_variance)
         self._cov = [[self.prior_variance[i] if i == j else 0.0 for j in range(n)]
                      for i in range(n)]  # fmt: skip
-        self._max_trace = float(sum(self.prior_variance))
 
     def predict(self, x: Sequence[float]) -> float:
         return sum(w * v for w, v in zip(self.weights, x, strict=True))
@@ -85,6 +101,12 @@ class OnlineLinear:
         """One sample, counted `weight` times as much as a plain one."""
         if not (math.isfinite(y) and math.isfinite(weight) and weight > 0.0):
             return
+        if y != 0.0:
+            relative = max(-1.0, min(1.0, (y - self.predict(x)) / abs(y)))
+            self._drift = 0.7 * self._drift + 0.3 * relative
+            if abs(self._drift) > self.drift_reset:
+                self._drift = 0.0
+                self._reset_cov()
         scale = math.sqrt(weight)
         xs = [v * scale for v in x]
         cov, lam = self._cov, self.forgetting
@@ -98,12 +120,14 @@ class OnlineLinear:
             k = gain[i]
             for j in range(len(row)):
                 row[j] = (row[j] - k * px[j]) / lam
-        trace = sum(cov[i][i] for i in range(len(cov)))
-        if trace > self._max_trace:
-            shrink = self._max_trace / trace
-            for row in cov:
+        # Each weight's variance stays within its prior's: D P D with D_ii <= 1 keeps P
+        # positive definite and leaves the directions the samples excite alone.
+        shrink = [math.sqrt(cap / cov[i][i]) if cov[i][i] > cap else 1.0
+                  for i, cap in enumerate(self.prior_variance)]  # fmt: skip
+        if any(d < 1.0 for d in shrink):
+            for i, row in enumerate(cov):
                 for j in range(len(row)):
-                    row[j] *= shrink
+                    row[j] *= shrink[i] * shrink[j]
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,21 +145,16 @@ class LatencyForecast:
         return self.wait_s + max(0, uncached_tokens) * self.prefill_s_per_token
 
 
-@dataclass(frozen=True, slots=True)
-class ForecastError:
-    """A finished request's absolute percentage errors, |predicted - observed| / observed
-    (None for a measure it did not have: no TPOT from a single-token answer)."""
-
-    ttft: float
-    tpot: float | None
-
-
 class LatencyPredictor:
     """The two online models of one engine.
 
     TTFT features: [1, prefill tokens ahead, own uncached tokens, running batch, KV
-    fraction]; TPOT features: [1, running batch, KV fraction, prefill tokens ahead]
-    (a prefill beside the batch stretches its iterations). Observed values below
+    fraction, requests queued for KV here, requests waiting in the engine, and the two
+    prefills times the batch]: a prefill is chunked over iterations whose length grows
+    with the batch beside it, and a request queued for KV, here or in the engine, waits
+    for releases, about one per request ahead. TPOT features:
+    [1, running batch, KV fraction, prefill tokens ahead] (a prefill beside the batch
+    stretches its iterations). Observed values below
     `floor_s` are weighted as `floor_s`: a near-zero TTFT would otherwise weigh without
     bound in relative terms."""
 
@@ -150,22 +169,25 @@ class LatencyPredictor:
             raise ValueError("latency predictor: priors and floor_s must be positive")
         per_k = prefill_s_per_token / _TOKENS
         self.ttft = OnlineLinear(
-            (0.0, per_k, per_k, 0.0, 0.0), (1.0, per_k, per_k, 1.0, 1.0), forgetting
+            (0.0, per_k, per_k, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0),
+            (1.0, per_k, per_k, 1.0, 1.0, 1.0, 1.0, per_k, per_k),
+            forgetting,
         )
-        self.tpot = OnlineLinear((tpot_s, 0.0, 0.0, 0.0), (tpot_s, tpot_s, tpot_s, tpot_s),
-                                 forgetting)  # fmt: skip
+        # TPOT moves with load by about its own size, not by orders of magnitude: the
+        # slopes' prior keeps a few finished requests from extrapolating far.
+        tpot_var = tpot_s * tpot_s
+        self.tpot = OnlineLinear(
+            (tpot_s, 0.0, 0.0, 0.0), (4.0 * tpot_var, tpot_var, tpot_var, tpot_var), forgetting
+        )
         self.floor_s = floor_s
         self.samples = 0
 
     @staticmethod
     def _ttft_x(load: EngineLoad, uncached_tokens: int) -> tuple[float, ...]:
-        return (
-            1.0,
-            load.prefill_ahead_tokens * _TOKENS,
-            uncached_tokens * _TOKENS,
-            load.running_requests * _BATCH,
-            load.kv_fraction,
-        )
+        ahead, own = load.prefill_ahead_tokens * _TOKENS, uncached_tokens * _TOKENS
+        batch = load.running_requests * _BATCH
+        return (1.0, ahead, own, batch, load.kv_fraction, load.queued_requests * _BATCH,
+                load.engine_waiting_requests * _BATCH, ahead * batch, own * batch)  # fmt: skip
 
     @staticmethod
     def _tpot_x(load: EngineLoad) -> tuple[float, ...]:
@@ -178,25 +200,27 @@ class LatencyPredictor:
 
     def forecast(self, load: EngineLoad) -> LatencyForecast:
         """The prediction for a request reaching the engine now, under `load`."""
+        w = self.ttft.weights
+        per_token = (w[2] + w[8] * load.running_requests * _BATCH) * _TOKENS
         return LatencyForecast(
             load,
             max(0.0, self.ttft.predict(self._ttft_x(load, 0))),
-            max(0.0, self.ttft.weights[2] * _TOKENS),
+            max(0.0, per_token),
             max(0.0, self.tpot.predict(self._tpot_x(load))),
         )
 
-    def observe(
-        self, forecast: LatencyForecast, uncached_tokens: int, ttft_s: float, tpot_s: float | None
-    ) -> ForecastError:
-        """Train on a finished request (`forecast` is what was predicted when it arrived,
-        `tpot_s` None without a second token); returns how far that prediction was."""
-        load = forecast.load
+    def observe_ttft(self, forecast: LatencyForecast, uncached_tokens: int, ttft_s: float) -> float:
+        """Train on a request's first token (`forecast` is what was predicted when it
+        arrived, `uncached_tokens` its prompt less what the engine had cached); returns
+        the forecast's absolute percentage error."""
         self.samples += 1
-        ttft_floor = max(ttft_s, self.floor_s)
-        self.ttft.update(self._ttft_x(load, uncached_tokens), ttft_s, ttft_floor**-2)
-        error = ForecastError(abs(forecast.ttft_s(uncached_tokens) - ttft_s) / ttft_floor, None)
-        if tpot_s is None:
-            return error
-        tpot_floor = max(tpot_s, self.floor_s)
-        self.tpot.update(self._tpot_x(load), tpot_s, tpot_floor**-2)
-        return ForecastError(error.ttft, abs(forecast.tpot_s - tpot_s) / tpot_floor)
+        floor = max(ttft_s, self.floor_s)
+        self.ttft.update(self._ttft_x(forecast.load, uncached_tokens), ttft_s, floor**-2)
+        return abs(forecast.ttft_s(uncached_tokens) - ttft_s) / floor
+
+    def observe_tpot(self, forecast: LatencyForecast, tpot_s: float) -> float:
+        """Train on a finished request's TPOT; returns the forecast's absolute percentage
+        error."""
+        floor = max(tpot_s, self.floor_s)
+        self.tpot.update(self._tpot_x(forecast.load), tpot_s, floor**-2)
+        return abs(forecast.tpot_s - tpot_s) / floor

@@ -41,6 +41,7 @@ _COLUMNS = (
     ("tenant share", lambda s: _shares(s["tenant_share"])),
     ("tenant SLO met", lambda s: _shares(s["tenant_slo_attainment"])),
     ("Jain's index (KV·s)", lambda s: _f(s["fairness_jain"])),
+    ("latency MAPE TTFT/TPOT", lambda s: _mape(s["latency_mape"])),
 )
 
 
@@ -177,6 +178,10 @@ def _buckets(by: dict[str, dict[str, float]], scale: float = 1.0) -> str:
 
 def _shares(shares: dict[str, float]) -> str:
     return ", ".join(f"{t} {_pct(v)}" for t, v in shares.items()) or "–"
+
+
+def _mape(mape: dict[str, float]) -> str:
+    return f"{_pct(mape['ttft'])} / {_pct(mape['tpot'])}" if mape["n"] else "–"
 
 
 def _ok(met: bool) -> str:

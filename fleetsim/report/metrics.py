@@ -34,6 +34,11 @@ Definitions (the report and docs/fleet-simulation.md use exactly these):
   below their fair share lower the index under any policy: it compares policies on one
   workload, it is not a grade on its own. Beside it, each tenant's SLO attainment (the
   share of its judged requests that met their SLOs).
+- latency MAPE: the mean absolute percentage error of Weir's sidecar latency model: the
+  TTFT predicted when a new request reached a sidecar (its wait plus its uncached prompt
+  at the learned pace) against its arrival there to first token, over the requests not
+  preempted before it; the TPOT predicted then against the request's own, over those
+  that finished undisturbed. Only policies with the model (Weir, the oracle) report it.
 - starvation: over low-priority requests (priority 0), the share that completed, the
   share whose first token came within their `max_wait_s`, and the longest wait for a first
   token (or until the request ended without one). Requests their clients cancelled are
@@ -217,7 +222,19 @@ def summarize(
         "tenant_slo_attainment": {t: sum(v) / len(v) for t, v in sorted(verdicts.items())},
         "fairness_jain": jain_index(kv / weight.get(t, 1.0) for t, kv in kv_by_tenant.items()),
         "starvation": _starvation(low),
+        "latency_mape": _latency_mape(flights),
         "end_s": result.end_s,
+    }
+
+
+def _latency_mape(flights: Sequence[SimFlight]) -> dict[str, float]:
+    """The sidecar latency model's mean absolute percentage errors (NaN without one)."""
+    ttft = [f.ttft_error for f in flights if f.ttft_error >= 0]
+    tpot = [f.tpot_error for f in flights if f.tpot_error >= 0]
+    return {
+        "ttft": sum(ttft) / len(ttft) if ttft else math.nan,
+        "tpot": sum(tpot) / len(tpot) if tpot else math.nan,
+        "n": len(ttft),
     }
 
 

@@ -12,6 +12,7 @@ import enum
 from dataclasses import dataclass, field
 
 from controlplane.contract import FinishReason
+from engine_sidecar.policy import LatencyForecast
 from fleetsim.workloads import RequestSpec
 
 
@@ -57,6 +58,13 @@ class SimFlight:
     # the continuation reaches a sidecar.
     target: str = ""
     reservation: str = ""
+    # Weir's sidecar latency forecast when the request first reached a sidecar, and when
+    # that was; how far its TTFT and TPOT were off (absolute percentage errors), once
+    # measured on a request undisturbed until then (-1: not measured).
+    forecast: LatencyForecast | None = None
+    forecast_at: float = -1.0
+    ttft_error: float = -1.0
+    tpot_error: float = -1.0
     # The spec's `generated_tokens`, read for every token streamed.
     target_tokens: int = field(init=False)
 

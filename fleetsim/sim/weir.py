@@ -19,6 +19,9 @@ by the live ledger's own discipline (`AdmissionQueue`: no overtaking, priority w
 tenants by KV cost and weight inside a class, each admission charged and settled when its
 KV is released, resumes one class ahead and never refused for a full queue; held equal to
 the ledger by tests/fleetsim/test_orchestration_parity.py); engine priority from urgency (`engine_priority`);
+the latency model (`LatencyPredictor`, the live ledger's own), forecasting each new request
+when it reaches the sidecar, trained when it ends undisturbed, its predictions published
+with every heartbeat for the router's SLO-risk term;
 watermarks with hysteresis (`classify_watermark`) published with every heartbeat and at once
 on a change; and the relief ladder (`plan_relief`): at exhaustion, victims are migrated (a
 continuation re-routed by the router, excluding this endpoint), offloaded (resumed in
@@ -89,6 +92,7 @@ from engine_sidecar.policy import (
     AdmissionDecision,
     AdmissionQueue,
     AdmissionVerdict,
+    EngineLoad,
     KVUsage,
     LengthKey,
     OutputLengthPredictor,
@@ -153,8 +157,8 @@ class Sidecar:
     role: Role = Role.MIXED
     # The oracle's sidecars are told each answer's true length instead of predicting it.
     told_lengths: bool = False
-    # The live sidecar's ledger, for its output-length predictor and its TPOT estimate
-    # (smoothed over finished requests, published as `predicted_tpot_s`); the simulator
+    # The live sidecar's ledger, for its output-length predictor and its latency model
+    # (trained on the requests that finished, published as its predictions); the simulator
     # keeps its own KV account below, on the virtual clock.
     ledger: Ledger = field(init=False)
     queue: AdmissionQueue[SimFlight] = field(init=False)
@@ -164,6 +168,7 @@ class Sidecar:
     used_tokens: int = 0
     reserved_tokens: int = 0
     accounted_at: float = -1e9
+    engine_waiting: int = 0  # requests waiting in the engine, as its last poll read it
     version: int = 0
     # Offloaded victims not yet back in the engine, with the KV each left in its host tier.
     offloaded: dict[str, tuple[SimFlight, int]] = field(default_factory=dict)
@@ -224,6 +229,9 @@ class Sidecar:
         used = reserved = 0
         for held in self.held.values():
             flight = held.flight
+            if flight.forecast is not None:
+                # The live sidecar learns at the first token; this one at its next poll.
+                self.learn_ttft(flight)
             cached = max(0, flight.visit_cached)
             used += held.prompt_tokens - cached + flight.generated - held.generated_at_admission
             reserved += growth_reserve(self.outlook(flight), horizon)
@@ -250,6 +258,53 @@ class Sidecar:
             self.watermark,
             admission_open=not self.admission_paused,
         )
+
+    def waiting_prefill(self) -> int:
+        """Prompt tokens not yet prefilled: queued here, or admitted and still waiting
+        for their first token (the sidecar knows what it sent and what has streamed
+        back)."""
+        waiting = sum(q.prompt_tokens for q, _ in self.queue.entries())
+        return waiting + sum(
+            h.prompt_tokens - max(0, h.flight.visit_cached)
+            for h in self.held.values()
+            if h.flight.generated == h.generated_at_admission
+        )
+
+    def load(self) -> EngineLoad:
+        """The engine's load as the live ledger's latency model sees it (`Ledger.load`)."""
+        usage = self.usage()
+        committed = usage.used_tokens + usage.reserved_growth_tokens
+        return EngineLoad(
+            self.waiting_prefill(),
+            len(self.held),
+            committed / max(1, self.capacity_tokens),
+            len(self.queue),
+            self.engine_waiting,
+        )
+
+    def learn_ttft(self, flight: SimFlight) -> None:
+        """Train the latency model on a new request's first token, once, if nothing
+        disturbed it before then (`Ledger.first_token_latency`'s rule)."""
+        forecast = flight.forecast
+        if forecast is None or flight.ttft_error >= 0 or flight.first_token_at < 0:
+            return
+        if flight.preemptions:
+            flight.forecast = None
+            return
+        flight.ttft_error = self.ledger.latency.observe_ttft(
+            forecast,
+            flight.spec.input_tokens - flight.cached_tokens,
+            flight.first_token_at - flight.forecast_at,
+        )
+
+    def learn_latency(self, flight: SimFlight) -> None:
+        """The request leaves this sidecar: its first token teaches the model if that was
+        not yet seen, and its TPOT if it finished undisturbed (`Ledger.finished_latency`)."""
+        self.learn_ttft(flight)
+        forecast, flight.forecast = flight.forecast, None  # one sidecar learns from it
+        undisturbed = flight.completed and not flight.preemptions
+        if forecast is not None and undisturbed and flight.generated > 1:
+            flight.tpot_error = self.ledger.latency.observe_tpot(forecast, flight.tpot_s)
 
     def host_held(self) -> int:
         """KV its offloads left in the host tier and have not loaded back yet."""
@@ -422,14 +477,8 @@ class WeirPolicy:
         sim = self.sim
         slot = sim.engines[sidecar.index]
         sidecar.version += 1
-        # Prompt tokens not yet prefilled: queued here, or admitted and still waiting for
-        # their first token (the sidecar knows what it sent and what has streamed back).
-        waiting = sum(q.prompt_tokens for q, _ in sidecar.queue.entries())
-        waiting += sum(
-            h.prompt_tokens - max(0, h.flight.visit_cached)
-            for h in sidecar.held.values()
-            if h.flight.generated == h.generated_at_admission
-        )
+        load = sidecar.load()
+        forecast = sidecar.ledger.latency.forecast(load)
         state = EndpointState(
             pool=self._policy().pool,
             endpoint_id=sidecar.endpoint_id,
@@ -441,11 +490,13 @@ class WeirPolicy:
             role=sidecar.role,
             page_size=slot.model.page_size,
             kv_capacity_tokens=sidecar.capacity_tokens,
-            predicted_tpot_s=sidecar.ledger.tpot_s,
+            predicted_ttft_s=forecast.wait_s,
+            predicted_tpot_s=forecast.tpot_s,
+            predicted_prefill_s_per_token=forecast.prefill_s_per_token,
             kv_used_tokens=sidecar.used_tokens,
             kv_reserved_growth_tokens=sidecar.usage().reserved_growth_tokens,
-            waiting_prefill_tokens=waiting,
-            running_requests=len(sidecar.held),
+            waiting_prefill_tokens=load.prefill_ahead_tokens,
+            running_requests=load.running_requests,
             queued_requests=len(sidecar.queue),
             host_prefixes=sidecar.host_prefixes(),
             updated_at=now,
@@ -649,6 +700,9 @@ class WeirPolicy:
         spec = flight.spec
         resumed = bool(flight.generated)
         prompt = spec.input_tokens + flight.generated
+        if flight.forecast is None and not resumed:
+            flight.forecast = sidecar.ledger.latency.forecast(sidecar.load())
+            flight.forecast_at = now
         if self._consume(sidecar, flight, now):
             decision = self._decision(sidecar, flight, prompt, held=True)
             if admits_now(decision, len(sidecar.queue)):
@@ -805,6 +859,8 @@ class WeirPolicy:
         if now - sidecar.accounted_at >= self.staleness.engine_poll_s:
             sidecar.account()
             sidecar.accounted_at = now
+            # The live sidecar's poll reads this from the engine's load report too.
+            sidecar.engine_waiting = len(self.sim.engines[engine].model.waiting)
         previous = sidecar.watermark
         policy = self._policy()
         sidecar.watermark = classify_watermark(sidecar.usage(), previous, policy.kv)
@@ -914,10 +970,12 @@ class WeirPolicy:
             return
         sidecar = self.sidecars[index]
         sidecar.queue.remove(flight.rid)
-        if sidecar.release(flight.rid, now) is not None and flight.completed:
-            sidecar.predictor.observe(LengthKey(flight.spec.tenant, MODEL), flight.generated)
-            if flight.generated > 1:
-                sidecar.ledger.observe_tpot(flight.tpot_s)
+        if sidecar.release(flight.rid, now) is not None:
+            sidecar.learn_latency(flight)
+            if flight.completed:
+                sidecar.predictor.observe(LengthKey(flight.spec.tenant, MODEL), flight.generated)
+                if flight.generated > 1:
+                    sidecar.ledger.observe_tpot(flight.tpot_s)
         if self.sim.engines[index].alive:
             sidecar.account()
 
@@ -925,6 +983,7 @@ class WeirPolicy:
         """The prompt's KV reached the decode side: the prefill sidecar lets go of it, the
         credit is consumed, and the decode is routed like a continuation."""
         sidecar = self.sidecars[prefill_engine]
+        sidecar.learn_latency(flight)  # its TTFT: the prefill side's only measure
         self._release(sidecar, flight, now)
         sidecar.account()
         # The transfer ends after the engine let the request go, so no iteration of an

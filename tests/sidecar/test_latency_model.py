@@ -39,9 +39,9 @@ def _mape(predictor: LatencyPredictor, engine: _Engine, n: int) -> tuple[float, 
     ttft = tpot = 0.0
     for _ in range(n):
         load, uncached, seen_ttft, seen_tpot = engine.request()
-        error = predictor.observe(predictor.forecast(load), uncached, seen_ttft, seen_tpot)
-        ttft += error.ttft
-        tpot += error.tpot or 0.0
+        forecast = predictor.forecast(load)
+        ttft += predictor.observe_ttft(forecast, uncached, seen_ttft)
+        tpot += predictor.observe_tpot(forecast, seen_tpot)
     return ttft / n, tpot / n
 
 
@@ -64,7 +64,7 @@ def test_converges_to_a_few_percent_error() -> None:
     assert ttft < 0.06
     assert tpot < 0.06
     assert predictor.forecast(EngineLoad(0, 0, 0.0)).prefill_s_per_token == pytest.approx(
-        2e-5, rel=0.1
+        2e-5, rel=0.2
     )
 
 
@@ -73,13 +73,16 @@ def test_tracks_an_engine_that_slows_down() -> None:
     predictor = LatencyPredictor()
     _mape(predictor, _Engine(rng, s_per_token=2e-5), 400)
     slow = _Engine(rng, s_per_token=6e-5)
-    after_change, _ = _mape(predictor, slow, 10)
-    _mape(predictor, slow, 150)
+    first, _ = _mape(predictor, slow, 1)
+    within_20, _ = _mape(predictor, slow, 20)
     settled, _ = _mape(predictor, slow, 300)
-    assert after_change > 0.5  # the old model is 3x off at first...
-    assert settled < 0.06  # ...and the forgetting lets it follow
+    assert first > 0.5  # the old model is 3x off at first...
+    # ...the persistent error resets its covariance, so it follows within a few
+    # samples rather than the hundreds forgetting alone would take...
+    assert within_20 < 0.3
+    assert settled < 0.06  # ...and settles
     assert predictor.forecast(EngineLoad(0, 0, 0.0)).prefill_s_per_token == pytest.approx(
-        6e-5, rel=0.15
+        6e-5, rel=0.2
     )
 
 
@@ -91,7 +94,9 @@ def test_never_predicts_negative() -> None:
     for _ in range(300):
         load = EngineLoad(rng.randrange(0, 50_000), rng.randrange(0, 64), rng.random())
         ttft = max(0.001, 2.0 - load.prefill_ahead_tokens * 4e-5)
-        predictor.observe(predictor.forecast(load), rng.randrange(0, 100), ttft, 0.001)
+        forecast = predictor.forecast(load)
+        predictor.observe_ttft(forecast, rng.randrange(0, 100), ttft)
+        predictor.observe_tpot(forecast, 0.001)
     assert predictor.ttft.weights[1] < 0.0
     for ahead in (0, 10_000, 50_000, 10**7):
         forecast = predictor.forecast(EngineLoad(ahead, 200, 1.0))
@@ -102,24 +107,26 @@ def test_never_predicts_negative() -> None:
 
 
 def test_a_constant_feature_does_not_wind_up() -> None:
-    """Months of one batch size, then another: the weights stay finite and the model
-    recovers (the covariance's trace is capped, so forgetting cannot blow it up)."""
+    """Thousands of samples at one batch size, then another: without the cap the
+    unexcited direction's variance would grow by 1/0.9 a sample to astronomic values;
+    with it, the model moves to the new point within a few samples and stays sane."""
     model = OnlineLinear((0.0, 0.0), (1.0, 1.0), forgetting=0.9)
     for _ in range(5_000):
         model.update((1.0, 0.5), 1.0)
-    for _ in range(100):
+    assert all(abs(w) < 10.0 for w in model.weights)
+    for _ in range(5):
         model.update((1.0, 2.0), 4.0)
     assert model.predict((1.0, 2.0)) == pytest.approx(4.0, rel=0.01)
-    assert model.predict((1.0, 0.5)) == pytest.approx(1.0, rel=0.05)
+    assert all(abs(w) < 10.0 for w in model.weights)
 
 
-def test_single_token_answers_train_ttft_only() -> None:
+def test_the_two_models_learn_apart() -> None:
+    """A first token trains TTFT alone (a single-token answer never trains TPOT)."""
     predictor = LatencyPredictor(tpot_s=0.02)
     load = EngineLoad(0, 4, 0.1)
-    error = predictor.observe(predictor.forecast(load), 100, 0.5, None)
-    assert error.tpot is None
-    assert error.ttft > 0.0
+    assert predictor.observe_ttft(predictor.forecast(load), 100, 0.5) > 0.0
     assert predictor.forecast(load).tpot_s == pytest.approx(0.02)
+    assert predictor.samples == 1
 
 
 @pytest.mark.parametrize(
