@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -18,6 +17,7 @@ from controlplane.store import EndpointRegistry, connect
 from controlplane.store.connection import RedisSettings
 from engine_sidecar.server import SidecarConfig, serve_sidecar
 from fleetsim.server import serve_engine
+from tests.polling import until
 from tests.sidecar.conftest import engine_config, pool_policy
 
 pytestmark = pytest.mark.redis
@@ -31,14 +31,6 @@ class Seen:
     ttft_s: float
     tpot_s: float
     prompt_tokens: int
-
-
-async def _until(check: Callable[[], Awaitable[bool]], timeout_s: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not await check():
-        assert loop.time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.02)
 
 
 async def _request(http: aiohttp.ClientSession, url: str, i: int) -> Seen:
@@ -125,7 +117,7 @@ async def test_the_published_prediction_tracks_the_engine_and_follows_a_slowdown
                         state = (await registry.snapshot()).endpoints.get("pod-a")
                         return state is not None and state.updated_at > beat_after
 
-                    await _until(published)
+                    await until(published, "a heartbeat after the wave")
                     return (await registry.snapshot()).endpoints["pod-a"].predicted_tpot_s
 
                 for _ in range(4):
