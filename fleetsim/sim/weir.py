@@ -229,7 +229,7 @@ class Sidecar:
         used = reserved = 0
         for held in self.held.values():
             flight = held.flight
-            if flight.forecast is not None:
+            if flight.forecast is not None and flight.ttft_error < 0:
                 # The live sidecar learns at the first token; this one at its next poll.
                 self.learn_ttft(flight)
             cached = max(0, flight.visit_cached)
