@@ -8,7 +8,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from fleetsim.report.matrix import Cell
+from fleetsim.report.matrix import Cell, requests_per_cpu_s
 from fleetsim.report.slo_capacity import LOWEST, TARGET, Capacity, capacity_rows
 
 _COLUMNS = (
@@ -50,6 +50,21 @@ def scenario_table(cells: Sequence[Cell]) -> str:
     rule = "|" + "|".join("---" for _ in _COLUMNS) + "|"
     rows = ["| " + " | ".join(get(c.summary) for _, get in _COLUMNS) + " |" for c in cells]
     return "\n".join([header, rule, *rows])
+
+
+def speed_table(cells: Sequence[Cell]) -> str:
+    """Each cell's simulator speed: requests simulated per CPU-second of its worker."""
+    lines = [
+        "| scenario | policy | load | seed | requests | CPU s | requests / CPU-s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for c in cells:
+        spec = c.spec
+        lines.append(
+            f"| {spec.scenario} | {spec.policy} | {spec.load:.2f} | {spec.seed} "
+            f"| {c.summary['offered']} | {c.cpu_s:.1f} | {requests_per_cpu_s(c):,.0f} |"
+        )
+    return "\n".join(lines)
 
 
 def goals_table(rows: Sequence[dict[str, Any]]) -> str:
@@ -233,6 +248,15 @@ def document(
             sweep_table(sweep_cells),
             "",
         ]
+    lines += [
+        "## Simulator speed",
+        "",
+        "Requests simulated per CPU-second of the worker that ran the cell "
+        "(`time.process_time`, not wall time).",
+        "",
+        speed_table(list({id(c): c for c in [*cells, *sweep_cells]}.values())),
+        "",
+    ]
     return "\n".join(lines)
 
 

@@ -8,6 +8,7 @@ for its seed, so the matrix is too, whatever the number of workers.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -44,6 +45,10 @@ class Cell:
     spec: CellSpec
     summary: dict[str, Any]
     capacity_rps: float
+    # CPU seconds this cell's simulation and summary took in its worker (process time,
+    # not wall: the simulator's speed on a shared machine); kept out of `summary`, which
+    # is a pure function of the cell.
+    cpu_s: float = 0.0
     short_ttft: list[float] = field(default_factory=list)
     kv_max: list[tuple[float, float]] = field(default_factory=list)
 
@@ -93,6 +98,7 @@ def _nominal(s: Scenario, spec: CellSpec, config: FleetConfig) -> float:
 
 
 def run_cell(spec: CellSpec) -> Cell:
+    started = time.process_time()
     config = fleet_config(spec)
     specs, capacity, failures = workload(spec, config)
     policy = policies(spec.seed)[spec.policy]()
@@ -107,7 +113,12 @@ def run_cell(spec: CellSpec) -> Cell:
     summary["load"] = spec.load
     short = sorted(f.ttft_s for f in result.flights if f.completed and not f.spec.is_long)
     kv = [(s.at, s.max_usage) for s in result.kv_samples]
-    return Cell(spec, summary, capacity, short, kv)
+    return Cell(spec, summary, capacity, time.process_time() - started, short, kv)
+
+
+def requests_per_cpu_s(cell: Cell) -> float:
+    """The simulator's speed on one cell: requests simulated per CPU-second."""
+    return cell.summary["offered"] / cell.cpu_s if cell.cpu_s > 0 else math.nan
 
 
 def run_cells(cells: Sequence[CellSpec], jobs: int = 1) -> list[Cell]:

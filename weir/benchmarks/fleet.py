@@ -88,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
         json_safe,
         kv_plot,
         markdown_document,
+        requests_per_cpu_s,
         run_capacities,
         run_cells,
         sweep_plot,
@@ -240,6 +241,8 @@ def run(args: argparse.Namespace) -> int:
                 "seed": c.spec.seed,
                 "load": c.spec.load,
                 **c.summary,
+                "cpu_s": c.cpu_s,
+                "requests_per_cpu_s": requests_per_cpu_s(c),
             }
             for c in matrix_cells
         ],
@@ -286,6 +289,7 @@ def run(args: argparse.Namespace) -> int:
             note=f"{simulated} requests in {cpu_s:.0f} CPU-s, every worker process",
         )
     )
+    _speed_figures(report, list(done.values()))
     report.emit(args.json)
     return 0
 
@@ -319,6 +323,22 @@ _GOALS: tuple[tuple[str, str, str, str, Callable[[float], bool]], ...] = (
     ),
     ("lost", "accepted requests lost", "requests", "0", lambda v: v == 0),
 )
+
+
+def _speed_figures(report: Report, cells: Sequence[Any]) -> None:
+    """Per policy, the simulator's speed over its matrix and sweep cells (each cell's
+    own CPU time in its worker; report.md has every cell's)."""
+    for policy in dict.fromkeys(c.spec.policy for c in cells):
+        mine = [c for c in cells if c.spec.policy == policy]
+        requests, cpu_s = sum(c.summary["offered"] for c in mine), sum(c.cpu_s for c in mine)
+        report.add(
+            Figure(
+                f"{policy}: simulated requests per CPU-second",
+                requests / cpu_s if cpu_s > 0 else math.nan,
+                "req/s",
+                note=f"{requests} requests in {cpu_s:.1f} CPU-s over {len(mine)} cell(s)",
+            )
+        )
 
 
 def _capacity_figures(report: Report, rows: Sequence[dict[str, Any]]) -> None:
