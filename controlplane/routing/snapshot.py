@@ -12,6 +12,7 @@ list is unknown, never idle.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -22,6 +23,15 @@ from controlplane.contract import EndpointState, Lifecycle, Role
 _NO_INFLIGHT: Mapping[str, int] = MappingProxyType({})
 _NONE_HELD: Mapping[str, int] = MappingProxyType({})
 _NO_TIPS: Mapping[int, tuple[str, ...]] = MappingProxyType({})
+
+# Where a routable endpoint ranks in `PoolSnapshot.preferred`: watermark, KV pressure,
+# reported load, then its position among the snapshot's endpoints (the stable sort's
+# tie-break), so that every key is distinct and a bisection finds an endpoint's place.
+_RankKey = tuple[int, float, int, int]
+
+
+def _rank_key(view: EndpointView, position: int) -> _RankKey:
+    return (view.watermark_rank, view.state.kv_pressure, view.reported_load, position)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +76,14 @@ class EndpointView:
         setattr_(self, "is_prefill", s.role is Role.PREFILL)
 
 
+def _host_tips(ready: Iterable[EndpointView]) -> Mapping[int, tuple[str, ...]]:
+    tips: dict[int, tuple[str, ...]] = {}
+    for e in ready:
+        for tip in e.state.host_prefixes:
+            tips[tip] = (*tips.get(tip, ()), e.endpoint_id)
+    return MappingProxyType(tips) if tips else _NO_TIPS
+
+
 @dataclass(frozen=True, slots=True)
 class PoolSnapshot:
     """Every endpoint of a pool the router knows about, at one control-plane version.
@@ -87,27 +105,79 @@ class PoolSnapshot:
     # Host-tier prefix -> the routable endpoints that publish it (EndpointState.
     # host_prefixes), indexed once per snapshot so a decision looks its blocks up.
     host_tips: Mapping[int, tuple[str, ...]] = field(init=False, repr=False, compare=False)
+    # Endpoint id -> its index in `endpoints`, and `preferred`'s rank keys in its order:
+    # what `replacing` needs to move one endpoint without ranking them all again.
+    _positions: Mapping[str, int] = field(init=False, repr=False, compare=False)
+    _rank_keys: tuple[_RankKey, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(
-            self, "by_id", MappingProxyType({e.endpoint_id: e for e in self.endpoints})
-        )
+        setattr_ = object.__setattr__
+        setattr_(self, "by_id", MappingProxyType({e.endpoint_id: e for e in self.endpoints}))
+        setattr_(self, "_positions", {e.endpoint_id: i for i, e in enumerate(self.endpoints)})
         # Ranked once per snapshot, not per request: a decision over a 1,000-endpoint pool
         # looks at the owners, the prefix holders and a few of the least pressured
         # endpoints, never at all of them.
-        ready = [e for e in self.endpoints if e.routable]
-        ready.sort(key=lambda e: (e.watermark_rank, e.state.kv_pressure, e.reported_load))
-        object.__setattr__(self, "preferred", tuple(ready))
-        object.__setattr__(
-            self,
-            "total_load",
-            sum(e.reported_load for e in ready),
+        ranked = sorted(
+            (_rank_key(e, i), e) for i, e in enumerate(self.endpoints) if e.routable
         )
-        tips: dict[int, tuple[str, ...]] = {}
-        for e in ready:
-            for tip in e.state.host_prefixes:
-                tips[tip] = (*tips.get(tip, ()), e.endpoint_id)
-        object.__setattr__(self, "host_tips", MappingProxyType(tips) if tips else _NO_TIPS)
+        setattr_(self, "_rank_keys", tuple(key for key, _ in ranked))
+        ready = tuple(e for _, e in ranked)
+        setattr_(self, "preferred", ready)
+        setattr_(self, "total_load", sum(e.reported_load for e in ready))
+        setattr_(self, "host_tips", _host_tips(ready))
+
+    def replacing(self, view: EndpointView, *, taken_at: float) -> PoolSnapshot:
+        """This snapshot with `view` in place of its endpoint's view (appended when the
+        pool did not list it), exactly as a snapshot built from the new endpoints would
+        be, at `taken_at`. A report changes one endpoint: moving it in the ranking is a
+        bisection and a few copies in C, where ranking the pool again sorts every
+        endpoint, and a fleet of hundreds reports hundreds of times a second."""
+        setattr_ = object.__setattr__
+        derived = object.__new__(PoolSnapshot)
+        endpoint_id = view.endpoint_id
+        old = self.by_id.get(endpoint_id)
+        endpoints = list(self.endpoints)
+        positions = self._positions
+        if old is None:
+            position = len(endpoints)
+            endpoints.append(view)
+            positions = {**positions, endpoint_id: position}
+        else:
+            position = positions[endpoint_id]
+            endpoints[position] = view
+        keys, preferred = list(self._rank_keys), list(self.preferred)
+        total_load = self.total_load
+        if old is not None and old.routable:
+            at = bisect_left(keys, _rank_key(old, position))
+            del keys[at], preferred[at]
+            total_load -= old.reported_load
+        if view.routable:
+            key = _rank_key(view, position)
+            at = bisect_left(keys, key)
+            keys.insert(at, key)
+            preferred.insert(at, view)
+            total_load += view.reported_load
+        by_id = dict(self.by_id)
+        by_id[endpoint_id] = view
+        tips = self.host_tips
+        if view.state.host_prefixes or (old is not None and old.state.host_prefixes):
+            tips = _host_tips(preferred)
+        for name, value in (
+            ("pool", self.pool),
+            ("endpoints", tuple(endpoints)),
+            ("version", self.version),
+            ("ring_version", self.ring_version),
+            ("taken_at", taken_at),
+            ("fresh_until", self.fresh_until),
+            ("by_id", MappingProxyType(by_id)),
+            ("preferred", tuple(preferred)),
+            ("total_load", total_load),
+            ("host_tips", tips),
+            ("_positions", positions),
+            ("_rank_keys", tuple(keys)),
+        ):
+            setattr_(derived, name, value)
+        return derived
 
     @classmethod
     def of(

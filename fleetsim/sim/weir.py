@@ -504,11 +504,14 @@ class WeirPolicy:
         return state, now + LEASE_HEARTBEATS * self.staleness.heartbeat_period_s
 
     def _publish(self, index: int, state: EndpointState, lease: float, taken_at: float) -> None:
-        self._views[index] = EndpointView(state, lease)
+        view = self._views[index] = EndpointView(state, lease)
         role = state.role
         self.routers[role].reported(state.endpoint_id, taken_at)
-        self._snapshots.clear()
         now = self.sim.now
+        snapshot = self._snapshots.get(role)
+        if snapshot is not None:
+            # One endpoint moved: re-rank it alone (the other pool's snapshot stands).
+            self._snapshots[role] = snapshot.replacing(view, taken_at=now)
         if state.role is Role.DECODE:
             # The decode class's credit budget, from what its sidecars last published.
             self.gate.set_decode_budget(

@@ -355,6 +355,41 @@ _ENDPOINT = st.fixed_dictionaries(
 )
 
 
+_REPORT = st.fixed_dictionaries(
+    {
+        "watermark": st.sampled_from(list(WatermarkState)),
+        "lifecycle": st.sampled_from([Lifecycle.READY, Lifecycle.READY, Lifecycle.DRAINING]),
+        "running_requests": st.integers(0, 3),
+        "kv_used_tokens": st.sampled_from([0, 25_000, 50_000]),  # ties on pressure too
+        "host_prefixes": st.sampled_from([(), (), (7,), (7, 9)]),
+    }
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    first=st.lists(_REPORT, min_size=1, max_size=12),
+    reports=st.lists(st.tuples(st.integers(0, 15), _REPORT), max_size=30),
+)
+def test_a_snapshot_moved_one_report_at_a_time_is_the_snapshot_built_whole(
+    first: list[dict[str, object]], reports: list[tuple[int, dict[str, object]]]
+) -> None:
+    """`replacing` (the simulator's per-report update) gives what building the snapshot
+    from every endpoint gives: the same ranking with the same tie-breaks, load and host
+    tips, whether the report replaces an endpoint's view or adds one."""
+    views = {i: EndpointView(_state(f"e{i:02d}", **f), 10.0) for i, f in enumerate(first)}
+    snapshot = PoolSnapshot("p", tuple(views.values()))
+    for index, fields in reports:
+        views[index] = EndpointView(_state(f"e{index:02d}", **fields), 10.0)
+        snapshot = snapshot.replacing(views[index], taken_at=1.0)
+        whole = PoolSnapshot("p", tuple(views.values()), taken_at=1.0)
+        assert snapshot == whole
+        assert snapshot.preferred == whole.preferred
+        assert dict(snapshot.by_id) == dict(whole.by_id)
+        assert snapshot.total_load == whole.total_load
+        assert dict(snapshot.host_tips) == dict(whole.host_tips)
+
+
 @settings(max_examples=150, deadline=None)
 @given(
     endpoints=st.lists(_ENDPOINT, min_size=12, max_size=60),
