@@ -76,6 +76,7 @@ class EngineSlot:
     pending_finished: list[EngineRequest] = field(default_factory=list)
     pending_retracted: list[EngineRequest] = field(default_factory=list)
     flights: dict[str, SimFlight] = field(default_factory=dict)
+    step: Callable[[], None] = field(init=False)  # the loop's next iteration of it
     exhaustion_events: int = 0
     high_water_s: float = 0.0
     busy_s: float = 0.0
@@ -132,6 +133,10 @@ class Simulation:
             engine_config or engine_config_for(self.config), self.config
         )
         self.engines = [self._engine(i) for i in range(self.config.engines)]
+        # Read at every iteration: looked up once, each slot's step bound once.
+        self._high_watermark = self.config.policy.kv.high_watermark
+        for slot in self.engines:
+            slot.step = functools.partial(self._step, slot)
         self.now = 0.0
         self._heap: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
@@ -301,7 +306,7 @@ class Simulation:
     def _wake(self, slot: EngineSlot, now: float) -> None:
         if not slot.scheduled and slot.alive:
             slot.scheduled = True
-            self.at(now, lambda: self._step(slot))
+            self.at(now, slot.step)
 
     def _step(self, slot: EngineSlot) -> None:
         # `scheduled` stays set while the policy hooks run, so a submit they make does
@@ -324,10 +329,12 @@ class Simulation:
         if result.retracted:
             slot.exhaustion_events += 1
         slot.busy_s += result.duration
-        if slot.usage >= self.config.policy.kv.high_watermark:
+        usage = slot.usage
+        if usage >= self._high_watermark:
             slot.high_water_s += result.duration
-        slot.peak_usage = max(slot.peak_usage, slot.usage)
-        self.at(now + result.duration, lambda: self._step(slot))
+        if usage > slot.peak_usage:
+            slot.peak_usage = usage
+        self.at(now + result.duration, slot.step)
 
     def _apply(self, slot: EngineSlot, now: float) -> None:
         """The tokens and finishes of the iteration that just ended, at its end time."""

@@ -426,6 +426,7 @@ class WeirPolicy:
             config["cost"]["expected_output_fraction"] = 1.0
         self.profile = profile_from_config(config)
         self._costs = relief_costs(sim.engine_config)
+        self._engine_poll_s = self.staleness.engine_poll_s
         self.sidecars = [
             Sidecar(
                 e.index,
@@ -859,14 +860,13 @@ class WeirPolicy:
         sidecar = self.sidecars[engine]
         # The sidecar re-derives its KV account at its engine-poll rhythm, not every
         # iteration; admissions and releases adjust it in between.
-        if now - sidecar.accounted_at >= self.staleness.engine_poll_s:
+        if now - sidecar.accounted_at >= self._engine_poll_s:
             sidecar.account()
             sidecar.accounted_at = now
             # The live sidecar's poll reads this from the engine's load report too.
             sidecar.engine_waiting = len(self.sim.engines[engine].model.waiting)
         previous = sidecar.watermark
-        policy = self._policy()
-        sidecar.watermark = classify_watermark(sidecar.usage(), previous, policy.kv)
+        sidecar.watermark = classify_watermark(sidecar.usage(), previous, sidecar.policy.kv)
         if sidecar.watermark.rank >= WatermarkState.PRESSURE.rank:
             self._relieve(sidecar, now)
         else:
