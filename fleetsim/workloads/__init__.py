@@ -10,7 +10,7 @@ from fleetsim.workloads.request import (
     prompt_token_ids,
 )
 from fleetsim.workloads.scenarios import SCENARIOS, MixStats, Scenario, mix_stats, scenario
-from fleetsim.workloads.traces import TraceError, read_trace
+from fleetsim.workloads.traces import TraceError, read_trace, write_trace
 
 __all__ = [
     "BLOCK_TOKENS",
@@ -26,4 +26,5 @@ __all__ = [
     "read_trace",
     "scenario",
     "with_output_hints",
+    "write_trace",
 ]

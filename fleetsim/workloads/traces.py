@@ -25,6 +25,25 @@ LONG_INPUT_TOKENS = 8192
 LONG_OUTPUT_TOKENS = 1024
 
 
+def write_trace(specs: Iterable[RequestSpec], path: str | Path) -> int:
+    """Write requests as a Mooncake JSONL trace (arrival in ms, lengths, block ids as
+    `hash_ids`), the format `read_trace` replays: a synthetic trace of any size from a
+    scenario's traffic. Tenants, priorities, deadlines and cancellations are not part of
+    the format and are not written. Returns the number of lines written."""
+    count = 0
+    with Path(path).open("w", encoding="utf-8") as handle:
+        for spec in specs:
+            record = {
+                "timestamp": round(spec.arrival_s * 1000.0, 3),
+                "input_length": spec.input_tokens,
+                "output_length": spec.generated_tokens,
+                "hash_ids": list(spec.block_ids),
+            }
+            handle.write(json.dumps(record, separators=(",", ":")) + "\n")
+            count += 1
+    return count
+
+
 class TraceError(ValueError):
     """A trace line that cannot be replayed; the message names file and line."""
 

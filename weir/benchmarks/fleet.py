@@ -74,6 +74,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="the search stops when the load that failed is within this fraction above "
         "the load that met the target",
     )
+    parser.add_argument(
+        "--write-trace",
+        type=Path,
+        help="write --scenario's traffic for --engines at --load as a Mooncake JSONL trace "
+        "of --trace-requests requests to this file, and exit (a synthetic trace to replay "
+        "with --trace)",
+    )
+    parser.add_argument("--trace-requests", type=int, default=1_000_000)
     add_output_flags(parser)
     parser.set_defaults(runs=1)
 
@@ -125,6 +133,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--capacity searches the scenarios' loads; a trace's is its --speedup")
     if args.scenario != "all" and args.scenario not in SCENARIOS:
         raise SystemExit(f"unknown scenario {args.scenario!r}; known: {', '.join(SCENARIOS)}")
+    if args.write_trace:
+        return _write_trace(args)
     names = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
     seeds = [args.seed + r for r in range(args.runs)]
     loads = [float(x) for x in args.sweep.split(",") if x.strip()] if args.sweep else []
@@ -291,6 +301,26 @@ def run(args: argparse.Namespace) -> int:
     )
     _speed_figures(report, list(done.values()))
     report.emit(args.json)
+    return 0
+
+
+def _write_trace(args: argparse.Namespace) -> int:
+    """A scenario's traffic as a trace: its arrival window is as long as `--trace-requests`
+    take at the scenario's nominal rate for the fleet times `--load`."""
+    from fleetsim.report import CellSpec
+    from fleetsim.report.matrix import nominal_rps
+    from fleetsim.workloads import scenario, write_trace
+
+    if args.scenario == "all" or args.trace_requests < 1:
+        raise SystemExit("--write-trace needs one --scenario and --trace-requests >= 1")
+    spec = CellSpec(args.scenario, "", args.load, args.seed, args.engines, args.duration,
+                    kv_scale=args.kv_scale)  # fmt: skip
+    rate = nominal_rps(spec) * args.load
+    window = args.trace_requests / rate
+    specs = scenario(args.scenario).with_duration(window).generate(rate, args.seed)
+    written = write_trace(specs[: args.trace_requests], args.write_trace)
+    print(f"{args.write_trace}: {written} requests of {args.scenario} at {rate:.1f} req/s "
+          f"({args.load:g} x nominal for {args.engines} engines), {window:.0f} s")  # fmt: skip
     return 0
 
 
