@@ -117,9 +117,7 @@ class PoolSnapshot:
         # Ranked once per snapshot, not per request: a decision over a 1,000-endpoint pool
         # looks at the owners, the prefix holders and a few of the least pressured
         # endpoints, never at all of them.
-        ranked = sorted(
-            (_rank_key(e, i), e) for i, e in enumerate(self.endpoints) if e.routable
-        )
+        ranked = sorted((_rank_key(e, i), e) for i, e in enumerate(self.endpoints) if e.routable)
         setattr_(self, "_rank_keys", tuple(key for key, _ in ranked))
         ready = tuple(e for _, e in ranked)
         setattr_(self, "preferred", ready)

@@ -38,6 +38,7 @@ class CellSpec:
     speedup: float = 1.0
     kv_scale: float = 1.0
     drain_s: float = 300.0
+    trace_limit: int = 0  # replay the trace's first requests only (0: all of them)
 
 
 @dataclass(slots=True)
@@ -73,7 +74,7 @@ def fleet_config(spec: CellSpec) -> FleetConfig:
 def workload(spec: CellSpec, config: FleetConfig) -> tuple[list[RequestSpec], float, Any]:
     """The requests of a cell, the fleet's nominal capacity for them, and fleet events."""
     if spec.scenario == TRACE:
-        specs = read_trace(spec.trace, speedup=spec.speedup)
+        specs = _trace(spec)
         engine = engine_config_for(replace(config, kv_scale=spec.kv_scale))
         return specs, nominal_capacity_rps(specs, engine, spec.engines), ()
     s = scenario(spec.scenario).with_duration(spec.duration_s)
@@ -81,8 +82,19 @@ def workload(spec: CellSpec, config: FleetConfig) -> tuple[list[RequestSpec], fl
     return s.generate(capacity * spec.load, spec.seed), capacity, s.failures
 
 
+def _trace(spec: CellSpec) -> list[RequestSpec]:
+    """A trace cell's requests: its load multiplies the trace's speedup (a capacity search
+    over a trace compresses its time further or stretches it)."""
+    return read_trace(spec.trace, speedup=spec.speedup * spec.load, limit=spec.trace_limit)
+
+
 def nominal_rps(spec: CellSpec) -> float:
-    """The nominal capacity (requests per second) a scenario cell's load is a fraction of."""
+    """The rate (requests per second) a cell's load is a multiple of: a scenario's
+    nominal capacity, or a trace's own arrival rate at its speedup."""
+    if spec.scenario == TRACE:
+        specs = _trace(replace(spec, load=1.0))
+        window = specs[-1].arrival_s - specs[0].arrival_s
+        return len(specs) / window if window > 0 else math.inf
     return _nominal(
         scenario(spec.scenario).with_duration(spec.duration_s), spec, fleet_config(spec)
     )
@@ -192,5 +204,8 @@ def trace_cell(
     speedup: float,
     kv_scale: float = 1.0,
     drain_s: float = 300.0,
+    limit: int = 0,
 ) -> CellSpec:
-    return CellSpec(TRACE, policy, 1.0, seed, engines, 0.0, str(path), speedup, kv_scale, drain_s)
+    return CellSpec(
+        TRACE, policy, 1.0, seed, engines, 0.0, str(path), speedup, kv_scale, drain_s, limit
+    )

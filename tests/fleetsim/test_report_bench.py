@@ -117,3 +117,39 @@ def test_bench_fleet_replays_a_trace(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert [c["offered"] for c in document["cells"]] == [12, 12]
     assert all(c["completed"] == 12 for c in document["cells"])
     assert document["sweep"] == []
+
+
+def test_bench_fleet_replays_a_written_trace_where_the_best_baseline_sits_at_capacity(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--write-trace writes a scenario's traffic as a Mooncake trace; --calibrate replays
+    it at the speedup where the best baseline's capacity at SLO is, searched on its first
+    requests: the replay's speedup is the given one times that baseline's capacity."""
+    trace = tmp_path / "trace.jsonl"
+    write = ["bench", "fleet", "--scenario", "few_long_many_short", "--engines", "2",
+             "--write-trace", str(trace), "--trace-requests", "80"]  # fmt: skip
+    assert main(write) == 0
+    assert len(trace.read_text().splitlines()) == 80
+    out = tmp_path / "report"
+    argv = ["bench", "fleet", "--trace", str(trace), "--engines", "2", "--speedup", "2",
+            "--calibrate", "--calibrate-requests", "60", "--capacity-tolerance", "0.5",
+            "--policies", "round_robin,least_outstanding", "--jobs", "1", "--drain", "30",
+            "--out", str(out), "--json"]  # fmt: skip
+    assert main(argv) == 0
+    capsys.readouterr()
+    document = json.loads((out / "report.json").read_text())
+    curves = {c["policy"]: c for c in document["capacity_curves"]}
+    assert set(curves) == {"round_robin", "least_outstanding"}
+    for curve in curves.values():
+        assert curve["limit"] == ""  # bracketed: one load met the target, one did not
+        assert all(p["offered"] == 60 for p in curve["probes"])
+        (at,) = (p for p in curve["probes"] if p["load"] == curve["capacity"])
+        assert at["slo_attainment"] >= 0.9
+    best = max(c["capacity"] for c in curves.values())
+    assert document["params"]["speedup"] == 2 * best
+    assert {c["offered"] for c in document["cells"]} == {80}
+
+
+def test_bench_fleet_refuses_calibrating_without_a_trace(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="--calibrate needs --trace"):
+        main(_fleet(tmp_path, "--calibrate"))

@@ -75,6 +75,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "the load that met the target",
     )
     parser.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="with --trace: replay it at the speedup where the best baseline sits at its "
+        "capacity at SLO, found by bisection on the trace's first --calibrate-requests",
+    )
+    parser.add_argument("--calibrate-requests", type=int, default=5000)
+    parser.add_argument(
         "--write-trace",
         type=Path,
         help="write --scenario's traffic for --engines at --load as a Mooncake JSONL trace "
@@ -131,6 +138,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("capacity-target must be a share within (0, 1]")
     if args.capacity and args.trace:
         raise SystemExit("--capacity searches the scenarios' loads; a trace's is its --speedup")
+    if args.calibrate and not (args.trace and args.calibrate_requests > 0):
+        raise SystemExit("--calibrate needs --trace and --calibrate-requests >= 1")
     if args.scenario != "all" and args.scenario not in SCENARIOS:
         raise SystemExit(f"unknown scenario {args.scenario!r}; known: {', '.join(SCENARIOS)}")
     if args.write_trace:
@@ -151,13 +160,22 @@ def run(args: argparse.Namespace) -> int:
             drain_s=args.drain,
         )
 
+    capacities = []
+    speedup = args.speedup
+    if args.calibrate:
+        capacities = _calibrate(args, chosen, seeds)
+        best = max(capacities, key=lambda c: c.search.capacity)
+        if best.search.capacity <= 0:
+            raise SystemExit(
+                f"--calibrate: no baseline meets {args.capacity_target:.0%} of its SLOs even "
+                f"at 1/16 of the trace's rate on {args.engines} engines; give more engines"
+            )
+        speedup = args.speedup * best.search.capacity
     matrix: list[CellSpec] = []
     for seed in seeds:
         if args.trace:
             matrix += [
-                trace_cell(
-                    args.trace, p, seed, args.engines, args.speedup, args.kv_scale, args.drain
-                )
+                trace_cell(args.trace, p, seed, args.engines, speedup, args.kv_scale, args.drain)
                 for p in chosen
             ]
         else:
@@ -177,7 +195,6 @@ def run(args: argparse.Namespace) -> int:
     # Goals near and past saturation: the matrix load, and every other swept load.
     goal_rows = goals(list({id(c): c for c in [*matrix_cells, *sweep_cells]}.values()))
 
-    capacities = []
     capacity_s = 0.0
     if args.capacity:
         jobs = []
@@ -236,7 +253,11 @@ def run(args: argparse.Namespace) -> int:
         "policies": chosen,
         "wall_s": round(elapsed, 1),
     }
-    if args.capacity:
+    if args.trace:
+        params["speedup"] = speedup
+    if args.calibrate:
+        params |= {"calibrated_on_requests": args.calibrate_requests, "given_speedup": args.speedup}
+    if args.capacity or args.calibrate:
         params |= {
             "capacity_target": args.capacity_target,
             "capacity_tolerance": args.capacity_tolerance,
@@ -302,6 +323,37 @@ def run(args: argparse.Namespace) -> int:
     _speed_figures(report, list(done.values()))
     report.emit(args.json)
     return 0
+
+
+def _calibrate(args: argparse.Namespace, chosen: Sequence[str], seeds: Sequence[int]) -> list[Any]:
+    """Every chosen baseline's capacity at SLO on the trace's first requests, its load a
+    multiple of the trace's rate at `--speedup` (`fleetsim.report.slo_capacity`'s
+    bisection): the replay runs where the best of them sits at its capacity."""
+    from fleetsim.report import CapacityJob, run_capacities, trace_cell
+    from fleetsim.sim import is_baseline
+
+    baselines = [p for p in chosen if is_baseline(p)]
+    if not baselines:
+        raise SystemExit("--calibrate needs a baseline among --policies")
+    jobs = [
+        CapacityJob(
+            trace_cell(
+                args.trace,
+                p,
+                args.seed,
+                args.engines,
+                args.speedup,
+                args.kv_scale,
+                args.drain,
+                args.calibrate_requests,
+            ),  # fmt: skip
+            tuple(seeds),
+            args.capacity_target,
+            args.capacity_tolerance,
+        )
+        for p in baselines
+    ]
+    return run_capacities(jobs, args.jobs)
 
 
 def _write_trace(args: argparse.Namespace) -> int:
