@@ -346,7 +346,7 @@ def _calibrate(args: argparse.Namespace, chosen: Sequence[str], seeds: Sequence[
                 args.kv_scale,
                 args.drain,
                 args.calibrate_requests,
-            ),  # fmt: skip
+            ),
             tuple(seeds),
             args.capacity_target,
             args.capacity_tolerance,
