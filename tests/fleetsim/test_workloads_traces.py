@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fleetsim.workloads import BLOCK_TOKENS, TraceError, read_trace
+from fleetsim.workloads import BLOCK_TOKENS, TraceError, read_trace, scenario, write_trace
 
 
 def _mooncake(tmp_path: Path, rows: list[dict[str, object]]) -> Path:
@@ -90,3 +90,21 @@ def test_bad_azure_and_empty_traces(tmp_path: Path) -> None:
         read_trace(empty)
     with pytest.raises(ValueError, match="speedup"):
         read_trace(wrong, speedup=0)
+
+
+def test_a_written_trace_replays_a_scenarios_lengths_prefixes_and_arrivals(
+    tmp_path: Path,
+) -> None:
+    """`write_trace` writes what a Mooncake trace can say of a scenario's requests:
+    replayed, every request keeps its lengths and its prompt's block ids (its shared
+    prefixes), and arrivals keep their spacing (rebased to the first, to the ms)."""
+    specs = scenario("few_long_many_short").with_duration(20.0).generate(5.0, seed=3)
+    path = tmp_path / "written.jsonl"
+    assert write_trace(specs, path) == len(specs)
+    replayed = read_trace(path)
+    assert [(r.input_tokens, r.output_tokens, r.max_tokens, r.block_ids) for r in replayed] == [
+        (s.input_tokens, s.generated_tokens, s.generated_tokens, s.block_ids) for s in specs
+    ]
+    start = specs[0].arrival_s
+    for r, s in zip(replayed, specs, strict=True):
+        assert r.arrival_s == pytest.approx(s.arrival_s - start, abs=2e-6)
