@@ -145,11 +145,13 @@ class Actions:
         moved = set()
         for flight in movable:
             held: tuple[str, str] | None = None
+            where = ""
             cand = self.ledger.candidate(flight.rid)
             if link is not None and cand is not None:
                 tokens = continuation_tokens(cand, self.policy.kv)
                 held = await self._reserve_target(flight.rid, tokens, targets, by_id, link.reserve)
-            where = f"; {held[0]} holds room for it ({held[1]})" if held else ""
+                if held is not None:  # worded as relief's are
+                    where = f"; {held[0]} holds {tokens} tokens for it ({held[1]})"
             if self.begin_preempt(flight.rid, Preemption.MIGRATE, why + where) is None:
                 continue  # it ended meanwhile; a hold left behind expires
             flight.target, flight.target_reservation = held or ("", "")

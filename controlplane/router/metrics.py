@@ -32,6 +32,7 @@ OVERLOAD_REASONS = (
     "output_tokens",
     "class_capacity",
 )
+HANDOFF_OUTCOMES = ("taken", "refused", "consumed", "released", "expired", "unreachable")
 DEFAULT_PRIORITY = "0"
 
 
@@ -76,6 +77,7 @@ class RouterMetrics:
             (self.resumes, RESUME_REASONS),
             (self.overloads, OVERLOAD_REASONS),
             (self.client_limits, LIMITS),
+            (self.handoff_credits, HANDOFF_OUTCOMES),
         ):
             for reason in reasons:
                 family.labels(pool, reason)

@@ -364,9 +364,11 @@ ROUTER: tuple[MetricSpec, ...] = (
     MetricSpec(
         "weir_router_handoff_credits_total",
         _C,
-        "A prefill pool's decode handoff credits: taken before a P/D pair starts, "
-        "consumed when its KV lands on the decode side, released when the pair fails or "
-        "its client leaves first, expired when consumed too late.",
+        "A prefill pool's decode handoff credits: taken before a P/D pair starts (refused "
+        "when the decode class has no room), consumed when its KV lands on the decode "
+        "side, released when the pair fails or its client leaves first, expired when "
+        "consumed too late, unreachable when Redis did not answer the settling (the "
+        "credit then expires on its own).",
         ("pool", "outcome"),
     ),
     MetricSpec("weir_router_quota_releases_pending", _G, _RELEASES_PENDING, ("pool",)),

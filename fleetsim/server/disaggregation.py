@@ -48,6 +48,8 @@ from fleetsim.server.protocol import Bootstrap
 KV_PATH = "/weir/v1/kv/{room}"
 PAGES_PATH = KV_PATH + "/pages"
 _JSON = "application/json"
+# How long past its bootstrap wait a peer may take to answer before it counts as gone.
+_SILENT_PEER_S = 5.0
 
 
 def input_ids_hash(req: EngineRequest) -> int:
@@ -278,8 +280,9 @@ class DecodeSide:
 
     async def _call(self, peer: Bootstrap, path: str, payload: object) -> tuple[int, object]:
         # The prefill side answers when its own wait ends; this bound is for a peer gone
-        # silent.
-        timeout = aiohttp.ClientTimeout(total=2 * self.config.bootstrap_timeout_s)
+        # silent, with room past that wait for a busy machine (twice the wait alone let a
+        # loaded one time out before the prefill side's own answer came).
+        timeout = aiohttp.ClientTimeout(total=self.config.bootstrap_timeout_s + _SILENT_PEER_S)
         url = self._url(peer, path)
         async with self._session().post(url, json=payload, timeout=timeout) as reply:
             return reply.status, await reply.json(content_type=None)

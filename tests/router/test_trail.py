@@ -90,11 +90,18 @@ async def test_a_migrated_request_s_story_spans_the_router_and_both_sidecars(
     assert set(sidecars) == {out.endpoint, second}
     before = sidecars[out.endpoint]["events"]
     assert [e["event"] for e in before] == ["admitted", "preempt", "handed_back", "end"]
-    assert (before[1]["mode"], before[1]["why"]) == ("migrate", "ordered through /weir/v1/preempt")
+    # Ordered, and room held for it at the other first (as relief's migrations do).
+    assert before[1]["mode"] == "migrate"
+    assert before[1]["why"].startswith(f"ordered through /weir/v1/preempt; {second} holds ")
     after = sidecars[second]["events"]
-    assert [e["event"] for e in after] == ["continuation", "admitted", "end"]
+    assert [e["event"] for e in after] == [
+        "reservation_taken", "continuation", "reservation_consumed", "admitted", "end",
+    ]  # fmt: skip
+    assert rerouted["reason"] == "reserved_target"
     assert after[-1]["reason"] == "length"
-    assert all(e["rid"].startswith("story-1@") for e in before + after)
+    held = [e for e in after if e["event"].startswith("reservation_")]
+    assert all(e["reservation"] and e["tokens"] > 0 for e in held)
+    assert all(e["rid"].startswith("story-1@") for e in before + after if e not in held)
     # One trace: the router's request, its two attempts, each sidecar's request under one.
     by_name: dict[str, list[Any]] = {}
     for span in spans:

@@ -160,5 +160,6 @@ async def test_an_engine_that_holds_its_server_info_unanswered_is_asked_again() 
         with pytest.raises(EngineError, match=r"no server info within 0\.5 s"):
             await _engine_info(engine, wait_s=0.5, ask_s=0.3)
     finally:
+        held.set()  # the held handlers end: the server's shutdown does not wait on them
         await engine.close()
         await runner.cleanup()
