@@ -93,7 +93,9 @@ class Profile:
     """A fixed pipeline. A decision looks at a shortlist, never the whole pool: the
     request's owners, up to `max_prefix_holders` endpoints that probably hold its
     prefix, and `candidates` endpoints from a request-dependent window of the snapshot's
-    least pressured ones (power of k choices over a list ranked once per snapshot).
+    least pressured ones (power of k choices over a list ranked once per snapshot), a
+    window twice `candidates` wide plus one endpoint for each request this router sent
+    since the endpoints' last reports (the ranking grows staler with each).
     Plugins are named per instance, so no two filters and no two scorers share a name."""
 
     name: str
@@ -159,7 +161,7 @@ class Profile:
                 holders = ctx.prefix_index.holders(request.block_hashes)
             host_holders = snapshot.host_holders(request.block_hashes)
         mean_load = (snapshot.total_load + ctx.inflight_total) / (len(snapshot.preferred) or 1)
-        candidates = self._candidates(request, snapshot, holders, host_holders)
+        candidates = self._candidates(request, snapshot, holders, host_holders, ctx.inflight_total)
         cycle = Cycle(request, ctx, holders, host_holders, mean_load, {})
 
         rejected: dict[str, int] | None = None
@@ -219,6 +221,7 @@ class Profile:
         snapshot: PoolSnapshot,
         holders: Mapping[str, int],
         host_holders: Mapping[str, int],
+        sent_since: int = 0,
     ) -> list[EndpointView]:
         exclude, owners = request.exclude, request.owners
         by_id = snapshot.by_id
@@ -254,7 +257,10 @@ class Profile:
                     seen.add(endpoint_id)
                     chosen.append(view)
         preferred = snapshot.preferred
-        window = min(len(preferred), 2 * self.candidates)
+        # The ranking is as of the endpoints' last reports; each request sent since makes
+        # it staler, so the window widens by one endpoint for each. Otherwise a fast pool
+        # sends everything between two heartbeats into the same few endpoints.
+        window = min(len(preferred), 2 * self.candidates + sent_since)
         if not window:
             return chosen
         start = zlib.crc32(request.request_id.encode()) % window

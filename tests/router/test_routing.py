@@ -343,6 +343,24 @@ def test_a_large_pool_decides_over_a_bounded_candidate_set() -> None:
     assert len(decision.fallbacks) <= PROFILE.candidates + 1
 
 
+def test_the_candidate_window_widens_with_the_requests_sent_since_the_last_reports() -> None:
+    """Between two reports every request sees the same ranking: with the window fixed at
+    twice `candidates`, a busy pool sent them all to its few best-ranked endpoints. Each
+    request sent since (`inflight_total`) widens the window by one, so they spread."""
+    states = [_state(f"e{i:03d}", running_requests=i // 10) for i in range(128)]
+    window = 2 * PROFILE.candidates
+    best = {f"e{i:03d}" for i in range(window)}  # the least loaded rank first
+
+    def picks(sent: int) -> set[str]:
+        return {
+            _decide(states, _request(request_id=f"r{i}"), inflight_total=sent).endpoint_id
+            for i in range(200)
+        }
+
+    assert picks(0) <= best
+    assert len(picks(120) - best) > 10
+
+
 _ENDPOINT = st.fixed_dictionaries(
     {
         "watermark": st.sampled_from(list(WatermarkState)),
