@@ -9,7 +9,7 @@ An action marks a request and aborts its engine segment; what follows is the req
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol
 
@@ -33,9 +33,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("weir.sidecar")
 _S = RequestState
-# Asks `peer` to hold room (a `RoomReservation` without id): the grant, or None and the
-# room the peer says it has (0 when it did not answer).
-Reserve = Callable[[EndpointState, RoomReservation], Awaitable[tuple[RoomReservation | None, int]]]
 
 
 class PeerLink(Protocol):
@@ -45,7 +42,9 @@ class PeerLink(Protocol):
 
     async def reserve(
         self, peer: EndpointState, asked: RoomReservation
-    ) -> tuple[RoomReservation | None, int]: ...
+    ) -> tuple[RoomReservation | None, int]:
+        """Ask `peer` to hold room (a `RoomReservation` without id): the grant, or None
+        and the room the peer says it has (0 when it did not answer)."""
 
 
 class Actions:
@@ -149,7 +148,7 @@ class Actions:
             cand = self.ledger.candidate(flight.rid)
             if link is not None and cand is not None:
                 tokens = continuation_tokens(cand, self.policy.kv)
-                held = await self._reserve_target(flight.rid, tokens, targets, by_id, link.reserve)
+                held = await self._reserve_target(flight.rid, tokens, targets, by_id, link)
                 if held is not None:  # worded as relief's are
                     where = f"; {held[0]} holds {tokens} tokens for it ({held[1]})"
             if self.begin_preempt(flight.rid, Preemption.MIGRATE, why + where) is None:
@@ -159,16 +158,15 @@ class Actions:
             moved.add(flight.rid)
         return moved
 
-    async def relieve(
-        self, peers: Sequence[EndpointState] = (), reserve: Reserve | None = None
-    ) -> list[str]:
+    async def relieve(self, peers: Sequence[EndpointState] = ()) -> list[str]:
         """One pass of the relief ladder; starts preemptions and returns explanations.
         `peers`: the other endpoints a continuation may migrate to (lease valid, same
-        role), as last published; `reserve` asks one to hold room. Without them (no
-        control plane) nothing migrates. A migrating victim is aborted only once its
+        role), as last published, of which the control-plane link (`link`) asks one to hold
+        room. Without them (no control plane) nothing migrates. A migrating victim is aborted only once its
         target holds room for it; when none does, it takes its fallback."""
         ledger = self.ledger
-        rooms = peer_rooms(peers, self.policy.kv) if reserve is not None else {}
+        link = self.link
+        rooms = peer_rooms(peers, self.policy.kv) if link is not None else {}
         plan = plan_relief(
             ledger.usage(), ledger.watermark, ledger.candidates(), self.policy, ledger.clock(),
             rooms, self.relief_costs(),
@@ -189,10 +187,8 @@ class Actions:
             )
             held: tuple[str, str] | None = None
             if mode is Rung.MIGRATE:
-                assert reserve is not None  # no rooms, no migration
-                held = await self._reserve_target(
-                    victim.rid, victim.tokens, targets, by_id, reserve
-                )
+                assert link is not None  # no rooms, no migration
+                held = await self._reserve_target(victim.rid, victim.tokens, targets, by_id, link)
                 if held is None:
                     mode = victim.fallback
                     why += f"; no peer held {victim.tokens} tokens for it"
@@ -216,7 +212,7 @@ class Actions:
         tokens: int,
         targets: TargetRooms,
         peers: dict[str, EndpointState],
-        reserve: Reserve,
+        link: PeerLink,
     ) -> tuple[str, str] | None:
         """(target, reservation id) of the first peer, in `targets`' order, that holds
         `tokens` for `rid`'s continuation; None when none does."""
@@ -224,7 +220,7 @@ class Actions:
             request_id=request_id_of(rid), tokens=tokens, ttl_s=RESERVATION_TTL_S
         )
         while (target := targets.pick(tokens)) is not None:
-            granted, room = await reserve(peers[target], asked)
+            granted, room = await link.reserve(peers[target], asked)
             targets.answered(target, tokens, granted is not None, room)
             if granted is not None:
                 return target, granted.reservation_id

@@ -138,7 +138,7 @@ async def _relief(service: SidecarService, link: ControlLink | None) -> None:
                 continue
             peers = await link.peers()
             if ledger.watermark is WatermarkState.EXHAUSTED:
-                await service.relieve(peers, link.reserve)
+                await service.relieve(peers)
 
 
 async def read_host_bandwidth(service: SidecarService) -> None:

@@ -63,7 +63,7 @@ from controlplane.stream import Splicer
 from controlplane.trace.trail import Trail
 from controlplane.transport.admin import Handler, admin_only
 from controlplane.transport.guard import BodyError, RequestGuard, ServerLimits
-from engine_sidecar.actions import Actions, Reserve
+from engine_sidecar.actions import Actions
 from engine_sidecar.engine import EngineAdapter, EngineInfo
 from engine_sidecar.errors import bad_request, body_refused, error_json
 from engine_sidecar.intake import (
@@ -368,10 +368,8 @@ class SidecarService:
     async def execute(self, command: Command) -> bool:
         return await self.actions.execute(command)
 
-    async def relieve(
-        self, peers: Sequence[EndpointState] = (), reserve: Reserve | None = None
-    ) -> list[str]:
-        return await self.actions.relieve(peers, reserve)
+    async def relieve(self, peers: Sequence[EndpointState] = ()) -> list[str]:
+        return await self.actions.relieve(peers)
 
     def relief_costs(self) -> ReliefCosts:
         return self.actions.relief_costs()
