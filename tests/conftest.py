@@ -39,6 +39,20 @@ pytest_runtest_setup = pytest.hookimpl(wrapper=True)(_not_installed_skips)
 pytest_runtest_call = pytest.hookimpl(wrapper=True)(_not_installed_skips)
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """With pytest-xdist (`--dist loadgroup`, as scripts/check.sh runs the suite), each
+    tier that shares one costly process goes to one worker, so it starts once: the
+    Kubernetes control plane, and the real SGLang servers (their tests also start their
+    own servers: two CPU-heavy servers at once would only slow each other down). Called
+    with the whole session's items, e2e's included."""
+    for item in items:
+        if item.get_closest_marker("sglang") is not None:
+            item.add_marker(pytest.mark.xdist_group("sglang"))
+        elif "kube" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("kube"))
+
+
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[RedisServer]:
     """One real redis-server for the session. Tests isolate themselves by key prefix or

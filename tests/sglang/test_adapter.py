@@ -15,7 +15,7 @@ import pytest
 from engine_sidecar.engine import SGLangEngine
 from tests.sglang.server import SGLangServer
 
-pytestmark = [pytest.mark.sglang, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.sglang, pytest.mark.timeout(600)]
 
 PROMPT = "The quick brown fox jumps over the lazy dog."
 
