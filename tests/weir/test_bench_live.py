@@ -9,11 +9,14 @@ install took about 4 minutes here (docs/benchmarks.md), too much for the suite."
 from __future__ import annotations
 
 import json
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
 from tests.tiers import unavailable
-from weir.benchmarks._live_clients import BenchServing
+from weir.benchmarks._live_clients import BenchServing, _run
 from weir.benchmarks._tool_venv import ToolVenvError
 from weir.cli import main
 
@@ -50,3 +53,31 @@ def test_bench_live_reports_router_and_direct_side_by_side(
 def test_bench_live_refuses_bad_flags(flags: list[str]) -> None:
     with pytest.raises(SystemExit, match="bad arguments"):
         main(["bench", "live", *flags])
+
+
+def test_a_client_run_leaves_none_of_its_processes_behind(tmp_path: Path) -> None:
+    """A load generator's worker processes end with its run (inference-perf's outlived an
+    interrupted benchmark): here a client that exits with a child still running."""
+    pid_file = tmp_path / "child.pid"
+    client = (
+        "import subprocess, sys; "
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+        f"open({str(pid_file)!r}, 'w').write(str(child.pid))"
+    )
+    _run([sys.executable, "-c", client], "a client")
+    child = int(pid_file.read_text())
+    # Killed by the run; reaped by init, so /proc may show it briefly as a zombie.
+    for _ in range(100):
+        state = _process_state(child)
+        if state in (None, "Z"):
+            break
+        time.sleep(0.05)
+    assert _process_state(child) in (None, "Z")
+
+
+def _process_state(pid: int) -> str | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2 :].split()[0]

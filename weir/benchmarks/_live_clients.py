@@ -16,10 +16,13 @@ they count with the model's tokenizer, and the counts differ as docs/benchmarks.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import tempfile
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -179,13 +182,29 @@ def write_ascii_tokenizer(folder: Path) -> Path:
 
 def _run(args: list[str], what: str) -> None:
     """Runs a client offline, in its own Python (none of Weir's PYTHONPATH); a failure
-    raises with its output's tail."""
+    raises with its output's tail.
+
+    The client runs in a process group of its own, killed whole once its main process
+    exits or the run is interrupted: inference-perf drives its load from worker processes,
+    which outlived an interrupted benchmark when only the main process was killed. Its
+    output goes to a file, not a pipe, so a straggler holding it cannot keep the run
+    waiting."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["HF_HUB_OFFLINE"] = "1"
-    done = subprocess.run(args, capture_output=True, text=True, env=env, check=False)
-    if done.returncode != 0:
-        tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-15:])
-        raise ClientError(f"{what} failed (exit {done.returncode}):\n{tail}")
+    with tempfile.TemporaryFile("w+") as output:
+        proc = subprocess.Popen(
+            args, stdout=output, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        try:
+            proc.wait()
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        if proc.returncode != 0:
+            output.seek(0)
+            tail = "\n".join(output.read().strip().splitlines()[-15:])
+            raise ClientError(f"{what} failed (exit {proc.returncode}):\n{tail}")
 
 
 class InferencePerf:
