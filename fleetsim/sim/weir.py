@@ -670,7 +670,7 @@ class WeirPolicy:
         """Primary and secondary owner of the prompt's prefix key on the current ring of
         the pool, keyed from the prompt's first tokens exactly as the router keys it."""
         routing = self._policy().routing
-        head = prompt_token_ids(flight.spec)[: routing.prefix_blocks_for_owner * BLOCK_TOKENS]
+        head = prompt_token_ids(flight.spec, routing.prefix_blocks_for_owner * BLOCK_TOKENS)
         key = prefix_key(
             CacheIdentity(model=MODEL),
             head,
