@@ -30,10 +30,11 @@ class TokenBackend(Protocol):
 class HashBackend:
     """Tokens from the rolling prefix hash the scheduler keeps on every request."""
 
-    __slots__ = ("_next",)
+    __slots__ = ("_next", "_run")
 
     def __init__(self, tokens: TokenFunction) -> None:
         self._next = tokens.next_token
+        self._run = tokens.run
 
     def prefill(self, request: EngineRequest, start: int, end: int) -> int | None:
         if end < request.total_len:
@@ -45,3 +46,8 @@ class HashBackend:
         return [
             nxt(r.hash_state, r.ignore_eos or len(r.output_ids) < r.min_new_tokens) for r in batch
         ]
+
+    def decode_run(self, request: EngineRequest, count: int) -> tuple[list[int], int]:
+        """`count` decode steps of a request that cannot stop on EOS (`ignore_eos`): its
+        next `count` tokens and its prefix hash after them."""
+        return self._run(request.hash_state, count)

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from fleetsim.engine.backends import HashBackend, TokenBackend
@@ -649,30 +649,129 @@ class EngineModel:
         for req in self._firsts:
             req.first_token_at = end
         self._firsts.clear()
-        emitted = len(result.emitted)
-        self.generation_tokens_total += emitted
+        self._tally((now,), (result.duration,), len(result.emitted), pf_tokens > 0, dec_seqs)
+        return result
+
+    def _tally(
+        self,
+        starts: Sequence[float],
+        durations: Sequence[float],
+        emitted: int,
+        prefilled: bool,
+        dec_seqs: int,
+    ) -> None:
+        """Count iterations in the load report's figures: they started at `starts`, took
+        `durations`, and each emitted `emitted` tokens, `dec_seqs` of them decoded.
+        (The moments are sums of integers, exact in a float at any realistic size, so
+        adding a run's at once equals adding them one iteration at a time.)"""
+        steps = len(durations)
+        self.generation_tokens_total += emitted * steps
         start, count = self._tp_window
         if start is None:
-            start = now
-        count += emitted
-        step_us = int(result.duration * 1e6)
-        if pf_tokens:
-            self.prefill_busy_us += step_us
+            start = starts[0]
+        step_us = [int(duration * 1e6) for duration in durations]
+        if prefilled:
+            self.prefill_busy_us += sum(step_us)
+        counted = 0  # of these iterations, those whose tokens are in `count`
         if dec_seqs:
+            total_us = sum(step_us)
             moments = self.decode_moments
-            moments[0] += 1
-            moments[1] += dec_seqs
-            moments[2] += step_us
-            moments[3] += dec_seqs * dec_seqs
-            moments[4] += dec_seqs * step_us
-            moments[5] += dec_seqs
-            self.decode_steps += 1
-            if self.decode_steps % self.config.decode_log_interval == 0:
-                elapsed = now + result.duration - start
+            moments[0] += steps
+            moments[1] += dec_seqs * steps
+            moments[2] += total_us
+            moments[3] += dec_seqs * dec_seqs * steps
+            moments[4] += dec_seqs * total_us
+            moments[5] += dec_seqs * steps
+            first = self.decode_steps
+            self.decode_steps += steps
+            interval = self.config.decode_log_interval
+            for i in range(-(first + 1) % interval, steps, interval):
+                count += emitted * (i + 1 - counted)
+                counted = i + 1
+                end = starts[i] + durations[i]
+                elapsed = end - start
                 self.gen_throughput = count / elapsed if elapsed > 0 else 0.0
-                start, count = now + result.duration, 0
-        self._tp_window = (start, count)
-        return result
+                start, count = end, 0
+        self._tp_window = (start, count + emitted * (steps - counted))
+
+    # -- decode runs (the fleet simulator's fast-forward) --------------------------------
+    def plain_decode(self) -> bool:
+        """Whether the next iteration only decodes, and so would every one after it until
+        a request finishes or the pool runs out of pages: nothing waits or prefills, and
+        no running request can stop on a token (EOS ignored, no stop strings or ids).
+        Only the hash backend computes such iterations in a batch (`decode_ahead`)."""
+        return (
+            not self.paused
+            and not self.waiting
+            and not self.prefilling
+            and bool(self.decoding)
+            and not self._ended
+            and self.host is None
+            and isinstance(self.backend, HashBackend)
+            and all(r.ignore_eos and not r.stop and not r.stop_token_ids for r in self.decoding)
+        )
+
+    def _page_phases(self) -> list[list[EngineRequest]]:
+        """The decoding requests by the iteration, modulo the page size, at which each
+        needs its next page (when its KV fills its last one), in batch order."""
+        ps = self.page_size
+        phases: list[list[EngineRequest]] = [[] for _ in range(ps)]
+        for req in self.decoding:
+            phases[req.tree_len + len(req.pages) * ps - req.computed].append(req)
+        return phases
+
+    def decode_run(self, now: float, limit: int, until: float) -> list[float]:
+        """The durations of the iterations from `now` on, run back to back, that each
+        decode every running request and nothing else — none finishing a request or short
+        of pages (`plain_decode` must hold): at most `limit`, the last being the first to
+        end at or after `until`. Nothing changes here; `decode_ahead` runs them."""
+        batch, ps = self.decoding, self.page_size
+        limit = min(limit, min(r.max_new_tokens - len(r.output_ids) for r in batch) - 1)
+        needs = [len(phase) for phase in self._page_phases()]
+        available = self.kv.available_pages
+        steps = 0
+        while steps < limit:
+            need = needs[steps % ps]
+            if need > available:
+                break  # this one retracts
+            available -= need
+            steps += 1
+        context = sum(r.computed for r in batch) + len(batch)
+        return self.config.timing.decode_run_s(len(batch), context, steps, now, until)
+
+    def decode_ahead(self, starts: Sequence[float], durations: Sequence[float]) -> list[int]:
+        """Run the next iterations `decode_run` planned (their starts and durations) as
+        `step` would one by one: each running request gets a token per iteration, and
+        pages go to them in the same order. Returns the pages in use after each."""
+        backend = self.backend
+        assert isinstance(backend, HashBackend)
+        batch, kv, ps = self.decoding, self.kv, self.page_size
+        count = len(starts)
+        phases = self._page_phases()
+        in_use = kv.used_pages
+        used: list[int] = []
+        for step in range(count):
+            phase = phases[step % ps]
+            if phase:
+                pages = kv.allocate(len(phase))
+                assert pages is not None, "decode_run planned pages that are not there"
+                for req, page in zip(phase, pages, strict=True):
+                    req.pages.append(page)
+                in_use += len(pages)
+            used.append(in_use)
+        for req in batch:
+            tokens, req.hash_state = backend.decode_run(req, count)
+            req.output_ids.extend(tokens)
+            req.computed += count
+        self.steps += count
+        if self.config.priority_preemption:
+            self.batch_is_full = False  # what `_admit` does with nothing waiting
+        for _ in range(count):
+            if self.new_token_ratio == self.min_ratio:
+                break  # it stays there
+            self._decay_ratio()
+        self._tally(starts, durations, len(batch), False, len(batch))
+        return used
 
     # -- admission -----------------------------------------------------------------------
     def _order_waiting(self, now: float) -> None:
@@ -1055,7 +1154,7 @@ class EngineModel:
             if not batch:
                 return 0, 0
         else:
-            self.new_token_ratio = max(self.min_ratio, self.new_token_ratio - self.ratio_decay)
+            self._decay_ratio()
         if needing:
             pages = kv.allocate(len(needing))
             assert pages is not None
@@ -1076,6 +1175,10 @@ class EngineModel:
             ) and self._check_finish(req, token, now):
                 result.finished.append(req)
         return len(batch), context + len(batch)
+
+    def _decay_ratio(self) -> None:
+        """A decode iteration that kept every request lowers the new-token ratio a step."""
+        self.new_token_ratio = max(self.min_ratio, self.new_token_ratio - self.ratio_decay)
 
     def _append(self, req: EngineRequest, token: int, now: float, result: StepResult) -> None:
         """Add one sampled token outside the decode loop (first token after prefill)."""

@@ -113,3 +113,32 @@ class TimingModel:
         compute_s = flops / (hw.flops * hw.compute_efficiency)
         memory_s = memory / (hw.hbm_bytes_per_s * hw.memory_efficiency)
         return hw.fixed_overhead_s + max(compute_s, memory_s)
+
+    def decode_run_s(
+        self, seqs: int, context: int, steps: int, start: float, until: float
+    ) -> list[float]:
+        """The durations of up to `steps` decode-only iterations in a row from `start`,
+        `seqs` sequences each, the first reading `context` KV tokens (each reads `seqs`
+        more than the one before), stopping after the first that ends at or after
+        `until`: `iteration_s(0, 0, 0, seqs, context)` for each, to the last bit (the
+        same operations in the same order, the constant ones taken out of the loop)."""
+        model, hw = self.model, self.hardware
+        token_flops = 2.0 * model.params * seqs
+        pair_flops = 4.0 * model.layers * model.hidden
+        weights = model.params * model.bytes_per_param
+        kv_bytes = model.kv_bytes_per_token
+        flops_per_s = hw.flops * hw.compute_efficiency
+        bytes_per_s = hw.hbm_bytes_per_s * hw.memory_efficiency
+        overhead = hw.fixed_overhead_s
+        durations: list[float] = []
+        end = start
+        for _ in range(steps):
+            compute_s = (token_flops + pair_flops * context) / flops_per_s
+            memory_s = (weights + kv_bytes * (context + seqs)) / bytes_per_s
+            duration = overhead + max(compute_s, memory_s)
+            durations.append(duration)
+            context += seqs
+            end += duration
+            if end >= until:
+                break
+        return durations

@@ -77,3 +77,14 @@ class TokenFunction:
         if not ignore_eos and (z & 0xFFFFF) < self._eos_threshold:
             return EOS_ID
         return _PRINTABLE_FIRST + (z >> 20) % _PRINTABLE_COUNT
+
+    def run(self, state: int, count: int) -> tuple[list[int], int]:
+        """The next `count` tokens with EOS suppressed, from prefix hash `state`, and the
+        hash after them: `next_token` and `extend_hash` `count` times over, in one call."""
+        tokens: list[int] = []
+        append, crc32, token_bytes = tokens.append, zlib.crc32, TOKEN_BYTES
+        for _ in range(count):
+            token = _PRINTABLE_FIRST + (_mix(state) >> 20) % _PRINTABLE_COUNT
+            append(token)
+            state = crc32(token_bytes[token], state)
+        return tokens, state

@@ -17,6 +17,7 @@ the request before it prefills: the KV waits on the decode engine's queue.
 from __future__ import annotations
 
 import copy
+import math
 
 from controlplane.contract import FinishReason, Role
 from fleetsim.baselines import BaselineRouter, NoHealthyWorkerError, WorkerView
@@ -108,6 +109,7 @@ class BaselinePolicy:
             return
         flight.accepted = True
         flight.enqueue(now)
+        self.sim.interrupt(engine)  # its iterations now admit from the ledger's queue
         ledger.offer(flight, cost)
         ledger.admit(lambda f: self._send(f, engine, now))
 
@@ -122,6 +124,10 @@ class BaselinePolicy:
 
     def after_step(self, engine: int, now: float) -> None:
         return None
+
+    def quiet_until(self, engine: int, now: float) -> float:
+        """Always, but while requests wait in the engine's max-tokens ledger."""
+        return now if self.reserve and self._ledgers[engine].queue else math.inf
 
     def ended(self, flight: SimFlight, now: float) -> None:
         self._leave(flight, now)

@@ -15,10 +15,25 @@ imports the KV instead of computing it again.
 The engine never learns how long an answer will be. It is asked for up to the client's
 `max_tokens` (so its own admission sees what SGLang would see) and the simulator ends the
 request when its natural length is reached, as the model's end-of-sequence token would.
+
+Fast-forward: most iterations only decode, and nothing but their own tokens happens to
+their engine between two events that concern it. When an engine's next iteration is such
+one, the loop plans the run of them (`EngineModel.decode_run`: up to the first that
+finishes a request's answer or would run short of pages, the policy's `quiet_until`, or
+`FAST_FORWARD_STEPS`) and schedules one event at its end instead of one per iteration.
+The iterations themselves run lazily, when the clock passes them and something looks:
+the engine's KV usage (`EngineSlot.used_tokens`), a submit or an abort on it
+(`interrupt`), its failure, the run's end. Each runs as it would have, at the time it
+would have started; its tokens reach the flights at the time its successor starts. An
+interrupted run hands back to one event per iteration from the next iteration's end. So
+a run is the same function of its inputs and seed with and without fast-forward
+(tests/fleetsim/test_sim_identical.py), except that an event at exactly the instant an
+iteration ends (equal floats) sees that iteration's tokens not yet applied.
 """
 
 from __future__ import annotations
 
+import bisect
 import functools
 import heapq
 import itertools
@@ -32,6 +47,10 @@ from fleetsim.sim.config import FleetConfig
 from fleetsim.sim.flight import SimFlight, Stage
 from fleetsim.workloads import RequestSpec, prompt_token_ids
 from fleetsim.workloads.scenarios import EngineFailure
+
+# The most iterations one fast-forward plans: their ends are computed when it starts, and
+# a run an arrival interrupts early has computed the rest for nothing.
+FAST_FORWARD_STEPS = 32
 
 
 class FleetPolicy(Protocol):
@@ -53,6 +72,12 @@ class FleetPolicy(Protocol):
 
     def after_step(self, engine: int, now: float) -> None:
         """An iteration's tokens were applied: watch pressure, relieve it."""
+
+    def quiet_until(self, engine: int, now: float) -> float:
+        """Until when `after_step` and `before_step` would do nothing for this engine
+        (with nothing but its own iterations happening to it: what does happen, the
+        policy reports with `Simulation.interrupt`), so the loop may run its iterations
+        without calling them; `now` or earlier when they must see the next one."""
 
     def ended(self, flight: SimFlight, now: float) -> None:
         """A flight ended for any reason (the policy drops its bookkeeping)."""
@@ -77,6 +102,8 @@ class EngineSlot:
     pending_retracted: list[EngineRequest] = field(default_factory=list)
     flights: dict[str, SimFlight] = field(default_factory=dict)
     step: Callable[[], None] = field(init=False)  # the loop's next iteration of it
+    run: DecodeRun | None = None  # a fast-forward under way
+    sync: Callable[[], None] = field(init=False)  # run its iterations up to the clock
     exhaustion_events: int = 0
     high_water_s: float = 0.0
     busy_s: float = 0.0
@@ -88,11 +115,40 @@ class EngineSlot:
 
     @property
     def used_tokens(self) -> int:
+        if self.run is not None:
+            self.sync()
         return self.model.kv.used_pages * self.model.page_size
 
     @property
     def usage(self) -> float:
         return self.used_tokens / self.model.total_tokens
+
+    def tally(self, durations: Sequence[float], used_pages: Sequence[int], high: float) -> None:
+        """Count iterations that took `durations`, with `used_pages` of the KV in use
+        after each; the time at or above the `high` usage counts as high water."""
+        ps, total = self.model.page_size, self.model.total_tokens
+        busy, high_s, peak = self.busy_s, self.high_water_s, self.peak_usage
+        for duration, pages in zip(durations, used_pages, strict=True):
+            busy += duration
+            usage = pages * ps / total
+            if usage >= high:
+                high_s += duration
+            if usage > peak:
+                peak = usage
+        self.busy_s, self.high_water_s, self.peak_usage = busy, high_s, peak
+
+
+@dataclass(slots=True)
+class DecodeRun:
+    """A fast-forward: iterations that only decode, starting at `times[:-1]` and taking
+    `durations`, the last ending at `times[-1]` (the engine's next step event). The
+    model has run `done` of them (the one under way at the clock included); the flights
+    hold the tokens of all but the last of those."""
+
+    times: list[float]
+    durations: list[float]
+    batch: list[tuple[EngineRequest, SimFlight]]
+    done: int = 0
 
 
 @dataclass(slots=True)
@@ -137,8 +193,11 @@ class Simulation:
         self._high_watermark = self.config.policy.kv.high_watermark
         for slot in self.engines:
             slot.step = functools.partial(self._step, slot)
+            slot.sync = functools.partial(self._sync, slot)
         self.now = 0.0
         self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        # Step events an interrupted fast-forward left in the heap, skipped when due.
+        self._stale: set[Callable[[], None]] = set()
         self._seq = itertools.count()
         self._open = len(self.flights)
         self.last_arrival = max((s.arrival_s for s in specs), default=0.0)
@@ -185,13 +244,23 @@ class Simulation:
     def run(self) -> SimResult:
         self.policy.start(self)
         self.every(self.config.sample_period_s, self._sample)
-        heap = self._heap
+        heap, stale = self._heap, self._stale
         while heap and self._open > 0:
             when, _, action = heapq.heappop(heap)
             if when > self.horizon:
                 break
+            if action in stale:
+                stale.discard(action)
+                continue
             self.now = when
             action()
+        # Only the horizon ends a run with fast-forwards under way (their flights are
+        # open): the iterations that ended by then ran, and the last of them ends the run
+        # if it came after every event.
+        for slot in self.engines:
+            if slot.run is not None:
+                self._catch_up(slot, self.horizon, through=True)
+                self.now = max(self.now, slot.run.times[slot.run.done - 1])
         for flight in self.flights:
             if not flight.done:
                 flight.detail = "unfinished at the end of the run"
@@ -221,6 +290,7 @@ class Simulation:
         slot = self.engines[engine]
         if not slot.alive:
             raise RuntimeError(f"engine {engine} is down")
+        self.interrupt(engine)
         spec = flight.spec
         flight.dequeue(now)
         ids = prompt_token_ids(spec)
@@ -257,6 +327,7 @@ class Simulation:
         and what it generated stays with the flight for a continuation."""
         if flight.stage is not Stage.ENGINE:
             return
+        self.interrupt(flight.engine)
         slot = self.engines[flight.engine]
         rid = flight.engine_rid
         slot.flights.pop(rid, None)
@@ -264,6 +335,23 @@ class Simulation:
             slot.model.abort(rid, now=now)
             self._wake(slot, now)
         flight.leave_engine()
+
+    def interrupt(self, engine: int) -> None:
+        """Something besides its own iterations is about to change what the engine's
+        next iterations see (a submit, an abort, its policy's state for it): a
+        fast-forward under way stops, and the loop steps it one iteration at a time again
+        from the end of the one under way."""
+        slot = self.engines[engine]
+        run = slot.run
+        if run is None:
+            return
+        self._catch_up(slot, self.now)
+        slot.run = None
+        slot.pending = [req for req, _ in run.batch]
+        if run.done < len(run.times) - 1:  # else its step event is the one due
+            self._stale.add(slot.step)
+            slot.step = functools.partial(self._step, slot)
+            self.at(run.times[run.done], slot.step)
 
     def end(self, flight: SimFlight, reason: FinishReason, now: float, detail: str = "") -> None:
         if flight.done:
@@ -296,6 +384,7 @@ class Simulation:
         slot = self.engines[engine]
         if not slot.alive:
             return
+        self.interrupt(engine)  # what it ran until now counts
         slot.alive = False
         victims = list(slot.flights.values())
         slot.flights.clear()
@@ -315,26 +404,87 @@ class Simulation:
         if not slot.alive:
             slot.scheduled = False
             return
+        run = slot.run
+        if run is not None:  # a fast-forward ends: its last iteration's tokens are due
+            self._catch_up(slot, now)
+            slot.run = None
+            slot.pending = [req for req, _ in run.batch]
         self._apply(slot, now)
         self.policy.after_step(slot.index, now)
         self.policy.before_step(slot.index, now)
         model = slot.model
-        result = model.step(now) if model.has_work else None
-        if result is None or result.idle:
+        if not model.has_work:
             slot.scheduled = False  # nothing runs until a submit or an abort wakes it
+            return
+        if model.plain_decode() and self._fast_forward(slot, now):
+            return
+        result = model.step(now)
+        if result.idle:
+            slot.scheduled = False
             return
         slot.pending = result.emitted
         slot.pending_finished = result.finished
         slot.pending_retracted = result.retracted
         if result.retracted:
             slot.exhaustion_events += 1
-        slot.busy_s += result.duration
-        usage = slot.usage
-        if usage >= self._high_watermark:
-            slot.high_water_s += result.duration
-        if usage > slot.peak_usage:
-            slot.peak_usage = usage
+        slot.tally((result.duration,), (model.kv.used_pages,), self._high_watermark)
         self.at(now + result.duration, slot.step)
+
+    def _fast_forward(self, slot: EngineSlot, now: float) -> bool:
+        """Start a fast-forward if at least two iterations can run without an event
+        between them (see the module docstring)."""
+        if slot.role is Role.PREFILL:
+            return False  # its requests' first tokens start transfers
+        until = self.policy.quiet_until(slot.index, now)
+        if until <= now:
+            return False
+        flights = slot.flights
+        limit = FAST_FORWARD_STEPS
+        batch = []
+        for req in slot.model.decoding:
+            flight = flights.get(req.rid)
+            if flight is None or flight.visit_cached < 0 or flight.handoff_from >= 0:
+                return False  # its next token is its first on this engine
+            # The iteration that streams its last token ends the run: the flight ends then.
+            limit = min(limit, flight.target_tokens - len(flight.output_ids))
+            batch.append((req, flight))
+        durations = slot.model.decode_run(now, limit, until)
+        if len(durations) < 2:
+            return False
+        times = [now]
+        for duration in durations:
+            now += duration
+            times.append(now)
+        slot.run = DecodeRun(times, durations, batch)
+        self._catch_up(slot, times[0])  # the first iteration starts now
+        self.at(now, slot.step)
+        return True
+
+    def _sync(self, slot: EngineSlot) -> None:
+        self._catch_up(slot, self.now)
+
+    def _catch_up(self, slot: EngineSlot, now: float, through: bool = False) -> None:
+        """Run a fast-forward's iterations that started before `now` (or at it,
+        `through`), and give the flights the tokens of those that ended before it."""
+        run = slot.run
+        assert run is not None
+        times = run.times
+        last = len(times) - 1
+        ended = (bisect.bisect_right if through else bisect.bisect_left)(times, now, 1, last) - 1
+        if ended + 1 <= run.done:
+            return
+        applied = max(0, run.done - 1)
+        durations = run.durations[run.done : ended + 1]
+        used = slot.model.decode_ahead(times[run.done : ended + 1], durations)
+        slot.tally(durations, used, self._high_watermark)
+        run.done = ended + 1
+        if ended > applied:
+            at = times[ended]
+            for req, flight in run.batch:
+                out = req.output_ids
+                n = len(out)
+                flight.output_ids.extend(out[n - 1 - (ended - applied) : n - 1])
+                flight.last_token_at = at
 
     def _apply(self, slot: EngineSlot, now: float) -> None:
         """The tokens and finishes of the iteration that just ended, at its end time."""

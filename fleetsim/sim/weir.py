@@ -135,6 +135,9 @@ CLIENT_BACKOFF_S = 1.0
 # The router renews its quota holder lease at a third of its time to live, as
 # `QuotaGate.keep_lease` does.
 HOLDER_RENEW_S = HOLDER_TTL_MS / 3000
+# How much earlier than its next KV account a sidecar's quiet span is said to end: far
+# above the float rounding of `now - accounted_at`, far below an iteration.
+ACCOUNT_MARGIN_S = 1e-6
 
 
 @dataclass(slots=True)
@@ -667,7 +670,7 @@ class WeirPolicy:
         """Primary and secondary owner of the prompt's prefix key on the current ring of
         the pool, keyed from the prompt's first tokens exactly as the router keys it."""
         routing = self._policy().routing
-        head = prompt_token_ids(flight.spec)[: routing.prefix_blocks_for_owner * BLOCK_TOKENS]
+        head = prompt_token_ids(flight.spec, routing.prefix_blocks_for_owner * BLOCK_TOKENS)
         key = prefix_key(
             CacheIdentity(model=MODEL),
             head,
@@ -701,6 +704,7 @@ class WeirPolicy:
         by the live ledger's rule (`queued_request`; one preempted here ages from now,
         where the live ledger ages it from its first arrival) and admitted as the queue
         allows."""
+        self.sim.interrupt(sidecar.index)  # it admits or queues
         spec = flight.spec
         resumed = bool(flight.generated)
         prompt = spec.input_tokens + flight.generated
@@ -814,6 +818,7 @@ class WeirPolicy:
         does."""
         while (target := targets.pick(victim.tokens)) is not None:
             peer = self.sidecars[int(target.rsplit("-", 1)[1])]
+            self.sim.interrupt(peer.index)  # its room held may expire or be taken
             granted = None
             if self.sim.engines[peer.index].alive:
                 peer.reservations.expire(now)
@@ -848,6 +853,7 @@ class WeirPolicy:
 
     def _held_changed(self, sidecar: Sidecar, now: float) -> None:
         """Room held changed: re-evaluated and published at once, as the live ledger does."""
+        self.sim.interrupt(sidecar.index)
         sidecar.watermark = classify_watermark(
             sidecar.usage(), sidecar.watermark, self._policy().kv
         )
@@ -855,6 +861,16 @@ class WeirPolicy:
 
     def before_step(self, engine: int, now: float) -> None:
         self._admit(self.sidecars[engine], now)
+
+    def quiet_until(self, engine: int, now: float) -> float:
+        """Below the pressure watermark with nothing queued, the sidecar does nothing at
+        an iteration until its next KV account: its admission has nobody to admit, and
+        its watermark, classified again from the same account, stays (a change comes
+        from an admission, a release or room held, which interrupt the engine)."""
+        sidecar = self.sidecars[engine]
+        if len(sidecar.queue) or sidecar.watermark.rank >= WatermarkState.PRESSURE.rank:
+            return now
+        return sidecar.accounted_at + self._engine_poll_s - ACCOUNT_MARGIN_S
 
     def after_step(self, engine: int, now: float) -> None:
         sidecar = self.sidecars[engine]
@@ -972,6 +988,7 @@ class WeirPolicy:
         if index < 0:
             return
         sidecar = self.sidecars[index]
+        self.sim.interrupt(index)  # its account changes
         sidecar.queue.remove(flight.rid)
         if sidecar.release(flight.rid, now) is not None:
             sidecar.learn_latency(flight)

@@ -68,18 +68,22 @@ class RequestSpec:
         return "long" in self.tags
 
 
-def prompt_token_ids(spec: RequestSpec) -> list[int]:
-    """The prompt's token ids: each block id expands to the same `BLOCK_TOKENS` byte-level
-    ids wherever it appears, so shared block chains are shared token prefixes in any radix
-    cache, and distinct blocks differ (a 64-bit mix of block id and offset per token)."""
-    ids = np.asarray(spec.block_ids, dtype=np.uint64)[:, None]
+def prompt_token_ids(spec: RequestSpec, head: int | None = None) -> list[int]:
+    """The prompt's token ids (its first `head` only, if given): each block id expands to
+    the same `BLOCK_TOKENS` byte-level ids wherever it appears, so shared block chains are
+    shared token prefixes in any radix cache, and distinct blocks differ (a 64-bit mix of
+    block id and offset per token)."""
+    tokens = spec.input_tokens if head is None else min(head, spec.input_tokens)
+    blocks = spec.block_ids[: -(-tokens // BLOCK_TOKENS)]
+    ids = np.asarray(blocks, dtype=np.uint64)[:, None]
     offsets = np.arange(BLOCK_TOKENS, dtype=np.uint64)[None, :]
     z = ids * np.uint64(0x9E3779B97F4A7C15) + offsets * np.uint64(0xBF58476D1CE4E5B9)
     z ^= z >> np.uint64(31)
     z *= np.uint64(0x94D049BB133111EB)
     z ^= z >> np.uint64(29)
-    tokens = z.reshape(-1)[: spec.input_tokens] % np.uint64(VOCAB)
-    return tokens.astype(np.int64).tolist()  # type: ignore[no-any-return]
+    return (  # type: ignore[no-any-return]
+        (z.reshape(-1)[:tokens] % np.uint64(VOCAB)).astype(np.int64).tolist()
+    )
 
 
 def length_bucket(tokens: int) -> str:

@@ -200,6 +200,9 @@ class _Sim:
     def at(self, when: float, action: Callable[[], None]) -> None:
         """Timers (a reservation's expiry) are not needed: nothing expires here."""
 
+    def interrupt(self, engine: int) -> None:
+        """No engine iterations run here to fast-forward."""
+
     def end(self, flight: SimFlight, reason: FinishReason, now: float, detail: str = "") -> None:
         if reason is FinishReason.OVERLOAD:
             self.decisions.append(("refuse", flight.rid))
