@@ -18,7 +18,6 @@ from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Any
 
-import msgspec
 from redis.asyncio import Redis
 
 from controlplane.contract import (
@@ -158,13 +157,19 @@ SCRIPT: tuple[Event, ...] = (
 )
 
 
-def _state(event: Report, version: int) -> EndpointState:
+def _state(event: Report, version: int, role: Role = Role.MIXED) -> EndpointState:
     return EndpointState(
         pool="p", endpoint_id=f"engine-{event.endpoint}", address=f"sim://{event.endpoint}",
         model=MODEL, version=version, kv_capacity_tokens=10_000, watermark=event.watermark,
-        running_requests=event.running,
+        running_requests=event.running, role=role,
         lifecycle=Lifecycle.DRAINING if event.draining else Lifecycle.READY,
     )  # fmt: skip
+
+
+def _report(weir: WeirPolicy, event: Report, version: int, role: Role) -> None:
+    """The endpoint's report reaches the simulator's routers."""
+    now = event.at
+    weir._publish(event.endpoint, _state(event, version, role), now + LEASE_S, now - REPORT_LAG_S)
 
 
 def _flight(event: Arrive) -> SimFlight:
@@ -264,7 +269,7 @@ def _simulated(script: tuple[Event, ...]) -> tuple[Decisions, dict[str, RouteReq
         now = event.at
         if isinstance(event, Report):
             version += 1
-            weir._publish(event.endpoint, _state(event, version), now + LEASE_S, now - REPORT_LAG_S)
+            _report(weir, event, version, Role.MIXED)
         elif isinstance(event, Arrive):
             flight = flights[event.rid] = _flight(event)
             weir.arrive(flight, now)
@@ -451,10 +456,6 @@ class _Paired(_Recorded):
         return True
 
 
-def _decode_state(event: Report, version: int) -> EndpointState:
-    return msgspec.structs.replace(_state(event, version), role=Role.DECODE)
-
-
 def _simulated_pairs(script: tuple[Event, ...]) -> tuple[Decisions, dict[str, RouteRequest]]:
     weir = _Paired()
     sim = _Sim(weir)
@@ -470,14 +471,11 @@ def _simulated_pairs(script: tuple[Event, ...]) -> tuple[Decisions, dict[str, Ro
     for role in (Role.PREFILL, Role.DECODE):
         weir.routers[role] = Dispatcher(weir.profile, POLICY.routing, weir.index)
     flights: dict[str, SimFlight] = {}
-    version = 0
-    for event in script:
+    for version, event in enumerate(script, 1):  # a report's version: any that grows
         sim.run_until(event.at)
         now = event.at
         if isinstance(event, Report):
-            version += 1
-            state = _decode_state(event, version)
-            weir._publish(event.endpoint, state, now + LEASE_S, now - REPORT_LAG_S)
+            _report(weir, event, version, Role.DECODE)
         elif isinstance(event, Arrive):
             flight = flights[event.rid] = _flight(event)
             route = weir.routes[event.rid] = RouteRequest(
@@ -509,12 +507,10 @@ def _live_pairs(script: tuple[Event, ...], routes: dict[str, RouteRequest]) -> D
     endpoints: dict[str, EndpointView] = {}
     exchanges: dict[str, Exchange] = {}
     decisions: Decisions = []
-    version = 0
-    for event in script:
+    for version, event in enumerate(script, 1):
         now = event.at
         if isinstance(event, Report):
-            version += 1
-            state = _decode_state(event, version)
+            state = _state(event, version, Role.DECODE)
             endpoints[state.endpoint_id] = EndpointView(state, now + LEASE_S)
             view.update([endpoints[e] for e in sorted(endpoints)], now)
         elif isinstance(event, Arrive):
