@@ -15,7 +15,8 @@ client's. Weir's additions:
   resume after the handoff takes a new one.
 - **The decode endpoint** is chosen by the routing core (the pool's profile, over the
   decode pool's snapshot, which this router follows too) at once: when no decode
-  endpoint can take the request now it is refused with 429, not queued behind a prefill.
+  endpoint can take the request now it is refused with 429, not queued behind a prefill
+  (`controlplane.routing.pairing`, which the fleet simulator pairs its flights with).
 - **A cancel reaches both legs.** A client that leaves aborts the prefill leg here and
   the decode leg in the router (each sidecar's `/abort_request`, and its connection
   closed), so both pools free the KV; SGLang's router drops the decode stream only.
