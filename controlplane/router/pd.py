@@ -15,7 +15,8 @@ client's. Weir's additions:
   resume after the handoff takes a new one.
 - **The decode endpoint** is chosen by the routing core (the pool's profile, over the
   decode pool's snapshot, which this router follows too) at once: when no decode
-  endpoint can take the request now it is refused with 429, not queued behind a prefill.
+  endpoint can take the request now it is refused with 429, not queued behind a prefill
+  (`controlplane.routing.pairing`, which the fleet simulator pairs its flights with).
 - **A cancel reaches both legs.** A client that leaves aborts the prefill leg here and
   the decode leg in the router (each sidecar's `/abort_request`, and its connection
   closed), so both pools free the KV; SGLang's router drops the decode stream only.
@@ -41,22 +42,14 @@ from urllib.parse import urlsplit
 import msgspec
 from aiohttp import web
 
-from controlplane.contract import Role
 from controlplane.contract import headers as wire
 from controlplane.contract.vocabulary import PREEMPTED_EVENT
 from controlplane.router.credits import HandoffGate
-from controlplane.router.errors import RouterError, overload, refusal_error
+from controlplane.router.errors import RouterError, refusal_error
 from controlplane.router.metrics import RouterMetrics
 from controlplane.router.pool import PoolView, new_reports
-from controlplane.routing import (
-    Dispatcher,
-    EndpointView,
-    Placed,
-    PoolSnapshot,
-    PrefixIndex,
-    Refused,
-    RouteRequest,
-)
+from controlplane.routing import Dispatcher, EndpointView, PoolSnapshot, PrefixIndex, Refusal
+from controlplane.routing.pairing import decode_attempts_spent, decode_route, place_decode
 from controlplane.stream.events import opens_answer
 from controlplane.trace.trail import Trail
 from controlplane.transport import HTTPClient, Response, SSEEvent, TransportError
@@ -215,11 +208,7 @@ class Pairing:
                 if outcome[0] != _DECODE_FAILED:
                     return outcome
                 pair.failed.add(decode.endpoint_id)
-            raise overload(
-                "endpoints_overloaded",
-                f"{self.max_attempts} decode endpoint(s) refused or failed the request",
-                max(1.0, ex.retry_after_s),
-            )
+            raise refusal_error(decode_attempts_spent(self.max_attempts, ex.retry_after_s))
         except RouterError as exc:
             return "done", await host.answer_refusal(ex, exc)
 
@@ -234,32 +223,11 @@ class Pairing:
         when none can take it (a prefill is never started for a decode that would wait)."""
         now = self.clock()
         snapshot = self.view.current(now)
-        client, route = ex.client, ex.route
-        generated = ex.splicer.generated
-        decode_route = RouteRequest(
-            request_id=route.request_id,
-            model=client.model,
-            prompt_tokens=client.prompt_tokens + generated,
-            max_new_tokens=max(1, client.max_new_tokens - generated),
-            tenant=ex.tenant,
-            adapter=client.adapter,
-            role=Role.DECODE,
-            priority=client.priority,
-            exclude=frozenset(pair.failed),
-        )
-        for event in self.dispatch.arrive(decode_route, ex, now, snapshot):
-            if event.payload is not ex:
-                continue
-            if isinstance(event, Placed):
-                return snapshot.by_id[event.endpoint_id]
-            if isinstance(event, Refused):
-                raise refusal_error(event.refusal)
-        self.dispatch.finished(route.request_id, 0, now, snapshot)  # it would have queued
-        raise overload(
-            "decode_saturated",
-            f"no endpoint of decode pool {self.view.pool!r} can take it now",
-            1.0,
-        )
+        route = decode_route(ex.route, ex.splicer.generated, pair.failed)
+        placed = place_decode(self.dispatch, route, ex, now, snapshot)
+        if isinstance(placed, Refusal):
+            raise refusal_error(placed)
+        return snapshot.by_id[placed]
 
     # -- one pair ------------------------------------------------------------------------
 

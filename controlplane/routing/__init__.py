@@ -16,6 +16,8 @@ fleet simulator runs it in virtual time:
 - `inflight`: what a router sent that its snapshot does not show yet;
 - `dispatch`: the `Dispatcher` that the router and the simulator both drive: route or
   queue, reserve, charge, pump, resume.
+- `pairing`: a P/D pair's decode endpoint, picked over the decode pool's dispatch core
+  before either leg starts (the router's `Pairing` and the simulator alike).
 """
 
 from controlplane.routing.cost import CostModel

@@ -205,25 +205,6 @@ class Dispatcher(Generic[P]):
                 self._drop(request, Refusal(503, decision.refusal, 1.0, message), events, now)
         return events
 
-    def adopt(
-        self,
-        route: RouteRequest,
-        payload: P,
-        generated_tokens: int,
-        now: float,
-        snapshot: PoolSnapshot,
-    ) -> list[Event[P]]:
-        """The continuation, after `generated_tokens`, of a request admitted and charged
-        by another pool's router (a P/D handoff to this decode pool): placed, and waiting,
-        as a resume."""
-        request = self._new(route, payload, now)
-        request.resuming = True
-        request.generated = generated_tokens
-        self._resuming[route.request_id] = request
-        events: list[Event[P]] = []
-        self._place_resume(request, now, snapshot, events)
-        return events
-
     def refused(
         self,
         request_id: str,

@@ -52,6 +52,8 @@ class SimFlight:
     transfer_s: float = 0.0
     handoff_from: float = -1.0
     handoff_s: float = 0.0  # first token on prefill to the next one on decode
+    # P/D (Weir): the decode endpoint picked when its pair started, where its handoff lands.
+    decode_endpoint: str = ""
     # Refusals (429/503) a patient client retried after.
     retries: int = 0
     # A relief migration's target and the room held there for the continuation, until

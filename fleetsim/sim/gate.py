@@ -9,7 +9,8 @@ scripts in Redis; here they are `QuotaLedger` and `CreditLedger`, the same rules
 Python (checked against the scripts by the control plane's differential tests), on the
 simulator's clock in milliseconds. Refusals carry the router's status, reason and
 Retry-After, from the same mappings (`quota_refusal`, `credit_refusal`). When the
-request ends its charge is released with what it used, so unused output tokens flow back.
+request ends its charge is released with what it used, so unused output tokens flow back;
+its credit goes back when its handoff lands or, failing that, when it ends.
 """
 
 from __future__ import annotations
@@ -89,8 +90,10 @@ class RouterGate:
                 return Refusal(*credit_refusal(credit.reason, wait_s))
         return None
 
-    def handed_off(self, flight: SimFlight, now: float) -> None:
-        """The decode side consumes the credit when the handoff arrives."""
+    def settle(self, flight: SimFlight, now: float) -> None:
+        """The flight's credit is consumed (its handoff landed) or released (it ended, or
+        its pair was refused, first): its bytes go back to the budget either way, as the
+        router's `HandoffGate.settle` gives them back. A client's retry takes a new one."""
         if self.credits is not None:
             self.credits.consume(flight.rid, _ms(now))
 

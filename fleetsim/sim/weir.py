@@ -36,13 +36,22 @@ and refused as the router refuses (429 with the limit as reason and Retry-After)
 client with a maximum wait of its own retries after Retry-After while that wait lasts; an
 interactive one takes the refusal.
 
-P/D: sidecars publish their engine's role; the prefill is routed over the prefill
-endpoints, and when its KV has moved, the decode over the decode endpoints, by the same
-profile (its role filter and transfer term). The decode class's credit budget comes from
-what the decode sidecars last published (`rules.credits.decode_budget`): the room each
-routable endpoint's sidecar would admit, summed for the class cap, and the largest one
-as the bound on a single credit (a handoff lands on one engine); the decode side
-consumes a credit when the handoff arrives.
+P/D, as the live prefill pool's router pairs a request (`controlplane.router.pd`):
+sidecars publish their engine's role; the prefill is routed over the prefill endpoints
+and, the moment it is placed, its decode endpoint is picked too by the decode pool's
+dispatch core over the decode snapshot (`controlplane.routing.pairing`, the live code:
+429 `decode_saturated` when no decode endpoint can take it now). The decode leg reaches
+that endpoint's sidecar at once, which admits it into room it holds until the KV lands
+(counted as committed, published, and never given to anything else), as the live decode
+sidecar commits the leg while its engine preallocates the prompt's pages; a sidecar that
+would not admit it now fails the leg and the next decode endpoint is tried, up to the
+routing policy's `max_attempts` (then 429 `endpoints_overloaded`). The handoff lands in
+that room: nothing admitted waits for a decode engine after its prefill. The decode
+class's credit budget comes from what the decode sidecars last published
+(`rules.credits.decode_budget`): the room each routable endpoint's sidecar would admit,
+summed for the class cap, and the largest one as the bound on a single credit (a
+handoff lands on one engine); a credit is consumed when the handoff lands, and given
+back when its request ends or its pair is refused first.
 
 Engines run with Weir's engine flags (priority scheduling with aging, prefill yielding at
 chunk boundaries, mixed prefill/decode iterations with a prefill time budget), as the
@@ -84,6 +93,7 @@ from controlplane.routing import (
     profile_from_config,
 )
 from controlplane.routing.dispatch import RESUME_FAILED, Event
+from controlplane.routing.pairing import decode_attempts_spent, decode_route, place_decode
 from controlplane.rules.credits import decode_budget
 from controlplane.rules.fairness import Charge, tenant_weights
 from engine_sidecar.ledger import Ledger
@@ -374,6 +384,9 @@ class WeirPolicy:
         self._gate: RouterGate | None = None
         self._costs: ReliefCosts | None = None
         self._in_place: set[str] = set()  # relief victims resuming where they were
+        # P/D: the decode sidecar each started pair holds room at, and its reservation
+        # there, until the handoff lands in it (or the request ends first).
+        self._pairs: dict[str, tuple[int, str]] = {}
 
     @property
     def sim(self) -> Simulation:
@@ -597,9 +610,72 @@ class WeirPolicy:
             snapshot = self._snapshot(now, role)
             self._deliver(role, self.routers[role].refused(flight.rid, now, snapshot))
             return
+        if role is Role.PREFILL and not self._paired(flight, placed.route, now):
+            return
         self.routers[role].reached(placed.route, endpoint_id)
         flight.accepted = True
         self._offer(self.sidecars[index], flight, now)
+
+    # -- P/D pairs ------------------------------------------------------------------------
+    def _paired(self, flight: SimFlight, route: RouteRequest, now: float) -> bool:
+        """The pair starts with its prefill placed: a decode endpoint is picked at once
+        and its sidecar holds room for the prompt's KV (`Pairing.attempt`'s loop: a
+        decode endpoint that does not take the leg is left for the next, up to
+        `max_attempts`). False when the pair is refused (its client answered). A prefill
+        placed again (its engine died) keeps the room its pair holds."""
+        if flight.rid in self._pairs:
+            return True
+        decode = self.routers[Role.DECODE]
+        failed: set[str] = set()
+        attempts = self._policy().routing.max_attempts
+        for _ in range(attempts):
+            snapshot = self._snapshot(now, Role.DECODE)
+            route_now = decode_route(route, flight.generated, failed)
+            placed = place_decode(decode, route_now, flight, now, snapshot)
+            if isinstance(placed, Refusal):
+                self._unpaired(flight, placed, now)
+                return False
+            if self._hold(self.sidecars[int(placed.rsplit("-", 1)[1])], flight, now):
+                flight.decode_endpoint = placed
+                return True
+            self._deliver(Role.DECODE, decode.finished(flight.rid, 0, now, snapshot))
+            failed.add(placed)
+        self._unpaired(flight, decode_attempts_spent(attempts, 0.0), now)
+        return False
+
+    def _hold(self, sidecar: Sidecar, flight: SimFlight, now: float) -> bool:
+        """The decode leg reaches `sidecar`: admitted now into room held for its KV until
+        the handoff lands, or not taken (its engine is dead, or its admission would
+        make it wait: the live leg would wait there and then be refused)."""
+        if not self.sim.engines[sidecar.index].alive:
+            return False
+        decision = self._decision(sidecar, flight, flight.spec.input_tokens + flight.generated)
+        if not admits_now(decision, len(sidecar.queue)):
+            return False
+        held = sidecar.reservations.take(flight.rid, decision.needed_tokens, now, math.inf)
+        self._pairs[flight.rid] = (sidecar.index, held.reservation_id)
+        self._held_changed(sidecar, now)
+        return True
+
+    def _unpaired(self, flight: SimFlight, refusal: Refusal, now: float) -> None:
+        """The pair does not start: its prefill placement is given up, its quota charge
+        and credit go back, and its client has the refusal."""
+        prefill = self.routers[Role.PREFILL]
+        snapshot = self._snapshot(now, Role.PREFILL)
+        self._deliver(Role.PREFILL, prefill.finished(flight.rid, 0, now, snapshot))
+        self.gate.release(flight, now, unused=True)
+        self.gate.settle(flight, now)
+        self._refused(flight, refusal, now)
+
+    def _let_go(self, flight: SimFlight, now: float) -> tuple[Sidecar, bool] | None:
+        """The room its pair holds is given up (the handoff takes it, or the request
+        ended): the decode sidecar, and whether the room was still held there."""
+        pair = self._pairs.pop(flight.rid, None)
+        if pair is None:
+            return None
+        sidecar = self.sidecars[pair[0]]
+        held = sidecar.reservations.consume(pair[1], flight.rid) is not None
+        return sidecar, held
 
     def _arm_wakeups(self) -> None:
         """A timer at each router's next wakeup (a wait that ends, an avoided endpoint
@@ -980,7 +1056,12 @@ class WeirPolicy:
     # -- endings and failures -------------------------------------------------------------
     def ended(self, flight: SimFlight, now: float) -> None:
         self.gate.release(flight, now)
+        self.gate.settle(flight, now)
         self._in_place.discard(flight.rid)
+        let_go = self._let_go(flight, now)
+        if let_go is not None and let_go[1]:
+            self._held_changed(let_go[0], now)
+            self._admit(let_go[0], now)
         for role, router in self.routers.items():
             snapshot = self._snapshot(now, role)
             self._deliver(role, router.finished(flight.rid, flight.generated, now, snapshot))
@@ -1001,7 +1082,9 @@ class WeirPolicy:
 
     def handoff(self, flight: SimFlight, prefill_engine: int, now: float) -> None:
         """The prompt's KV reached the decode side: the prefill sidecar lets go of it, the
-        credit is consumed, and the decode is routed like a continuation."""
+        credit is consumed, and the decode engine picked when the pair started takes it
+        into the room its sidecar held. (One that died meanwhile broke the leg: the
+        decode pool's router resumes it elsewhere.)"""
         sidecar = self.sidecars[prefill_engine]
         sidecar.learn_latency(flight)  # its TTFT: the prefill side's only measure
         self._release(sidecar, flight, now)
@@ -1009,21 +1092,24 @@ class WeirPolicy:
         # The transfer ends after the engine let the request go, so no iteration of an
         # engine left idle would look at the queue the freed KV can now admit from.
         self._admit(sidecar, now)
-        self.gate.handed_off(flight, now)
+        self.gate.settle(flight, now)
         # The prefill pool's router is done with it (its charge settled); the decode
-        # pool's adopts the continuation.
+        # pool's has had it since the pair started.
         prefill = self.routers[Role.PREFILL]
         self._deliver(
             Role.PREFILL,
             prefill.finished(flight.rid, flight.generated, now, self._snapshot(now, Role.PREFILL)),
         )
-        decode = Role.DECODE
-        route = self._route_request(flight, decode, now)
-        events = self.routers[decode].adopt(
-            route, flight, flight.generated, now, self._snapshot(now, decode)
-        )
-        self._deliver(decode, events)
-        self._mark_waiting(decode, flight, now)
+        let_go = self._let_go(flight, now)
+        assert let_go is not None, "a prefill runs only once its pair holds decode room"
+        decode = let_go[0]
+        if not self.sim.engines[decode.index].alive:
+            self._hand_back(flight, now, broken=True)
+            return
+        prompt = flight.spec.input_tokens + flight.generated
+        decision = self._decision(decode, flight, prompt, held=True)
+        self._enter(decode, flight, prompt, flight.spec.priority, decision, now)
+        self._held_changed(decode, now)
 
     def engine_failed(self, engine: int, flights: list[SimFlight], now: float) -> None:
         sidecar = self.sidecars[engine]

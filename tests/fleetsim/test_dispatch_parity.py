@@ -18,6 +18,8 @@ from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Any
 
+from redis.asyncio import Redis
+
 from controlplane.contract import (
     Continuation,
     EndpointState,
@@ -33,20 +35,27 @@ from controlplane.contract import (
 from controlplane.ownership import Membership, OwnershipRing
 from controlplane.router import ClientRequest, PoolView, Router, RouterConfig, RouterError
 from controlplane.router.app import REPORT_LAG_S
+from controlplane.router.credits import HandoffGate
 from controlplane.router.exchange import Exchange
+from controlplane.router.metrics import RouterMetrics
+from controlplane.router.pd import Pairing, _Pair
 from controlplane.routing import (
     Dispatcher,
     EndpointView,
     Placed,
+    PrefixIndex,
     Refusal,
     RouteRequest,
     default_config,
     profile_from_config,
 )
+from controlplane.store import CreditStore
 from controlplane.stream import Splicer
+from controlplane.trace.trail import Trail
 from fleetsim.sim.config import MODEL, FleetConfig
 from fleetsim.sim.flight import SimFlight, Stage
 from fleetsim.sim.gate import RouterGate
+from fleetsim.sim.loop import engine_config_for
 from fleetsim.sim.weir import Sidecar, WeirPolicy
 from fleetsim.workloads import RequestSpec
 
@@ -148,13 +157,19 @@ SCRIPT: tuple[Event, ...] = (
 )
 
 
-def _state(event: Report, version: int) -> EndpointState:
+def _state(event: Report, version: int, role: Role = Role.MIXED) -> EndpointState:
     return EndpointState(
         pool="p", endpoint_id=f"engine-{event.endpoint}", address=f"sim://{event.endpoint}",
         model=MODEL, version=version, kv_capacity_tokens=10_000, watermark=event.watermark,
-        running_requests=event.running,
+        running_requests=event.running, role=role,
         lifecycle=Lifecycle.DRAINING if event.draining else Lifecycle.READY,
     )  # fmt: skip
+
+
+def _report(weir: WeirPolicy, event: Report, version: int, role: Role) -> None:
+    """The endpoint's report reaches the simulator's routers."""
+    now = event.at
+    weir._publish(event.endpoint, _state(event, version, role), now + LEASE_S, now - REPORT_LAG_S)
 
 
 def _flight(event: Arrive) -> SimFlight:
@@ -254,7 +269,7 @@ def _simulated(script: tuple[Event, ...]) -> tuple[Decisions, dict[str, RouteReq
         now = event.at
         if isinstance(event, Report):
             version += 1
-            weir._publish(event.endpoint, _state(event, version), now + LEASE_S, now - REPORT_LAG_S)
+            _report(weir, event, version, Role.MIXED)
         elif isinstance(event, Arrive):
             flight = flights[event.rid] = _flight(event)
             weir.arrive(flight, now)
@@ -411,3 +426,116 @@ async def test_the_simulator_dispatches_as_the_live_router_does() -> None:
     assert b1 == ["engine-1", TARGET]
     untargeted = tuple(replace(e, target="") if isinstance(e, Preempt) else e for e in SCRIPT)
     assert [what for _, rid, what in _simulated(untargeted)[0] if rid == "b1"][1] != TARGET
+
+
+# -- P/D: the decode half of a pair, picked before either leg starts ------------------------
+
+PAIRS: tuple[Event, ...] = (
+    *(Report(0.0, i) for i in range(ENDPOINTS)),
+    Arrive(0.1, "p1"),
+    Arrive(0.1, "p2", tenant="b", prompt=500),
+    Arrive(0.2, "p3", priority=1),
+    Finish(0.5, "p1", generated=40),
+    Arrive(0.6, "p4", tenant="c"),
+    # Every decode endpoint saturated: the pair is refused at once, never queued.
+    *(Report(1.0 + i / 100, i, WatermarkState.CRITICAL, running=2) for i in range(ENDPOINTS)),
+    Arrive(1.1, "p5"),
+    Report(2.0, 1, running=1),  # room again on engine-1
+    Arrive(2.1, "p6", tenant="b"),
+    Finish(2.5, "p2", generated=7),
+    Arrive(2.6, "p7", tenant="d", priority=2),
+)
+
+
+class _Paired(_Recorded):
+    """The simulator's pairing glue; the decode sidecar always takes the leg (a pick is
+    recorded where its sidecar would hold room for it)."""
+
+    def _hold(self, sidecar: Sidecar, flight: SimFlight, now: float) -> bool:
+        self.decisions.append((now, flight.rid, sidecar.endpoint_id))
+        return True
+
+
+def _simulated_pairs(script: tuple[Event, ...]) -> tuple[Decisions, dict[str, RouteRequest]]:
+    weir = _Paired()
+    sim = _Sim(weir)
+    sim.config = replace(sim.config, engines=ENDPOINTS + 1, prefill_engines=1)
+    sim.engine_config = engine_config_for(sim.config)  # type: ignore[attr-defined]
+    weir._sim = sim  # type: ignore[assignment]
+    weir._gate = RouterGate(POLICY, kv_bytes_per_token=1, credits=False)
+    weir.profile = profile_from_config(default_config(POLICY.routing))  # as the router's
+    weir.sidecars = [
+        Sidecar(i, f"engine-{i}", 10_000, POLICY, lambda: sim.now, Role.DECODE)
+        for i in range(ENDPOINTS)
+    ]
+    for role in (Role.PREFILL, Role.DECODE):
+        weir.routers[role] = Dispatcher(weir.profile, POLICY.routing, weir.index)
+    flights: dict[str, SimFlight] = {}
+    for version, event in enumerate(script, 1):  # a report's version: any that grows
+        sim.run_until(event.at)
+        now = event.at
+        if isinstance(event, Report):
+            _report(weir, event, version, Role.DECODE)
+        elif isinstance(event, Arrive):
+            flight = flights[event.rid] = _flight(event)
+            route = weir.routes[event.rid] = RouteRequest(
+                request_id=event.rid, model=MODEL, prompt_tokens=event.prompt,
+                max_new_tokens=100, tenant=event.tenant, role=Role.PREFILL,
+                priority=event.priority,
+            )  # fmt: skip
+            weir._paired(flight, route, now)
+        elif isinstance(event, Finish):
+            flight = flights[event.rid]
+            flight.output_ids = [7] * event.generated
+            sim.end(flight, FinishReason.STOP, now)
+    return weir.decisions, weir.routes
+
+
+def _live_pairs(script: tuple[Event, ...], routes: dict[str, RouteRequest]) -> Decisions:
+    """The live prefill router's `Pairing`, its clock injected, over the decode pool's
+    view; its credits are not taken here (the simulator's are not either)."""
+    now = 0.0
+    view = PoolView("p", float("inf"))
+    gate = HandoffGate(CreditStore(Redis(), "p"), "p", 1, 30.0)
+    dispatch: Dispatcher[Exchange] = Dispatcher(
+        profile_from_config(default_config(POLICY.routing)), POLICY.routing, PrefixIndex()
+    )
+    pairing = Pairing(
+        gate, view, dispatch, lambda: now, RouterMetrics("p"), "p", Trail("router"),
+        lambda work: work.close(), POLICY.routing.max_attempts,
+    )  # fmt: skip
+    endpoints: dict[str, EndpointView] = {}
+    exchanges: dict[str, Exchange] = {}
+    decisions: Decisions = []
+    for version, event in enumerate(script, 1):
+        now = event.at
+        if isinstance(event, Report):
+            state = _state(event, version, Role.DECODE)
+            endpoints[state.endpoint_id] = EndpointView(state, now + LEASE_S)
+            view.update([endpoints[e] for e in sorted(endpoints)], now)
+        elif isinstance(event, Arrive):
+            ex = exchanges[event.rid] = _exchange(routes[event.rid])
+            try:
+                decode = pairing._place(ex, pairing._pairs.setdefault(event.rid, _Pair()))
+            except RouterError as exc:
+                decisions.append((now, event.rid, exc.reason))
+                continue
+            decisions.append((now, event.rid, decode.endpoint_id))
+        elif isinstance(event, Finish):
+            ex = exchanges[event.rid]
+            ex.splicer.seg_tokens = event.generated
+            dispatch.finished(event.rid, event.generated, now, view.current(now))
+    return decisions
+
+
+def test_the_simulator_pairs_a_prefill_with_its_decode_as_the_live_router_does() -> None:
+    """Both pick the decode endpoint the moment the prefill is placed, with the same
+    reports, in-flight counts and ends behind them, and refuse the pair at once when no
+    decode endpoint can take it (429 `decode_saturated`, not a wait)."""
+    simulated, routes = _simulated_pairs(PAIRS)
+    live = _live_pairs(PAIRS, routes)
+    assert live == simulated
+    outcomes = {rid: what for _, rid, what in live}
+    assert outcomes["p5"] == "decode_saturated"
+    assert outcomes["p6"] == outcomes["p7"] == "engine-1"
+    assert len({outcomes[rid] for rid in ("p1", "p2", "p3")}) > 1  # in flight spreads them

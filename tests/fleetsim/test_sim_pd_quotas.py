@@ -5,12 +5,16 @@ the control plane's pure rules."""
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
 import msgspec
 import pytest
 
 from controlplane.contract import FinishReason, Role, TenantQuota
+from fleetsim.report import is_lost
 from fleetsim.sim import FleetConfig, Simulation, default_pool_policy, policies
+from fleetsim.sim.flight import SimFlight
+from fleetsim.sim.weir import WeirPolicy
 from fleetsim.workloads import BLOCK_TOKENS, RequestSpec, scenario
 
 
@@ -155,3 +159,45 @@ def test_pd_and_quota_runs_are_deterministic_for_a_seed(name: str) -> None:
         for r in runs
     ]
     assert outcomes[0] == outcomes[1]
+
+
+class _Landings(Simulation):
+    """Where each handoff's KV was imported (the engine a flight with `kv_ready` went to)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.landed: dict[str, int] = {}
+
+    def submit(self, flight: SimFlight, engine: int, now: float, priority: int = 0) -> bool:
+        if flight.kv_ready:
+            self.landed.setdefault(flight.rid, engine)
+        return super().submit(flight, engine, now, priority)
+
+
+def test_weir_picks_the_decode_engine_at_dispatch_and_loses_no_handoff() -> None:
+    """Two decode engines with room for two or three of these prompts and answers at a
+    time, patient clients, and a resume wait of 5 s. Picking the decode engine once the
+    KV has moved, a handoff waited past that for room and was lost; the live router picks
+    it with the prefill (429 `decode_saturated` while none has room: the client retries)
+    and the decode sidecar holds room for the prompt's KV until it lands there."""
+    specs = [
+        long_request(f"r{i}", 0.5 * i, "batch", 16 + 4 * (i % 3), 1500, 1600, 1000 * i, 300.0)
+        for i in range(12)
+    ]
+    base = default_pool_policy()
+    routing = msgspec.structs.replace(base.routing, resume_wait_s=5.0)
+    config = pd_config(
+        engines=3, kv_tokens=20_000, policy=msgspec.structs.replace(base, routing=routing)
+    )
+    sim = _Landings(specs, policies()["weir"](), config)
+    result = sim.run()
+    assert not [f.rid for f in result.flights if is_lost(f)]
+    assert all(f.completed for f in result.flights)
+    assert sum(f.retries for f in result.flights) > 0  # the decode side was full at times
+    assert len(sim.landed) == len(specs)
+    for flight in result.flights:
+        assert flight.decode_endpoint == f"engine-{sim.landed[flight.rid]}"
+    weir = sim.policy
+    assert isinstance(weir, WeirPolicy)
+    assert not weir._pairs  # every room held for a pair was taken by its handoff
+    assert all(not s.reservations.held_tokens for s in weir.sidecars)

@@ -226,15 +226,6 @@ def test_a_resume_goes_ahead_of_new_work_of_its_class_when_room_returns() -> Non
     assert core.waiting("r2")
 
 
-def test_an_adopted_continuation_is_placed_as_a_resume_and_never_charged() -> None:
-    core: Dispatcher[str] = Dispatcher(PROFILE, RoutingPolicy())
-    full = _snapshot(e0=CRITICAL)
-    assert _outcomes(core.adopt(_route("r1"), "p", 1, 0.0, full)) == [("p", "e0")]
-    assert core.finished("r1", 30, 1.0, full) == []
-    assert core.queue.counter("a") == 0.0
-    assert core.inflight.total == 0
-
-
 def test_where_a_request_went_is_learnt_by_the_prefix_plugin_once_the_endpoint_has_it() -> None:
     """The prefix index is the prefix plugin's state, kept by its post-decision hook: the
     driver says when the endpoint has the request (`reached`), for the router and the
