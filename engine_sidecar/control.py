@@ -108,7 +108,7 @@ class ControlLink:
         elapsed = max(1e-3, now - self._last_beat)
         preemptions_per_s = (ledger.preemptions - self._last_preemptions) / elapsed
         self._last_preemptions, self._last_beat = ledger.preemptions, now
-        forecast = ledger.latency.forecast(ledger.load(), ledger.backlog())
+        forecast = ledger.latency.forecast(ledger.load())
         return EndpointState(
             pool=self.pool,
             endpoint_id=self.endpoint_id,

@@ -21,6 +21,12 @@ TTFT is linear in the request's uncached prompt, so the sidecar publishes the mo
 terms rather than one number (`LatencyForecast`): the predicted wait before a new
 request's own prefill starts and the learned prefill seconds per uncached token. A
 router predicts any request's TTFT from them without a round trip.
+
+A request's own forecast also replays the engine's admission from the sidecar's account
+(`engine_admission`: how long the engine will hold it for KV), a TTFT feature of its own.
+What the heartbeat publishes leaves that wait out (no backlog): published for a request
+that reserves nothing, it steered routers off engines that would have taken one, and
+cost up to 14 % of goodput in the simulator (docs/fleet-simulation.md).
 """
 
 from __future__ import annotations

@@ -528,7 +528,7 @@ class WeirPolicy:
         slot = sim.engines[sidecar.index]
         sidecar.version += 1
         load = sidecar.load()
-        forecast = sidecar.ledger.latency.forecast(load, sidecar.backlog(now))
+        forecast = sidecar.ledger.latency.forecast(load)
         state = EndpointState(
             pool=self._policy().pool,
             endpoint_id=sidecar.endpoint_id,

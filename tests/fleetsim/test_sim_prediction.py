@@ -41,11 +41,11 @@ def test_the_latency_model_learns_the_engines_and_its_error_is_reported() -> Non
 def test_seeing_the_engines_admission_cuts_the_ttft_error_where_it_stalls(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Long answers on two small-KV engines: the engines' own admission holds requests
+    """Long answers on four small-KV engines: the engines' own admission holds requests
     for seconds to tens of seconds. The same cell forecast by the linear model alone
     (each sidecar shown an empty engine backlog, so no admission wait) errs more."""
-    specs = scenario("short_in_long_out").with_duration(45.0).generate(1.5, seed=0)
-    config = FleetConfig(engines=2, kv_scale=0.25)
+    specs = scenario("short_in_long_out").with_duration(45.0).generate(2.5, seed=0)
+    config = FleetConfig(engines=4, kv_scale=0.25)
 
     def ttft_mape() -> tuple[float, int]:
         weir = WeirPolicy()
