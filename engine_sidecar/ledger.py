@@ -277,9 +277,10 @@ class Ledger:
                 ))  # fmt: skip
             elif rec.state in _ENGINE_PENDING:
                 pending.append(self._pending(f))
-        for queued, _ in self._queue.entries():
+        for queued, future in self._queue.entries():
             flight = self.flights.get(queued.rid)
-            if flight is not None:
+            # One admitted and about to leave the queue is committed, counted above.
+            if flight is not None and not future.done():
                 pending.append(self._pending(flight))
         busy = self.clock() - self.busy_since if self.flights else 0.0
         return EngineBacklog(self.capacity_tokens, tuple(running), tuple(pending), busy)
