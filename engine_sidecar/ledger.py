@@ -261,8 +261,9 @@ class Ledger:
 
     def backlog(self) -> EngineBacklog:
         """What the engine's admission reserves from, as this sidecar knows it: the
-        requests streaming from it (running), those committed that have not streamed yet
-        (waiting or prefilling there), then the local queue in its order."""
+        requests streaming from it (running) and those committed that have not streamed
+        yet (waiting or prefilling there). The local queue is not the engine's: a
+        newcomer admitted here goes ahead of what the queue holds back."""
         running, pending = [], []
         for f in self.flights.values():
             rec = f.record
@@ -277,11 +278,6 @@ class Ledger:
                 ))  # fmt: skip
             elif rec.state in _ENGINE_PENDING:
                 pending.append(self._pending(f))
-        for queued, future in self._queue.entries():
-            flight = self.flights.get(queued.rid)
-            # One admitted and about to leave the queue is committed, counted above.
-            if flight is not None and not future.done():
-                pending.append(self._pending(flight))
         busy = self.clock() - self.busy_since if self.flights else 0.0
         return EngineBacklog(self.capacity_tokens, tuple(running), tuple(pending), busy)
 

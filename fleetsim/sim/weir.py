@@ -313,8 +313,9 @@ class Sidecar:
 
     def backlog(self, now: float) -> EngineBacklog:
         """What the engine's admission reserves from, as this sidecar knows it
-        (`Ledger.backlog`): the requests it admitted that have streamed since (running),
-        those that have not (waiting or prefilling in the engine) and its own queue."""
+        (`Ledger.backlog`): the requests it admitted that have streamed since (running)
+        and those that have not (waiting or prefilling in the engine). Its own queue is
+        not the engine's: a newcomer it admits goes ahead of what it holds back."""
         running, pending = [], []
         for held in self.held.values():
             # What its engine computed of its history (a cached prefix is shared).
@@ -326,7 +327,6 @@ class Sidecar:
             running.append(
                 self.running(flight, prompt + flight.generated - held.generated_at_admission)
             )
-        pending += (self.pending(f, q.prompt_tokens) for q, f in self.queue.entries())
         busy = now - self.busy_since if self.held else 0.0
         return EngineBacklog(self.capacity_tokens, tuple(running), tuple(pending), busy)
 
