@@ -75,12 +75,6 @@ class EngineInfo:
         return self.loads_api == "v1_loads"
 
     @property
-    def reserves_all_for_ignore_eos(self) -> bool:
-        """Admission reserves all a request ignoring EOS may still generate, not the
-        new-token ratio of it (SGLang 0.5.23; `engine_admission`)."""
-        return _version(self.version) >= (0, 5, 23)
-
-    @property
     def openai_token_ids(self) -> bool:
         """OpenAI streams can carry token ids: `return_token_ids` on completions and
         `return_*_ids_in_sglext` on chat, which SGLang 0.5.23 has and 0.5.5 has not."""

@@ -77,13 +77,6 @@ class Intake:
     prompt_bytes: int = 0
     template_tokens: int = 0
 
-    @property
-    def ignore_eos(self) -> bool:
-        """The engine is asked to run to `max_new_tokens` (`ignore_eos`: in the sampling
-        parameters on /generate, top-level on the OpenAI APIs)."""
-        params = self.body.get("sampling_params")
-        return bool((params if isinstance(params, dict) else self.body).get("ignore_eos"))
-
 
 @dataclass(frozen=True, slots=True)
 class IntakeLimits:

@@ -34,11 +34,9 @@ from controlplane.rules.fairness import Charge, tenant_weights
 from controlplane.trace.trail import request_id_of
 from engine_sidecar.intake import Intake
 from engine_sidecar.policy import (
-    FINISH_QUANTILE,
     AdmissionDecision,
     AdmissionQueue,
     AdmissionVerdict,
-    EngineBacklog,
     EngineLoad,
     GrowthRate,
     KVUsage,
@@ -46,7 +44,6 @@ from engine_sidecar.policy import (
     LatencyPredictor,
     LengthKey,
     OutputLengthPredictor,
-    PendingRequest,
     PoolOutlook,
     PromptSizer,
     QueuedRequest,
@@ -54,14 +51,12 @@ from engine_sidecar.policy import (
     RequestState,
     Reservation,
     Reservations,
-    RunningRequest,
     SequenceOutlook,
     VictimCandidate,
     admits_now,
     classify_watermark,
     decide_admission,
     growth_reserve,
-    predicted_left,
     queue_wait_s,
     queued_request,
     reconcile_used,
@@ -73,8 +68,6 @@ from engine_sidecar.policy import (
 _S = RequestState
 COMMITTED = frozenset({_S.PREFILL_READY, _S.PREFILL_RUNNING, _S.DECODE_READY, _S.DECODING})
 _PREFILL = frozenset({_S.PREFILL_READY, _S.PREFILL_RUNNING})
-# Committed here, not yet streaming from the engine: waiting there or prefilling.
-_ENGINE_PENDING = _PREFILL | {_S.DECODE_READY}
 
 
 class OverloadError(Exception):
@@ -174,15 +167,10 @@ class Ledger:
         policy: PoolPolicy,
         capacity_tokens: int,
         clock: Callable[[], float] = time.monotonic,
-        ignore_eos_reserves_all: bool = False,
     ) -> None:
         self.policy = policy
         self.capacity_tokens = capacity_tokens
         self.clock = clock
-        # The engine's admission reserves all a request ignoring EOS may still generate
-        # (`EngineInfo.reserves_all_for_ignore_eos`).
-        self.ignore_eos_reserves_all = ignore_eos_reserves_all
-        self.busy_since = 0.0  # when the engine last went from idle to holding a request
         self.predictor = OutputLengthPredictor()
         self.prompt_sizer = PromptSizer()  # text prompts' tokens, learnt from the engine's
         self.latency = LatencyPredictor()
@@ -259,41 +247,6 @@ class Ledger:
             self.engine_waiting,
         )
 
-    def backlog(self) -> EngineBacklog:
-        """What the engine's admission reserves from, as this sidecar knows it: the
-        requests streaming from it (running) and those committed that have not streamed
-        yet (waiting or prefilling there). The local queue is not the engine's: a
-        newcomer admitted here goes ahead of what the queue holds back."""
-        running, pending = [], []
-        for f in self.flights.values():
-            rec = f.record
-            if rec.state is _S.DECODING:
-                total = self.predictor.predict_total(
-                    f.key, FINISH_QUANTILE, rec.generated_tokens, rec.max_new_tokens
-                )
-                outlived = self.predictor.outlived(f.key, rec.generated_tokens)
-                left = predicted_left(total, rec.generated_tokens, rec.max_new_tokens, outlived)
-                running.append(RunningRequest(
-                    f.kv, rec.remaining_tokens, left, self._reserves_all(f)
-                ))  # fmt: skip
-            elif rec.state in _ENGINE_PENDING:
-                pending.append(self._pending(f))
-        busy = self.clock() - self.busy_since if self.flights else 0.0
-        return EngineBacklog(self.capacity_tokens, tuple(running), tuple(pending), busy)
-
-    def _reserves_all(self, flight: Flight) -> bool:
-        return self.ignore_eos_reserves_all and flight.intake.ignore_eos
-
-    def _pending(self, flight: Flight) -> PendingRequest:
-        """`flight` as the engine's admission will weigh it: its history to compute."""
-        rec = flight.record
-        generated, limit = rec.generated_tokens, rec.max_new_tokens
-        total = self.predictor.predict_total(flight.key, FINISH_QUANTILE, generated, limit)
-        return PendingRequest(
-            rec.prompt_tokens + generated, rec.remaining_tokens, total - generated,
-            rec.priority, self._reserves_all(flight),
-        )  # fmt: skip
-
     def oldest_wait_s(self) -> float:
         now = self.clock()
         waiting = [q.enqueued_at for q, _ in self._queue.entries()]
@@ -320,8 +273,6 @@ class Ledger:
     def add(self, flight: Flight) -> None:
         if flight.rid in self.flights:
             raise ValueError(f"request id {flight.rid} is already tracked")
-        if not self.flights:
-            self.busy_since = self.clock()
         self.flights[flight.rid] = flight
         self._idle.clear()
 
@@ -510,9 +461,7 @@ class Ledger:
         at once, ahead of anything waiting."""
         sched = self.policy.scheduling
         if flight.forecast is None and not flight.resumed and flight.generated == 0:
-            flight.forecast = self.latency.forecast(
-                self.load(), self.backlog(), self._pending(flight)
-            )
+            flight.forecast = self.latency.forecast(self.load())
         decision = self._decide(flight, held=self._consume(flight))
         verdict, reason = decision.verdict, decision.reason
         if verdict is AdmissionVerdict.REFUSE:

@@ -106,11 +106,7 @@ class SidecarService:
         self._admin_token = admin_token  # empty: the admin routes are open
         self.info = info
         self.policy = policy
-        self.ledger = Ledger(
-            policy,
-            info.kv_capacity_tokens,
-            ignore_eos_reserves_all=info.reserves_all_for_ignore_eos,
-        )
+        self.ledger = Ledger(policy, info.kv_capacity_tokens)
         self.ledger.on_reservation = self._reservation_event
         self.metrics = SidecarMetrics(self.ledger, pool, endpoint_id)
         self.trail = Trail(f"sidecar/{endpoint_id}")

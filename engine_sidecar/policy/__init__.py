@@ -14,16 +14,6 @@ from engine_sidecar.policy.admission import (
     growth_reserve,
     total_growth_reserve,
 )
-from engine_sidecar.policy.engine_admission import (
-    FINISH_QUANTILE,
-    MIN_OUTLIVED,
-    EngineBacklog,
-    PendingRequest,
-    RunningRequest,
-    admission_wait_s,
-    new_token_ratio,
-    predicted_left,
-)
 from engine_sidecar.policy.host_prefixes import HostPrefixes
 from engine_sidecar.policy.latency import (
     EngineLoad,
@@ -82,16 +72,13 @@ from engine_sidecar.policy.watermark import (
 )
 
 __all__ = [
-    "FINISH_QUANTILE",
     "H200_LLAMA_8B",
-    "MIN_OUTLIVED",
     "RESERVATION_TTL_S",
     "RESERVED",
     "TRANSITIONS",
     "AdmissionDecision",
     "AdmissionQueue",
     "AdmissionVerdict",
-    "EngineBacklog",
     "EngineLoad",
     "GrowthRate",
     "HostPrefixes",
@@ -103,7 +90,6 @@ __all__ = [
     "ModeCosts",
     "OnlineLinear",
     "OutputLengthPredictor",
-    "PendingRequest",
     "PoolOutlook",
     "PromptSizer",
     "QueuedRequest",
@@ -114,13 +100,11 @@ __all__ = [
     "Reservation",
     "Reservations",
     "Rung",
-    "RunningRequest",
     "SequenceOutlook",
     "TargetRooms",
     "VictimCandidate",
     "VictimChoice",
     "VictimScore",
-    "admission_wait_s",
     "admits_now",
     "classify_watermark",
     "continuation_tokens",
@@ -129,11 +113,9 @@ __all__ = [
     "engine_priority",
     "expired",
     "growth_reserve",
-    "new_token_ratio",
     "peer_rooms",
     "pick_target",
     "plan_relief",
-    "predicted_left",
     "queue_order",
     "queue_wait_s",
     "queued_request",

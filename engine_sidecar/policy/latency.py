@@ -21,21 +21,13 @@ TTFT is linear in the request's uncached prompt, so the sidecar publishes the mo
 terms rather than one number (`LatencyForecast`): the predicted wait before a new
 request's own prefill starts and the learned prefill seconds per uncached token. A
 router predicts any request's TTFT from them without a round trip.
-
-A request's own forecast also replays the engine's admission from the sidecar's account
-(`engine_admission`: how long the engine will hold it for KV), a TTFT feature of its own.
-What the heartbeat publishes leaves that wait out (no backlog): published for a request
-that reserves nothing, it steered routers off engines that would have taken one, and
-cost up to 14 % of goodput in the simulator (docs/fleet-simulation.md).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
-
-from engine_sidecar.policy.engine_admission import EngineBacklog, PendingRequest, admission_wait_s
+from dataclasses import dataclass, field
 
 # Feature scales: the models see tokens in thousands and the batch in tens, so the
 # prior covariance means roughly the same thing for every weight.
@@ -54,19 +46,14 @@ class EngineLoad:
     # Requests the engine itself holds waiting (its last load report): admitted here but
     # not scheduled there, or retracted by it and waiting to run again.
     engine_waiting_requests: int = 0
-    # The engine admission's wait replayed from the sidecar's account
-    # (`engine_admission.admission_wait_s`); set by `LatencyPredictor.forecast`.
-    admission_wait_s: float = 0.0
 
     def __post_init__(self) -> None:
         counts = (self.prefill_ahead_tokens, self.running_requests, self.queued_requests,
                   self.engine_waiting_requests)  # fmt: skip
         if min(counts) < 0:
             raise ValueError(f"engine load must not be negative: {self}")
-        for name in ("kv_fraction", "admission_wait_s"):
-            value = getattr(self, name)
-            if not math.isfinite(value) or value < 0.0:
-                raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+        if not math.isfinite(self.kv_fraction) or self.kv_fraction < 0.0:
+            raise ValueError(f"kv_fraction must be a finite number >= 0, got {self.kv_fraction}")
 
 
 @dataclass
@@ -153,7 +140,6 @@ class LatencyForecast:
     wait_s: float
     prefill_s_per_token: float
     tpot_s: float
-    prompt_tokens: int = 0  # the request's whole prompt, when one was forecast
 
     def ttft_s(self, uncached_tokens: int) -> float:
         return self.wait_s + max(0, uncached_tokens) * self.prefill_s_per_token
@@ -163,12 +149,10 @@ class LatencyPredictor:
     """The two online models of one engine.
 
     TTFT features: [1, prefill tokens ahead, own uncached tokens, running batch, KV
-    fraction, requests queued for KV here, requests waiting in the engine, the two
-    prefills times the batch, and the engine admission's wait]: a prefill is chunked
-    over iterations whose length grows with the batch beside it, and a request queued
-    for KV, here or in the engine, waits for releases — how long, the admission wait
-    replayed from the sidecar's account says (`engine_admission`; prior weight 1: the
-    wait is a TTFT term in seconds). TPOT features:
+    fraction, requests queued for KV here, requests waiting in the engine, and the two
+    prefills times the batch]: a prefill is chunked over iterations whose length grows
+    with the batch beside it, and a request queued for KV, here or in the engine, waits
+    for releases, about one per request ahead. TPOT features:
     [1, running batch, KV fraction, prefill tokens ahead] (a prefill beside the batch
     stretches its iterations). Observed values below
     `floor_s` are weighted as `floor_s`: a near-zero TTFT would otherwise weigh without
@@ -185,8 +169,8 @@ class LatencyPredictor:
             raise ValueError("latency predictor: priors and floor_s must be positive")
         per_k = prefill_s_per_token / _TOKENS
         self.ttft = OnlineLinear(
-            (0.0, per_k, per_k, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0),
-            (1.0, per_k, per_k, 1.0, 1.0, 1.0, 1.0, per_k, per_k, 0.25),
+            (0.0, per_k, per_k, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0),
+            (1.0, per_k, per_k, 1.0, 1.0, 1.0, 1.0, per_k, per_k),
             forgetting,
         )
         # TPOT moves with load by about its own size, not by orders of magnitude: the
@@ -197,18 +181,13 @@ class LatencyPredictor:
         )
         self.floor_s = floor_s
         self.samples = 0
-        # The share of a new prompt the engine serves from its cache, from the first
-        # tokens seen: the engine's admission weighs only the rest, and the sidecar does
-        # not know a prompt's match before the engine says.
-        self.cached_share = 0.0
 
     @staticmethod
     def _ttft_x(load: EngineLoad, uncached_tokens: int) -> tuple[float, ...]:
         ahead, own = load.prefill_ahead_tokens * _TOKENS, uncached_tokens * _TOKENS
         batch = load.running_requests * _BATCH
         return (1.0, ahead, own, batch, load.kv_fraction, load.queued_requests * _BATCH,
-                load.engine_waiting_requests * _BATCH, ahead * batch, own * batch,
-                load.admission_wait_s)  # fmt: skip
+                load.engine_waiting_requests * _BATCH, ahead * batch, own * batch)  # fmt: skip
 
     @staticmethod
     def _tpot_x(load: EngineLoad) -> tuple[float, ...]:
@@ -219,38 +198,22 @@ class LatencyPredictor:
             load.prefill_ahead_tokens * _TOKENS,
         )
 
-    def forecast(
-        self,
-        load: EngineLoad,
-        backlog: EngineBacklog | None = None,
-        request: PendingRequest | None = None,
-    ) -> LatencyForecast:
-        """The prediction for `request` reaching the engine now, under `load`, with the
-        engine's admission replayed from `backlog` at the predicted TPOT (no backlog: no
-        admission wait; no request: one that reserves nothing, the least any waits)."""
-        tpot = max(0.0, self.tpot.predict(self._tpot_x(load)))
-        request = request or PendingRequest(0, 0, 0)
-        if backlog is not None:
-            uncached = round(request.prompt_tokens * (1.0 - self.cached_share))
-            wait = admission_wait_s(
-                backlog, replace(request, prompt_tokens=uncached), max(tpot, self.floor_s)
-            )
-            load = replace(load, admission_wait_s=wait)
+    def forecast(self, load: EngineLoad) -> LatencyForecast:
+        """The prediction for a request reaching the engine now, under `load`."""
         w = self.ttft.weights
         per_token = (w[2] + w[8] * load.running_requests * _BATCH) * _TOKENS
-        wait_s = max(0.0, self.ttft.predict(self._ttft_x(load, 0)))
-        return LatencyForecast(load, wait_s, max(0.0, per_token), tpot, request.prompt_tokens)
+        return LatencyForecast(
+            load,
+            max(0.0, self.ttft.predict(self._ttft_x(load, 0))),
+            max(0.0, per_token),
+            max(0.0, self.tpot.predict(self._tpot_x(load))),
+        )
 
     def observe_ttft(self, forecast: LatencyForecast, uncached_tokens: int, ttft_s: float) -> float:
         """Train on a request's first token (`forecast` is what was predicted when it
         arrived, `uncached_tokens` its prompt less what the engine had cached); returns
         the forecast's absolute percentage error."""
         self.samples += 1
-        if forecast.prompt_tokens > 0:
-            share = (
-                1.0 - min(max(0, uncached_tokens), forecast.prompt_tokens) / forecast.prompt_tokens
-            )
-            self.cached_share += 0.1 * (share - self.cached_share)
         floor = max(ttft_s, self.floor_s)
         self.ttft.update(self._ttft_x(forecast.load, uncached_tokens), ttft_s, floor**-2)
         return abs(forecast.ttft_s(uncached_tokens) - ttft_s) / floor

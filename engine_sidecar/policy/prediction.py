@@ -47,12 +47,6 @@ class OutputLengthPredictor:
     def samples(self, key: LengthKey) -> int:
         return len(self._sorted.get(key, ()))
 
-    def outlived(self, key: LengthKey, generated: int) -> int:
-        """How many of the completions a prediction for `key` reads ran past `generated`:
-        the evidence a conditional prediction stands on."""
-        ordered = self._sorted.get(key) or self._sorted.get(LengthKey("", key.model)) or []
-        return len(ordered) - bisect.bisect_right(ordered, generated)
-
     def predict_total(
         self, key: LengthKey, quantile: float, generated: int, max_new_tokens: int
     ) -> int:

@@ -98,24 +98,19 @@ from controlplane.rules.credits import decode_budget
 from controlplane.rules.fairness import Charge, tenant_weights
 from engine_sidecar.ledger import Ledger
 from engine_sidecar.policy import (
-    FINISH_QUANTILE,
-    MIN_OUTLIVED,
     RESERVATION_TTL_S,
     AdmissionDecision,
     AdmissionQueue,
     AdmissionVerdict,
-    EngineBacklog,
     EngineLoad,
     KVUsage,
     LengthKey,
     OutputLengthPredictor,
-    PendingRequest,
     PoolOutlook,
     QueuedRequest,
     ReliefCosts,
     Reservations,
     Rung,
-    RunningRequest,
     SequenceOutlook,
     TargetRooms,
     VictimCandidate,
@@ -127,7 +122,6 @@ from engine_sidecar.policy import (
     growth_reserve,
     peer_rooms,
     plan_relief,
-    predicted_left,
     queue_wait_s,
     queued_request,
     reservable_tokens,
@@ -188,10 +182,6 @@ class Sidecar:
     reserved_tokens: int = 0
     accounted_at: float = -1e9
     engine_waiting: int = 0  # requests waiting in the engine, as its last poll read it
-    busy_since: float = 0.0  # when its engine last went from idle to holding a request
-    # The simulator's requests ignore EOS (it ends them at their length), for which
-    # SGLang 0.5.23's admission reserves all of what they may still generate.
-    reserves_all: bool = False
     version: int = 0
     # Offloaded victims not yet back in the engine, with the KV each left in its host tier.
     offloaded: dict[str, tuple[SimFlight, int]] = field(default_factory=dict)
@@ -210,8 +200,7 @@ class Sidecar:
     def predictor(self) -> OutputLengthPredictor:
         return self.ledger.predictor
 
-    def predicted_total(self, flight: SimFlight, quantile: float | None = None) -> int:
-        """The flight's predicted output, at `quantile` (the growth quantile unless told)."""
+    def predicted_total(self, flight: SimFlight) -> int:
         spec = flight.spec
         if self.told_lengths:
             return spec.generated_tokens
@@ -219,7 +208,7 @@ class Sidecar:
             return max(flight.generated + 1, min(spec.max_tokens, spec.output_hint_tokens))
         return self.predictor.predict_total(
             LengthKey(spec.tenant, MODEL),
-            self.policy.kv.growth_quantile if quantile is None else quantile,
+            self.policy.kv.growth_quantile,
             flight.generated,
             spec.max_tokens,
         )
@@ -305,43 +294,6 @@ class Sidecar:
             len(self.queue),
             self.engine_waiting,
         )
-
-    def pending(self, flight: SimFlight, prompt_tokens: int) -> PendingRequest:
-        """The flight as the engine's admission will weigh it (`prompt_tokens`: its history
-        to compute)."""
-        spec = flight.spec
-        predicted = self.predicted_total(flight, FINISH_QUANTILE) - flight.generated
-        left = spec.max_tokens - flight.generated
-        return PendingRequest(prompt_tokens, left, predicted, spec.priority, self.reserves_all)
-
-    def running(self, flight: SimFlight, kv_tokens: int) -> RunningRequest:
-        """The flight decoding in the engine, as its admission weighs it."""
-        generated, limit = flight.generated, flight.spec.max_tokens
-        total = self.predicted_total(flight, FINISH_QUANTILE)
-        outlived = MIN_OUTLIVED  # told (the oracle) or hinted (the client), not learnt
-        if not (self.told_lengths or flight.spec.output_hint_tokens > 0):
-            outlived = self.predictor.outlived(LengthKey(flight.spec.tenant, MODEL), generated)
-        left = predicted_left(total, generated, limit, outlived)
-        return RunningRequest(kv_tokens, limit - generated, left, self.reserves_all)
-
-    def backlog(self, now: float) -> EngineBacklog:
-        """What the engine's admission reserves from, as this sidecar knows it
-        (`Ledger.backlog`): the requests it admitted that have streamed since (running)
-        and those that have not (waiting or prefilling in the engine). Its own queue is
-        not the engine's: a newcomer it admits goes ahead of what it holds back."""
-        running, pending = [], []
-        for held in self.held.values():
-            # What its engine computed of its history (a cached prefix is shared).
-            flight = held.flight
-            prompt = held.prompt_tokens - max(0, flight.visit_cached)
-            if flight.generated == held.generated_at_admission:
-                pending.append(self.pending(flight, prompt))
-                continue
-            running.append(
-                self.running(flight, prompt + flight.generated - held.generated_at_admission)
-            )
-        busy = now - self.busy_since if self.held else 0.0
-        return EngineBacklog(self.capacity_tokens, tuple(running), tuple(pending), busy)
 
     def learn_ttft(self, flight: SimFlight) -> None:
         """Train the latency model on a new request's first token, once, if nothing
@@ -500,7 +452,6 @@ class WeirPolicy:
                 lambda: sim.now,
                 e.role,
                 told_lengths=self.knows_lengths,
-                reserves_all=sim.engine_config.sglang_version == "0.5.23",
             )
             for e in sim.engines
         ]
@@ -834,9 +785,7 @@ class WeirPolicy:
         resumed = bool(flight.generated)
         prompt = spec.input_tokens + flight.generated
         if flight.forecast is None and not resumed:
-            flight.forecast = sidecar.ledger.latency.forecast(
-                sidecar.load(), sidecar.backlog(now), sidecar.pending(flight, prompt)
-            )
+            flight.forecast = sidecar.ledger.latency.forecast(sidecar.load())
             flight.forecast_at = now
         if self._consume(sidecar, flight, now):
             decision = self._decision(sidecar, flight, prompt, held=True)
@@ -926,8 +875,6 @@ class WeirPolicy:
         engine_prio = engine_priority(priority, now - flight.spec.arrival_s, slack, aging)
         self._in_place.discard(flight.rid)
         if self.sim.submit(flight, sidecar.index, now, engine_prio):
-            if not sidecar.held:
-                sidecar.busy_since = now
             self._where[flight.rid] = sidecar.index
             charge = sidecar.queue.charge(sidecar.charge_for(flight, prompt_tokens, now))
             sidecar.held[flight.rid] = _Held(flight, prompt_tokens, flight.generated, charge)
