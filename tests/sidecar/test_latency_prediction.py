@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -129,7 +130,9 @@ async def test_the_published_prediction_tracks_the_engine_and_follows_a_slowdown
                 engine.driver.speed_factor = 0.25
                 for _ in range(3):
                     slow_seen = await wave()
-                assert min(s.tpot_s for s in slow_seen) > 2.0 * max(s.tpot_s for s in seen)
+                # Medians: on a loaded machine one request of a wave can see a stall.
+                before = statistics.median(s.tpot_s for s in seen)
+                assert statistics.median(s.tpot_s for s in slow_seen) > 2.0 * before
                 await judged_wave()  # the model followed it
                 assert await published_tpot() > fast
     finally:
