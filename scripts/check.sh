@@ -12,8 +12,8 @@ step "types (mypy --strict)";        $bin/mypy
 step "import contracts";             PYTHONPATH=operator $bin/lint-imports
 if [ "${1:-}" != "--no-tests" ]; then
   # The slowest tests, printed: the CI time budget (docs/testing.md) is kept with them.
-  # Two workers: most tests wait on the servers they start, so two share two cores well;
-  # the tiers that share one costly server keep to one worker (tests/conftest.py).
+  # One process by default: two workers were no faster on a 2-core machine (docs/testing.md).
+  # WEIR_TEST_WORKERS=N runs N; the tiers that share one costly server keep to one worker.
   step "tests (pytest)";             $bin/pytest -q --durations=25 \
-                                       -n "${WEIR_TEST_WORKERS:-2}" --dist loadgroup
+                                       -n "${WEIR_TEST_WORKERS:-0}" --dist loadgroup
 fi
