@@ -41,7 +41,7 @@ pytest_runtest_call = pytest.hookimpl(wrapper=True)(_not_installed_skips)
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """With pytest-xdist (`--dist loadgroup`, as scripts/check.sh runs the suite), each
+    """With pytest-xdist (`WEIR_TEST_WORKERS=N make check`: `--dist loadgroup`), each
     tier that shares one costly process goes to one worker, so it starts once: the
     Kubernetes control plane, and the real SGLang servers (their tests also start their
     own servers: two CPU-heavy servers at once would only slow each other down). Called
