@@ -53,10 +53,11 @@ summed for the class cap, and the largest one as the bound on a single credit (a
 handoff lands on one engine); a credit is consumed when the handoff lands, and given
 back when its request ends or its pair is refused first.
 
-Engines run with Weir's engine flags (priority scheduling with aging, prefill yielding at
-chunk boundaries, mixed prefill/decode iterations with a prefill time budget), as the
-operator renders them from the pool spec. When an engine dies,
-the router, which holds every stream, re-routes what it had in flight as continuations.
+Engines run with Weir's engine flags (priority scheduling by the priority the sidecar sends,
+which the sidecar alone ages; prefill yielding at chunk boundaries, mixed prefill/decode
+iterations with a prefill time budget), as the operator renders them from the pool spec.
+When an engine dies, the router, which holds every stream, re-routes what it had in flight
+as continuations.
 
 Not modelled: KV token-second quotas (the sidecar's charge).
 """
