@@ -53,10 +53,11 @@ summed for the class cap, and the largest one as the bound on a single credit (a
 handoff lands on one engine); a credit is consumed when the handoff lands, and given
 back when its request ends or its pair is refused first.
 
-Engines run with Weir's engine flags (priority scheduling with aging, prefill yielding at
-chunk boundaries, mixed prefill/decode iterations with a prefill time budget), as the
-operator renders them from the pool spec. When an engine dies,
-the router, which holds every stream, re-routes what it had in flight as continuations.
+Engines run with Weir's engine flags (priority scheduling by the priority the sidecar sends,
+which the sidecar alone ages; prefill yielding at chunk boundaries, mixed prefill/decode
+iterations with a prefill time budget), as the operator renders them from the pool spec.
+When an engine dies, the router, which holds every stream, re-routes what it had in flight
+as continuations.
 
 Not modelled: KV token-second quotas (the sidecar's charge).
 """
@@ -404,12 +405,16 @@ class WeirPolicy:
         return self._gate
 
     def tune(self, config: EngineConfig, fleet: FleetConfig) -> EngineConfig:
-        """Weir's engine flags: priority scheduling with aging, prefill yielding, mixed
-        prefill/decode iterations with a bounded prefill time per iteration."""
-        policy = self.pool_policy or fleet.policy
+        """Weir's engine flags: priority scheduling (fcfs inside a priority, as the
+        operator renders SGLang's), prefill yielding, mixed prefill/decode iterations with
+        a bounded prefill time per iteration. The engine does not age priorities: the
+        sidecar does, in its queue and in the priority it sends (`engine_priority`).
+        Aging inside the engine too let a low-priority long request the engine's own
+        admission could not fit (its clipped output limit) head the engine's queue two
+        seconds after it came and stop every short request behind it
+        (preemption_crossing: short p50 TTFT 25 s)."""
         return config.replace(
             enable_priority_scheduling=True,
-            priority_aging_s=1.0 / max(1e-9, policy.scheduling.aging_per_second),
             prefill_yield=True,
             enable_mixed_chunk=True,
             prefill_time_budget_s=PREFILL_TIME_BUDGET_S,

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from controlplane.contract import FinishReason
-from fleetsim.engine import EngineModel
-from fleetsim.sim import FleetConfig, Simulation, engine_config_for, policies
+from fleetsim.engine import EngineConfig, EngineModel
+from fleetsim.sim import FleetConfig, Simulation, WeirPolicy, engine_config_for, policies
 from fleetsim.workloads import BLOCK_TOKENS, RequestSpec, prompt_token_ids, read_trace, scenario
 from fleetsim.workloads.scenarios import EngineFailure
 
@@ -156,3 +156,28 @@ def test_a_prompt_past_the_sidecars_margin_runs_alone_in_the_simulator() -> None
         chat = flights[spec.request_id]
         assert chat.completed
         assert chat.finished_at <= alone.first_token_at or chat.first_token_at >= alone.finished_at
+
+
+def test_weirs_engines_let_a_short_request_pass_a_long_one_they_cannot_fit() -> None:
+    """Two long answers decoding hold most of the engine's admission budget (SGLang's
+    clipped output limit, 4,096 tokens each). A low-priority long request waiting five
+    seconds does not fit what is left; a high-priority short one that comes then does.
+    Weir's engines order by the priority the sidecar sent and do not age it themselves:
+    the short one goes first. (With the engine ageing it too, the long request headed
+    the queue after two seconds and, not fitting, stopped the short one behind it until
+    a long answer ended: preemption_crossing's short p50 TTFT of 25 s.)"""
+    config = WeirPolicy().tune(EngineConfig(max_total_tokens=10_000, page_size=1), FleetConfig())
+    model = EngineModel(config)
+    now = 0.0
+    for rid in ("long-a", "long-b", "long-waiting"):
+        model.submit(model.make_request(rid, [1, 2, 3], 8000, ignore_eos=True, priority=0), now)
+    while now < 5.0:
+        now += model.step(now).duration
+    waiting = {r.rid for r in model.waiting}
+    assert waiting == {"long-waiting"}  # the two decode; the third does not fit
+    short = model.make_request("short", [4, 5, 6], 8, ignore_eos=True, priority=2)
+    model.submit(short, now)
+    for _ in range(20):
+        now += model.step(now).duration
+    assert len(short.output_ids) == 8  # it ran to its end
+    assert {r.rid for r in model.waiting} == {"long-waiting"}
