@@ -151,6 +151,13 @@ HOLDER_RENEW_S = HOLDER_TTL_MS / 3000
 ACCOUNT_MARGIN_S = 1e-6
 
 
+@functools.cache
+def _length_key(tenant: str) -> LengthKey:
+    """The predictor's key for a tenant's requests, built once: every KV account asks
+    for every running request's length."""
+    return LengthKey(tenant, MODEL)
+
+
 @dataclass(slots=True)
 class _Held:
     """What the sidecar knows about one request it admitted into its engine."""
@@ -208,7 +215,7 @@ class Sidecar:
         if spec.output_hint_tokens > 0:
             return max(flight.generated + 1, min(spec.max_tokens, spec.output_hint_tokens))
         return self.predictor.predict_total(
-            LengthKey(spec.tenant, MODEL),
+            _length_key(spec.tenant),
             self.policy.kv.growth_quantile,
             flight.generated,
             spec.max_tokens,
@@ -1095,7 +1102,7 @@ class WeirPolicy:
         if sidecar.release(flight.rid, now) is not None:
             sidecar.learn_latency(flight)
             if flight.completed:
-                sidecar.predictor.observe(LengthKey(flight.spec.tenant, MODEL), flight.generated)
+                sidecar.predictor.observe(_length_key(flight.spec.tenant), flight.generated)
                 if flight.generated > 1:
                     sidecar.ledger.observe_tpot(flight.tpot_s)
         if self.sim.engines[index].alive:
