@@ -1107,7 +1107,16 @@ class EngineModel:
 
         if fits(end):
             return end
-        lo, hi = start, end  # fits(lo) or lo == start; not fits(hi)
+        # The roofline's closed form is right but for rounding: its guess is the answer
+        # when the chunk it ends fits and one token more does not (iteration time only
+        # grows with the chunk), else the search below finds it.
+        guess = timing.prefill_stop(start, tokens, pairs, context, budget)
+        lo = min(end - 1, max(start, math.floor(guess))) if math.isfinite(guess) else start
+        hi = end
+        if (lo == start or fits(lo)) and (lo + 1 == end or not fits(lo + 1)):
+            hi = lo + 1
+        else:
+            lo = start  # fits(lo) or lo == start; not fits(hi)
         while hi - lo > 1:
             mid = (lo + hi) // 2
             if fits(mid):
