@@ -169,6 +169,11 @@ class Dispatcher(Generic[P]):
         """Whether the request waits here for an endpoint (queued, or a resume)."""
         return request_id in self.queue or request_id in self._resuming
 
+    @property
+    def idle(self) -> bool:
+        """Nothing waits here for an endpoint: a pump would read no snapshot."""
+        return not (self._resuming or len(self.queue))
+
     def next_wakeup(self) -> float | None:
         """The next instant a wait ends or an avoided endpoint may be asked again: pump
         then."""
@@ -315,7 +320,7 @@ class Dispatcher(Generic[P]):
 
     def _pump(self, now: float, snapshot: PoolSnapshot | None, events: list[Event[P]]) -> None:
         self._expire(now, events)
-        if snapshot is None or not (self._resuming or len(self.queue)):
+        if snapshot is None or self.idle:
             return
         # Resumes by class, oldest first within one (sorted is stable); each goes ahead of
         # the new work of its class and below.

@@ -99,7 +99,7 @@ class PoolSnapshot:
     ring_version: int = 0
     taken_at: float = 0.0
     fresh_until: float = float("inf")
-    by_id: Mapping[str, EndpointView] = field(init=False, repr=False, compare=False)
+    by_id: MappingProxyType[str, EndpointView] = field(init=False, repr=False, compare=False)
     preferred: tuple[EndpointView, ...] = field(init=False, repr=False, compare=False)
     total_load: int = field(init=False, repr=False, compare=False)
     # Host-tier prefix -> the routable endpoints that publish it (EndpointState.
@@ -124,41 +124,47 @@ class PoolSnapshot:
         setattr_(self, "total_load", sum(e.reported_load for e in ready))
         setattr_(self, "host_tips", _host_tips(ready))
 
-    def replacing(self, view: EndpointView, *, taken_at: float) -> PoolSnapshot:
-        """This snapshot with `view` in place of its endpoint's view (appended when the
-        pool did not list it), exactly as a snapshot built from the new endpoints would
-        be, at `taken_at`. A report changes one endpoint: moving it in the ranking is a
-        bisection and a few copies in C, where ranking the pool again sorts every
-        endpoint, and a fleet of hundreds reports hundreds of times a second."""
+    def replacing(self, views: Iterable[EndpointView], *, taken_at: float) -> PoolSnapshot:
+        """This snapshot with each of `views` in place of its endpoint's view (appended
+        when the pool did not list it), in order, exactly as a snapshot built from the
+        new endpoints would be, at `taken_at`. A report changes one endpoint: moving it
+        in the ranking is a bisection and a few copies in C, where ranking the pool again
+        sorts every endpoint, and a fleet of hundreds reports hundreds of times a second
+        (the simulator moves all the reports since the router last looked at once: the
+        copies are then made once for all of them)."""
         setattr_ = object.__setattr__
         derived = object.__new__(PoolSnapshot)
-        endpoint_id = view.endpoint_id
-        old = self.by_id.get(endpoint_id)
         endpoints = list(self.endpoints)
         positions = self._positions
-        if old is None:
-            position = len(endpoints)
-            endpoints.append(view)
-            positions = {**positions, endpoint_id: position}
-        else:
-            position = positions[endpoint_id]
-            endpoints[position] = view
         keys, preferred = list(self._rank_keys), list(self.preferred)
         total_load = self.total_load
-        if old is not None and old.routable:
-            at = bisect_left(keys, _rank_key(old, position))
-            del keys[at], preferred[at]
-            total_load -= old.reported_load
-        if view.routable:
-            key = _rank_key(view, position)
-            at = bisect_left(keys, key)
-            keys.insert(at, key)
-            preferred.insert(at, view)
-            total_load += view.reported_load
         by_id = dict(self.by_id)
-        by_id[endpoint_id] = view
         tips = self.host_tips
-        if view.state.host_prefixes or (old is not None and old.state.host_prefixes):
+        tips_moved = False
+        for view in views:
+            endpoint_id = view.endpoint_id
+            old = by_id.get(endpoint_id)
+            if old is None:
+                position = len(endpoints)
+                endpoints.append(view)
+                positions = {**positions, endpoint_id: position}
+            else:
+                position = positions[endpoint_id]
+                endpoints[position] = view
+            if old is not None and old.routable:
+                at = bisect_left(keys, _rank_key(old, position))
+                del keys[at], preferred[at]
+                total_load -= old.reported_load
+            if view.routable:
+                key = _rank_key(view, position)
+                at = bisect_left(keys, key)
+                keys.insert(at, key)
+                preferred.insert(at, view)
+                total_load += view.reported_load
+            by_id[endpoint_id] = view
+            if view.state.host_prefixes or (old is not None and old.state.host_prefixes):
+                tips_moved = True
+        if tips_moved:
             tips = _host_tips(preferred)
         for name, value in (
             ("pool", self.pool),

@@ -720,11 +720,12 @@ class EngineModel:
             phases[req.tree_len + len(req.pages) * ps - req.computed].append(req)
         return phases
 
-    def decode_run(self, now: float, limit: int, until: float) -> list[float]:
+    def decode_run(self, now: float, limit: int, until: float) -> tuple[list[float], list[int]]:
         """The durations of the iterations from `now` on, run back to back, that each
         decode every running request and nothing else — none finishing a request or short
         of pages (`plain_decode` must hold): at most `limit`, the last being the first to
-        end at or after `until`. Nothing changes here; `decode_ahead` runs them."""
+        end at or after `until`; and the pages in use after each (what `decode_ahead`
+        returns for them). Nothing changes here; `decode_ahead` runs them."""
         batch, ps = self.decoding, self.page_size
         limit = min(limit, min(r.max_new_tokens - len(r.output_ids) for r in batch) - 1)
         needs = [len(phase) for phase in self._page_phases()]
@@ -737,7 +738,13 @@ class EngineModel:
             available -= need
             steps += 1
         context = sum(r.computed for r in batch) + len(batch)
-        return self.config.timing.decode_run_s(len(batch), context, steps, now, until)
+        durations = self.config.timing.decode_run_s(len(batch), context, steps, now, until)
+        in_use = self.kv.used_pages
+        used = []
+        for step in range(len(durations)):
+            in_use += needs[step % ps]
+            used.append(in_use)
+        return durations, used
 
     def decode_ahead(self, starts: Sequence[float], durations: Sequence[float]) -> list[int]:
         """Run the next iterations `decode_run` planned (their starts and durations) as
@@ -1100,7 +1107,16 @@ class EngineModel:
 
         if fits(end):
             return end
-        lo, hi = start, end  # fits(lo) or lo == start; not fits(hi)
+        # The roofline's closed form is right but for rounding: its guess is the answer
+        # when the chunk it ends fits and one token more does not (iteration time only
+        # grows with the chunk), else the search below finds it.
+        guess = timing.prefill_stop(start, tokens, pairs, context, budget)
+        lo = min(end - 1, max(start, math.floor(guess))) if math.isfinite(guess) else start
+        hi = end
+        if (lo == start or fits(lo)) and (lo + 1 == end or not fits(lo + 1)):
+            hi = lo + 1
+        else:
+            lo = start  # fits(lo) or lo == start; not fits(hi)
         while hi - lo > 1:
             mid = (lo + hi) // 2
             if fits(mid):

@@ -9,6 +9,7 @@ are memory bound (weights + KV reads), large prefills compute bound, as on real 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -113,6 +114,34 @@ class TimingModel:
         compute_s = flops / (hw.flops * hw.compute_efficiency)
         memory_s = memory / (hw.hbm_bytes_per_s * hw.memory_efficiency)
         return hw.fixed_overhead_s + max(compute_s, memory_s)
+
+    def prefill_stop(
+        self, start: int, tokens: int, pairs: int, context: int, budget_s: float
+    ) -> float:
+        """About the furthest a prefill chunk from position `start` may run (its end),
+        beside `tokens` other prefill tokens (`pairs` attention pairs, `context` KV read),
+        for its iteration to take at most `budget_s`: `iteration_s`'s roofline solved in
+        closed form, so rounding may put it a token off either way (the caller checks its
+        neighbours with `iteration_s`)."""
+        model, hw = self.model, self.hardware
+        left_s = budget_s - hw.fixed_overhead_s
+        # Memory: weights + KV (context + start + tokens + stop - start) within the budget.
+        kv = model.kv_bytes_per_token
+        weights = model.params * model.bytes_per_param
+        by_memory = (left_s * hw.hbm_bytes_per_s * hw.memory_efficiency - weights) / kv
+        by_memory -= context + tokens
+        # Compute: 2·params per new token and 4·layers·hidden per pair, the chunk's pairs
+        # being Σ (start, stop] = (stop² + stop - start² - start) / 2.
+        pair = 2.0 * model.layers * model.hidden  # half the FLOPs of a pair
+        per_token = 2.0 * model.params
+        b = per_token + pair
+        c = per_token * (tokens - start) + 2.0 * pair * pairs - pair * start * (start + 1)
+        c -= left_s * hw.flops * hw.compute_efficiency
+        discriminant = b * b - 4.0 * pair * c
+        if discriminant < 0:
+            return float(start)
+        by_compute = (-b + math.sqrt(discriminant)) / (2.0 * pair)
+        return min(by_memory, by_compute)
 
     def decode_run_s(
         self, seqs: int, context: int, steps: int, start: float, until: float

@@ -25,7 +25,7 @@ from fleetsim.baselines.reservation import MaxTokensReservation
 from fleetsim.engine import EngineConfig
 from fleetsim.sim.config import FleetConfig
 from fleetsim.sim.flight import SimFlight
-from fleetsim.sim.loop import Simulation
+from fleetsim.sim.loop import EngineSlot, Simulation
 
 
 class BaselinePolicy:
@@ -40,6 +40,11 @@ class BaselinePolicy:
         self._outstanding: list[int] = []
         self._scraped: list[tuple[int, float]] = []
         self._scraped_at = 0.0
+        # Every engine as the router sees it, by role, kept up to date as its figures
+        # change (a dispatch, an ending, a scrape, a failure) rather than built anew for
+        # every arrival; and each engine's place among its role's.
+        self._worker_views: dict[Role, list[WorkerView]] = {}
+        self._view_at: list[int] = []
         self._ledgers: list[MaxTokensReservation[SimFlight]] = []
         self._assigned: dict[str, int] = {}
 
@@ -57,6 +62,8 @@ class BaselinePolicy:
         self._outstanding = [0] * n
         self._scraped = [(0, 0.0)] * n
         self._ledgers = [MaxTokensReservation(e.capacity_tokens) for e in sim.engines]
+        self._view_at = [0] * n
+        self._all_viewed()
         if sim.config.disaggregated:
             self.decode_router = copy.deepcopy(self.router)  # a fresh one, its own state
         sim.every(sim.config.staleness.scrape_period_s, self._scrape)
@@ -66,20 +73,26 @@ class BaselinePolicy:
             (len(e.model.waiting), e.usage) if e.alive else (0, 0.0) for e in self.sim.engines
         ]
         self._scraped_at = now
+        self._all_viewed()
+
+    def _view(self, slot: EngineSlot) -> WorkerView:
+        waiting, usage = self._scraped[slot.index]
+        i = slot.index
+        return WorkerView(i, slot.alive, self._outstanding[i], waiting, usage, self._scraped_at)
+
+    def _all_viewed(self) -> None:
+        self._worker_views = {}
+        for slot in self.sim.engines:
+            views = self._worker_views.setdefault(slot.role, [])
+            self._view_at[slot.index] = len(views)
+            views.append(self._view(slot))
+
+    def _viewed(self, engine: int) -> None:
+        slot = self.sim.engines[engine]
+        self._worker_views[slot.role][self._view_at[engine]] = self._view(slot)
 
     def _views(self, role: Role) -> list[WorkerView]:
-        return [
-            WorkerView(
-                e.index,
-                e.alive,
-                self._outstanding[e.index],
-                self._scraped[e.index][0],
-                self._scraped[e.index][1],
-                self._scraped_at,
-            )
-            for e in self.sim.engines
-            if e.role is role
-        ]
+        return self._worker_views.get(role, [])
 
     def arrive(self, flight: SimFlight, now: float) -> None:
         role = Role.PREFILL if self.sim.config.disaggregated else Role.MIXED
@@ -98,6 +111,7 @@ class BaselinePolicy:
             return
         self._assigned[flight.rid] = engine
         self._outstanding[engine] += 1
+        self._viewed(engine)
         if not self.reserve:
             sim.submit(flight, engine, now)
             return
@@ -138,6 +152,7 @@ class BaselinePolicy:
         if engine < 0:
             return
         self._outstanding[engine] -= 1
+        self._viewed(engine)
         if self.reserve:
             ledger = self._ledgers[engine]
             ledger.discard(flight)
@@ -145,6 +160,7 @@ class BaselinePolicy:
                 ledger.admit(lambda f: self._send(f, engine, now))
 
     def engine_failed(self, engine: int, flights: list[SimFlight], now: float) -> None:
+        self._viewed(engine)  # no longer healthy
         self.router.forget(engine)
         if self.decode_router is not self.router:
             self.decode_router.forget(engine)

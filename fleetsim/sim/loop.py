@@ -22,8 +22,9 @@ one, the loop plans the run of them (`EngineModel.decode_run`: up to the first t
 finishes a request's answer or would run short of pages, the policy's `quiet_until`, or
 `FAST_FORWARD_STEPS`) and schedules one event at its end instead of one per iteration.
 The iterations themselves run lazily, when the clock passes them and something looks:
-the engine's KV usage (`EngineSlot.used_tokens`), a submit or an abort on it
-(`interrupt`), its failure, the run's end. Each runs as it would have, at the time it
+a submit or an abort on the engine (`interrupt`), its failure, the run's end. Its KV
+usage (`EngineSlot.used_tokens`, read by samples and scrapes) comes from the pages the
+run planned for each iteration, without running them. Each runs as it would have, at the time it
 would have started; its tokens reach the flights at the time its successor starts. An
 interrupted run hands back to one event per iteration from the next iteration's end. So
 a run is the same function of its inputs and seed with and without fast-forward
@@ -103,7 +104,8 @@ class EngineSlot:
     flights: dict[str, SimFlight] = field(default_factory=dict)
     step: Callable[[], None] = field(init=False)  # the loop's next iteration of it
     run: DecodeRun | None = None  # a fast-forward under way
-    sync: Callable[[], None] = field(init=False)  # run its iterations up to the clock
+    # The pages a fast-forward under way has in use at the clock.
+    run_pages: Callable[[], int] = field(init=False)
     exhaustion_events: int = 0
     high_water_s: float = 0.0
     busy_s: float = 0.0
@@ -115,9 +117,8 @@ class EngineSlot:
 
     @property
     def used_tokens(self) -> int:
-        if self.run is not None:
-            self.sync()
-        return self.model.kv.used_pages * self.model.page_size
+        pages = self.model.kv.used_pages if self.run is None else self.run_pages()
+        return pages * self.model.page_size
 
     @property
     def usage(self) -> float:
@@ -148,6 +149,7 @@ class DecodeRun:
     times: list[float]
     durations: list[float]
     batch: list[tuple[EngineRequest, SimFlight]]
+    pages: list[int]  # in use after each iteration
     done: int = 0
 
 
@@ -193,7 +195,7 @@ class Simulation:
         self._high_watermark = self.config.policy.kv.high_watermark
         for slot in self.engines:
             slot.step = functools.partial(self._step, slot)
-            slot.sync = functools.partial(self._sync, slot)
+            slot.run_pages = functools.partial(self._run_pages, slot)
         self.now = 0.0
         self._heap: list[tuple[float, int, Callable[[], None]]] = []
         # Step events an interrupted fast-forward left in the heap, skipped when due.
@@ -448,20 +450,26 @@ class Simulation:
             # The iteration that streams its last token ends the run: the flight ends then.
             limit = min(limit, flight.target_tokens - len(flight.output_ids))
             batch.append((req, flight))
-        durations = slot.model.decode_run(now, limit, until)
+        durations, pages = slot.model.decode_run(now, limit, until)
         if len(durations) < 2:
             return False
         times = [now]
         for duration in durations:
             now += duration
             times.append(now)
-        slot.run = DecodeRun(times, durations, batch)
+        slot.run = DecodeRun(times, durations, batch, pages)
         self._catch_up(slot, times[0])  # the first iteration starts now
         self.at(now, slot.step)
         return True
 
-    def _sync(self, slot: EngineSlot) -> None:
-        self._catch_up(slot, self.now)
+    def _run_pages(self, slot: EngineSlot) -> int:
+        """The pages in use after the fast-forward's last iteration to start before the
+        clock, as catching up to it (`_catch_up`) would leave them."""
+        run = slot.run
+        assert run is not None
+        times = run.times
+        started = bisect.bisect_left(times, self.now, 1, len(times) - 1) - 1
+        return run.pages[max(run.done - 1, started)]
 
     def _catch_up(self, slot: EngineSlot, now: float, through: bool = False) -> None:
         """Run a fast-forward's iterations that started before `now` (or at it,

@@ -151,6 +151,13 @@ HOLDER_RENEW_S = HOLDER_TTL_MS / 3000
 ACCOUNT_MARGIN_S = 1e-6
 
 
+@functools.cache
+def _length_key(tenant: str) -> LengthKey:
+    """The predictor's key for a tenant's requests, built once: every KV account asks
+    for every running request's length."""
+    return LengthKey(tenant, MODEL)
+
+
 @dataclass(slots=True)
 class _Held:
     """What the sidecar knows about one request it admitted into its engine."""
@@ -208,7 +215,7 @@ class Sidecar:
         if spec.output_hint_tokens > 0:
             return max(flight.generated + 1, min(spec.max_tokens, spec.output_hint_tokens))
         return self.predictor.predict_total(
-            LengthKey(spec.tenant, MODEL),
+            _length_key(spec.tenant),
             self.policy.kv.growth_quantile,
             flight.generated,
             spec.max_tokens,
@@ -373,6 +380,11 @@ class WeirPolicy:
         self.routers: dict[Role, Dispatcher[SimFlight]] = {}
         self.rings: dict[Role, OwnershipRing] = {}
         self._snapshots: dict[Role, PoolSnapshot] = {}
+        # Reports published since the router last read its pool's snapshot, by endpoint
+        # id, and when the last was: most land while nothing waits for an endpoint, so
+        # they are moved into the snapshot when a decision reads it, all at once.
+        self._moved: dict[Role, dict[str, EndpointView]] = {}
+        self._moved_at: dict[Role, float] = {}
         # Each endpoint as the routers last heard from it (its state and lease), by
         # sidecar index: a view is built once per report, not once per snapshot.
         self._views: dict[int, EndpointView] = {}
@@ -530,10 +542,10 @@ class WeirPolicy:
         role = state.role
         self.routers[role].reported(state.endpoint_id, taken_at)
         now = self.sim.now
-        snapshot = self._snapshots.get(role)
-        if snapshot is not None:
-            # One endpoint moved: re-rank it alone (the other pool's snapshot stands).
-            self._snapshots[role] = snapshot.replacing(view, taken_at=now)
+        if role in self._snapshots:
+            # The other pool's snapshot stands.
+            self._moved.setdefault(role, {})[view.endpoint_id] = view
+            self._moved_at[role] = now
         if state.role is Role.DECODE:
             # The decode class's credit budget, from what its sidecars last published.
             self.gate.set_decode_budget(
@@ -544,7 +556,7 @@ class WeirPolicy:
                     self.sim.engine_config.timing.model.kv_bytes_per_token,
                 )
             )
-        self._deliver(role, self.routers[role].pump(now, self._snapshot(now, role)))
+        self._pump(role, now)
 
     def _snapshot(self, now: float, role: Role) -> PoolSnapshot:
         """`role`'s pool as the router sees it."""
@@ -554,7 +566,19 @@ class WeirPolicy:
             snapshot = self._snapshots[role] = PoolSnapshot(
                 self._policy().pool, views, taken_at=now
             )
+        elif moved := self._moved.get(role):
+            snapshot = snapshot.replacing(moved.values(), taken_at=self._moved_at[role])
+            self._snapshots[role] = snapshot
+            moved.clear()
         return snapshot
+
+    def _pump_snapshot(self, now: float, role: Role) -> PoolSnapshot | None:
+        """What a call that only pumps `role`'s router reads: nothing when nothing waits
+        there (the pump then only ends waits that are over, which reads no snapshot)."""
+        return None if self.routers[role].idle else self._snapshot(now, role)
+
+    def _pump(self, role: Role, now: float) -> None:
+        self._deliver(role, self.routers[role].pump(now, self._pump_snapshot(now, role)))
 
     # -- the routers ----------------------------------------------------------------------
     def arrive(self, flight: SimFlight, now: float) -> None:
@@ -694,8 +718,7 @@ class WeirPolicy:
     def _wake(self, role: Role, when: float) -> None:
         if self._wakeups.get(role) == when:
             del self._wakeups[role]
-        now = self.sim.now
-        self._deliver(role, self.routers[role].pump(now, self._snapshot(now, role)))
+        self._pump(role, self.sim.now)
 
     def _refused(self, flight: SimFlight, refusal: Refusal, now: float) -> None:
         """The router's answer reaches the client: a patient one (its own maximum wait)
@@ -1068,7 +1091,7 @@ class WeirPolicy:
             self._held_changed(let_go[0], now)
             self._admit(let_go[0], now)
         for role, router in self.routers.items():
-            snapshot = self._snapshot(now, role)
+            snapshot = self._pump_snapshot(now, role)
             self._deliver(role, router.finished(flight.rid, flight.generated, now, snapshot))
         index = self._where.pop(flight.rid, -1)
         if index < 0:
@@ -1079,7 +1102,7 @@ class WeirPolicy:
         if sidecar.release(flight.rid, now) is not None:
             sidecar.learn_latency(flight)
             if flight.completed:
-                sidecar.predictor.observe(LengthKey(flight.spec.tenant, MODEL), flight.generated)
+                sidecar.predictor.observe(_length_key(flight.spec.tenant), flight.generated)
                 if flight.generated > 1:
                     sidecar.ledger.observe_tpot(flight.tpot_s)
         if self.sim.engines[index].alive:

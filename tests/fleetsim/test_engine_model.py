@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -16,6 +17,7 @@ from fleetsim.engine import (
     Phase,
     encode,
 )
+from fleetsim.engine.timing import TimingModel
 
 
 def run_alone(request: EngineRequest, **config: object) -> list[int]:
@@ -217,3 +219,31 @@ def test_random_workloads_keep_invariants(
     assert all(r.finish is not None and r.phase is Phase.FINISHED for r in reqs)
     assert model.kv.used_pages == 0
     assert not model.requests
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    start=st.integers(0, 60_000),
+    tokens=st.integers(0, 8_000),
+    context=st.integers(0, 200_000),
+    budget_ms=st.floats(4.0, 400.0),
+)
+def test_the_prefill_stop_in_closed_form_is_the_roofline_within_a_token(
+    start: int, tokens: int, context: int, budget_ms: float
+) -> None:
+    """`TimingModel.prefill_stop` (the time-budgeted prefill's guess at its chunk's end,
+    no earlier than its start) lands within a token of the furthest end whose iteration
+    `iteration_s` says fits."""
+    timing, budget = TimingModel(), budget_ms / 1e3
+    pairs = tokens * 1_000
+
+    def fits(stop: int) -> bool:
+        extra = (stop * (stop + 1) - start * (start + 1)) // 2
+        took = timing.iteration_s(tokens + stop - start, pairs + extra, context + start, 0, 0)
+        return took <= budget
+
+    guess = max(start, math.floor(timing.prefill_stop(start, tokens, pairs, context, budget)))
+    stop = start  # an empty chunk, when not a token fits
+    while fits(stop + 1):
+        stop += 1
+    assert stop - 1 <= guess <= stop + 1

@@ -64,7 +64,7 @@ def _state(model: EngineModel) -> tuple[object, ...]:
 def test_a_decode_run_is_the_same_iterations_one_at_a_time() -> None:
     stepped, ahead = _model(), _model()
     now = 0.0  # the clock both models' iterations start from
-    durations = ahead.decode_run(now, 10_000, math.inf)
+    durations, planned = ahead.decode_run(now, 10_000, math.inf)
     # It stops before the first iteration that would retract a request (the pool runs
     # out of pages, its cached prefix evicted, before the answers' 120 tokens).
     assert 20 < len(durations) < 110
@@ -73,6 +73,7 @@ def test_a_decode_run_is_the_same_iterations_one_at_a_time() -> None:
         starts.append(starts[-1] + duration)
     used = ahead.decode_ahead(starts[:5], durations[:5])
     used += ahead.decode_ahead(starts[5:], durations[5:])
+    assert used == planned
     for start, duration, pages in zip(starts, durations, used, strict=True):
         result = stepped.step(start)
         assert (result.duration, stepped.kv.used_pages) == (duration, pages)
@@ -88,10 +89,10 @@ def test_a_decode_run_is_the_same_iterations_one_at_a_time() -> None:
 
 def test_a_decode_run_ends_at_the_first_iteration_reaching_until() -> None:
     model = _model()
-    everything = model.decode_run(0.0, 10_000, math.inf)
+    everything, pages = model.decode_run(0.0, 10_000, math.inf)
     until = sum(everything[:4]) - 1e-9  # inside the fourth iteration
-    assert model.decode_run(0.0, 10_000, until) == everything[:4]
-    assert model.decode_run(0.0, 3, math.inf) == everything[:3]
+    assert model.decode_run(0.0, 10_000, until) == (everything[:4], pages[:4])
+    assert model.decode_run(0.0, 3, math.inf) == (everything[:3], pages[:3])
 
 
 def _after_steps(make: Callable[[], loop.FleetPolicy], calls: list[int]) -> loop.FleetPolicy:

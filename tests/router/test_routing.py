@@ -392,20 +392,24 @@ _REPORT = st.fixed_dictionaries(
 def test_a_snapshot_moved_one_report_at_a_time_is_the_snapshot_built_whole(
     first: list[dict[str, object]], reports: list[tuple[int, dict[str, object]]]
 ) -> None:
-    """`replacing` (the simulator's per-report update) gives what building the snapshot
-    from every endpoint gives: the same ranking with the same tie-breaks, load and host
-    tips, whether the report replaces an endpoint's view or adds one."""
+    """`replacing` (the simulator's update) gives what building the snapshot from every
+    endpoint gives: the same ranking with the same tie-breaks, load and host tips,
+    whether a report replaces an endpoint's view or adds one, and whether the reports
+    move it one at a time or all at once."""
     views = {i: EndpointView(_state(f"e{i:02d}", **f), 10.0) for i, f in enumerate(first)}
-    snapshot = PoolSnapshot("p", tuple(views.values()))
+    snapshot = start = PoolSnapshot("p", tuple(views.values()))
+    moved = []
     for index, fields in reports:
         views[index] = EndpointView(_state(f"e{index:02d}", **fields), 10.0)
-        snapshot = snapshot.replacing(views[index], taken_at=1.0)
+        moved.append(views[index])
+        snapshot = snapshot.replacing([views[index]], taken_at=1.0)
         whole = PoolSnapshot("p", tuple(views.values()), taken_at=1.0)
-        assert snapshot == whole
-        assert snapshot.preferred == whole.preferred
-        assert dict(snapshot.by_id) == dict(whole.by_id)
-        assert snapshot.total_load == whole.total_load
-        assert dict(snapshot.host_tips) == dict(whole.host_tips)
+        for derived in (snapshot, start.replacing(moved, taken_at=1.0)):
+            assert derived == whole
+            assert derived.preferred == whole.preferred
+            assert dict(derived.by_id) == dict(whole.by_id)
+            assert derived.total_load == whole.total_load
+            assert dict(derived.host_tips) == dict(whole.host_tips)
 
 
 @settings(max_examples=150, deadline=None)
