@@ -24,8 +24,8 @@ finishes a request's answer or would run short of pages, the policy's `quiet_unt
 The iterations themselves run lazily, when the clock passes them and something looks:
 a submit or an abort on the engine (`interrupt`), its failure, the run's end. Its KV
 usage (`EngineSlot.used_tokens`, read by samples and scrapes) comes from the pages the
-run planned for each iteration, without running them. Each runs as it would have, at the time it
-would have started; its tokens reach the flights at the time its successor starts. An
+run planned for each iteration, without running them. Each runs as it would have, at the
+time it would have started; its tokens reach the flights at the time its successor starts. An
 interrupted run hands back to one event per iteration from the next iteration's end. So
 a run is the same function of its inputs and seed with and without fast-forward
 (tests/fleetsim/test_sim_identical.py), except that an event at exactly the instant an

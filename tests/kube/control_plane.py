@@ -223,12 +223,10 @@ class ControlPlane(Cluster):
         self.start_seconds = time.monotonic() - started
 
     def stop(self) -> None:
-        # Every process is told at once: stopped one after another, a loaded API server's
-        # and controller manager's graceful ends added up to half a minute at the suite's end.
+        # Every process is told at once, so that their graceful ends overlap rather than
+        # add up; then each is waited for (and killed if it outlasts its grace).
         for proc in self._procs.values():
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGTERM)
+            _signal_group(proc, signal.SIGTERM)
         for name in reversed(list(self._procs)):
             self._terminate(name)
         if self._own_dir and not os.environ.get("WEIR_KEEP_K8S"):
@@ -306,15 +304,13 @@ class ControlPlane(Cluster):
 
     def _terminate(self, name: str) -> None:
         proc = self._procs.pop(name, None)
-        if proc is None or proc.poll() is not None:
+        if proc is None:
             return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
+        _signal_group(proc, signal.SIGTERM)
         try:
             proc.wait(timeout=15)
         except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
+            _signal_group(proc, signal.SIGKILL)
             proc.wait(timeout=5)
 
     def wait_for(self, probe: Any, limit_s: float, what: str) -> None:
@@ -408,3 +404,10 @@ def main() -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+    """Signal a still-running process's group (each runs in a session of its own)."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
