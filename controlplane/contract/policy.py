@@ -59,8 +59,11 @@ class RoutingPolicy(msgspec.Struct, frozen=True, kw_only=True):
     (`queue_capacity_per_band` requests per priority, each waiting at most
     `queue_max_wait_s` for an endpoint with room), the endpoints a request is offered to
     before its first byte (`max_attempts`), and how long a stream handed back mid-answer
-    waits for an endpoint to resume it (`resume_wait_s`), at the router or, as a resume, in
-    a sidecar's queue."""
+    waits for an endpoint to resume it (`resume_wait_s`): at the router, its time there
+    with no endpoint to take it (over all its spells), and in one sidecar's queue, before
+    that sidecar gives it back to the router. Time queued at an endpoint, as accepted
+    work, is not counted against the router's wait: a stream is lost for want of an
+    endpoint, never for waiting behind streams that keep their room."""
 
     prefix_block_tokens: int = 64
     prefix_blocks_for_owner: int = 4

@@ -33,8 +33,9 @@ A request's life here:
   veto). An endpoint that refuses a resume, or migrated it away, is avoided for a
   backoff that doubles with each refusal (50 ms to 1 s), then asked again. A resume
   waits ahead of new work of its class, without holding the line for anything (it can
-  only wait for want of a routable endpoint), for up to `resume_wait_s` from when it was
-  handed back (then 503 `resume_failed`). A migration whose sidecar took room for it at
+  only wait for want of a routable endpoint), for up to `resume_wait_s` in all since it
+  was handed back (then 503 `resume_failed`): the time an endpoint held it, queued there
+  as accepted work until it refused it, does not count. A migration whose sidecar took room for it at
   a target (`target`) goes there first, if the filters a resume passes allow it: a
   preference, tried once; a target that refuses or is gone leaves the resume to
   `decide_resume`.
@@ -132,7 +133,7 @@ class _Request(Generic[P]):
     route: RouteRequest  # as it arrived: prompt, output limit, deadline budget, owners
     payload: P
     arrived_at: float
-    waiting_since: float  # arrival, or the last hand-back: a wait counts from it
+    waiting_since: float  # arrival, or the last hand-back or refusal: a wait counts from it
     endpoint: str = ""  # reserved for it now
     charge: Charge | None = None  # the KV cost charged when it was first placed
     decision: Decision | None = None  # its first placement, for fallbacks
@@ -140,6 +141,9 @@ class _Request(Generic[P]):
     avoided: dict[str, float] = field(default_factory=dict)  # endpoint -> avoided until
     resuming: bool = False
     refusals: int = 0  # of this resume, for the backoff
+    # A resume's wait here before `waiting_since`: its earlier spells without an endpoint
+    # (the time an endpoint held it, queued as accepted work, does not count).
+    waited_before_s: float = 0.0
     generated: int = 0  # tokens the client holds: a resume's prompt grows by them
     retry_after_s: float = 0.0
     target: str = ""  # where room is held for its resume: tried first, once
@@ -178,9 +182,8 @@ class Dispatcher(Generic[P]):
         """The next instant a wait ends or an avoided endpoint may be asked again: pump
         then."""
         times = [self.queue.next_expiry()]
-        resume_wait_s = self.policy.resume_wait_s
         for request in self._resuming.values():
-            times.append(request.waiting_since + resume_wait_s)
+            times.append(self._resume_expires_at(request))
             times.extend(request.avoided.values())
         return min((t for t in times if t is not None), default=None)
 
@@ -226,6 +229,7 @@ class Dispatcher(Generic[P]):
             backoff = RESUME_BACKOFF_S * 2**request.refusals
             request.avoided[endpoint] = now + min(RESUME_BACKOFF_MAX_S, backoff)
             request.refusals += 1
+            request.waiting_since = now
             self._resuming[request_id] = request
         else:
             request.failed.add(endpoint)
@@ -268,6 +272,7 @@ class Dispatcher(Generic[P]):
         request.refusals = 0
         request.generated = generated_tokens
         request.waiting_since = now
+        request.waited_before_s = 0.0
         self._resuming[request_id] = request
         return self.pump(now, snapshot)
 
@@ -361,11 +366,12 @@ class Dispatcher(Generic[P]):
                 self._drop(entry.payload, refusal, events, now)
         if not self._resuming:
             return
-        resume_wait_s = self.policy.resume_wait_s
         for request in list(self._resuming.values()):
-            if request.waiting_since + resume_wait_s <= now:
+            if self._resume_expires_at(request) <= now:
                 del self._resuming[request.route.request_id]
-                message = f"no endpoint could resume the stream within {resume_wait_s:g}s"
+                message = (
+                    f"no endpoint could resume the stream within {self.policy.resume_wait_s:g}s"
+                )
                 self._drop(request, Refusal(503, RESUME_FAILED, 1.0, message), events, now)
             elif request.avoided:
                 request.avoided = {e: t for e, t in request.avoided.items() if t > now}
@@ -398,7 +404,13 @@ class Dispatcher(Generic[P]):
             decision = self._decide(request, now, snapshot, resume=True, exclude=exclude)
         if decision.endpoint_id:
             del self._resuming[request.route.request_id]
+            request.waited_before_s += now - request.waiting_since
             self._reserve(request, decision, now, events)
+
+    def _resume_expires_at(self, request: _Request[P]) -> float:
+        """When a resume's wait here for an endpoint ends: `resume_wait_s` in all, over
+        its spells here since its hand-back."""
+        return request.waiting_since + self.policy.resume_wait_s - request.waited_before_s
 
     def _decide(
         self,

@@ -170,6 +170,28 @@ def test_a_resume_is_never_sent_back_where_it_broke_and_waits_only_so_long() -> 
     assert core.queue.counter("a") == pytest.approx((100 + 80) * 62.0)
 
 
+def test_a_resume_s_wait_counts_only_its_time_without_an_endpoint() -> None:
+    """An endpoint that queued a resume as accepted work and refused it only when its own
+    wait was over (every running stream there kept its room) does not spend the resume's
+    wait: it is placed again, not lost, however long it was held. The time it spends
+    here with no endpoint to go to adds up over its spells, and that is what is bounded."""
+    core: Dispatcher[str] = Dispatcher(PROFILE, RoutingPolicy(resume_wait_s=10.0))
+    one, none = _snapshot(e0=NORMAL), _snapshot(e0=DRAINING)
+    assert _outcomes(core.arrive(_route("r1"), "p", 0.0, one)) == [("p", "e0")]
+    assert core.handed_back("r1", 5, 1.0, none, broken=False) == []
+    assert _outcomes(core.pump(4.0, one)) == [("p", "e0")]  # 3 s without an endpoint
+    # e0 held it 30 s, three times the pool's resume wait, then refused it.
+    assert core.refused("r1", 34.0, none) == []
+    assert core.pump(38.9, none) == []
+    assert _outcomes(core.pump(39.0, one)) == [("p", "e0")]  # 3 + 5 s of its 10
+    assert core.refused("r1", 50.0, none) == []
+    assert core.pump(50.5, none) == []  # the backoff is over: only its wait is left
+    assert core.next_wakeup() == 52.0
+    (lost,) = core.pump(52.0, none)
+    assert isinstance(lost, Refused)
+    assert (lost.refusal.status, lost.refusal.reason) == (503, "resume_failed")
+
+
 def test_an_endpoint_that_migrated_or_refused_a_resume_is_avoided_a_backoff() -> None:
     core: Dispatcher[str] = Dispatcher(PROFILE, RoutingPolicy())
     one = _snapshot(e0=NORMAL)

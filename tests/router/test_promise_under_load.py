@@ -81,12 +81,18 @@ def _assert_whole(streams: list[Stream], expected: list[str]) -> None:
         assert stream.text == expected[i], i
 
 
-async def test_a_kv_burst_keeps_every_admitted_stream(redis_url: str) -> None:
+@pytest.mark.parametrize("resume_wait_s", [60.0, 1.0])
+async def test_a_kv_burst_keeps_every_admitted_stream(redis_url: str, resume_wait_s: float) -> None:
     """Twice the KV the fleet has, asked for at once: admission queues what does not fit,
-    relief preempts and migrates as outputs grow, and every stream still ends whole."""
+    relief preempts and migrates as outputs grow, and every stream still ends whole. A
+    resume queued behind streams that run longer than the pool's resume wait is not
+    lost for it."""
     bodies = [request_body(i, 1500) for i in range(24)]
     expected = await _expected(bodies)
-    async with live_fleet(redis_url) as fleet, aiohttp.ClientSession() as session:
+    async with (
+        live_fleet(redis_url, resume_wait_s=resume_wait_s) as fleet,
+        aiohttp.ClientSession() as session,
+    ):
         streams = await asyncio.wait_for(
             asyncio.gather(*(read_stream(session, fleet.router.url, b) for b in bodies)), 120.0
         )
