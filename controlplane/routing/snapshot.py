@@ -138,7 +138,7 @@ class PoolSnapshot:
         positions = self._positions
         keys, preferred = list(self._rank_keys), list(self.preferred)
         total_load = self.total_load
-        by_id = dict(self.by_id)
+        by_id = self.by_id.copy()  # the proxied dict's own copy: dict(proxy) goes key by key
         tips = self.host_tips
         tips_moved = False
         for view in views:
