@@ -575,11 +575,14 @@ class Ledger:
 
     def _charge_for(self, flight: Flight, now: float) -> Charge:
         """What admitting `flight` at `now` charges its tenant: the KV it holds (its
-        prompt and what it generated) and the output it may still add, at this engine's
-        TPOT."""
+        prompt and what it generated) from now to its first token, as this engine's
+        latency model predicts it, and the output it may still add at its TPOT."""
         rec = flight.record
         kv = rec.prompt_tokens + rec.generated_tokens
-        return Charge.placed(rec.tenant, kv, rec.remaining_tokens, now, tpot_s=self.tpot_s)
+        ttft_s = self.latency.forecast(self.load()).ttft_s(kv)
+        return Charge.placed(
+            rec.tenant, kv, rec.remaining_tokens, now, ttft_s=ttft_s, tpot_s=self.tpot_s
+        )
 
     def _commit(self, flight: Flight) -> None:
         flight.charge = self._queue.charge(self._charge_for(flight, self.clock()))

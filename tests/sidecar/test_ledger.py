@@ -71,16 +71,23 @@ async def test_sums_follow_tokens_and_transitions() -> None:
 
 
 async def test_each_stay_in_the_engine_charges_its_tenant_what_its_kv_pinned() -> None:
-    """Admitted, a request's tenant is charged the KV it is expected to pin (at the
-    ledger's TPOT, 20 ms to start with), divided by the tenant's weight; when its KV is
-    released (preempted, ended) the charge becomes what it pinned. Resumed, it is
-    charged again for what is left."""
+    """Admitted, a request's tenant is charged the KV it is expected to pin (to its
+    first token as the engine's latency model predicts it, then at the ledger's TPOT,
+    20 ms to start with), divided by the tenant's weight; when its KV is released
+    (preempted, ended) the charge becomes what it pinned. Resumed, it is charged again
+    for what is left."""
     now = [0.0]
     policy = PoolPolicy(pool="p", model="m", tenants=(TenantQuota(name="gold", weight=2.0),))
     ledger = Ledger(policy, 10_000, clock=lambda: now[0])
     counter = ledger._queue.counters.counter
+
+    def ttft(tokens: int) -> float:
+        return ledger.latency.forecast(ledger.load()).ttft_s(tokens)
+
+    expected = kv_cost_estimate(1000, 200, ttft(1000), 0.02)
+    assert ttft(1000) > 0
     f = await admitted(ledger, flight("a", 1000, max_new=200, tenant="gold"))
-    assert counter("gold") == pytest.approx(kv_cost_estimate(1000, 200, 0.0, 0.02) / 2)
+    assert counter("gold") == pytest.approx(expected / 2)
     for state in (S.PREFILL_RUNNING, S.DECODE_READY, S.DECODING):
         ledger.move(f, state)
     ledger.add_tokens(f, 50)
@@ -88,8 +95,9 @@ async def test_each_stay_in_the_engine_charges_its_tenant_what_its_kv_pinned() -
     ledger.move(f, S.DECODE_PREEMPTED)
     pinned = kv_cost(1000, 50, 2.0)
     assert counter("gold") == pytest.approx(pinned / 2)
+    expected = kv_cost_estimate(1050, 150, ttft(1050), 0.02)
     await ledger.admit(f)  # resumes: its prompt and the 50 it generated, 150 to go
-    assert counter("gold") == pytest.approx((pinned + kv_cost_estimate(1050, 150, 0.0, 0.02)) / 2)
+    assert counter("gold") == pytest.approx((pinned + expected) / 2)
     now[0] = 3.0
     ledger.move(f, S.CANCELLED, FinishReason.CANCELLED)
     assert counter("gold") == pytest.approx((pinned + kv_cost(1050, 0, 1.0)) / 2)
