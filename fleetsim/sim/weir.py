@@ -136,9 +136,6 @@ from fleetsim.workloads import BLOCK_TOKENS, prompt_token_ids
 
 # A lease lapses after this many missed heartbeats.
 LEASE_HEARTBEATS = 3
-# Weir's engine flags bound one iteration's prefill work so decodes keep flowing beside a
-# long prompt (SGLang: --enable-mixed-chunk and a smaller chunk).
-PREFILL_TIME_BUDGET_S = 0.05
 # Admitting a prompt this long publishes the sidecar's state at once.
 LONG_PROMPT_TOKENS = 4096
 # A patient client retries a 503 without Retry-After after this long.
@@ -424,20 +421,23 @@ class WeirPolicy:
         return self._gate
 
     def tune(self, config: EngineConfig, fleet: FleetConfig) -> EngineConfig:
-        """Weir's engine flags: priority scheduling (fcfs inside a priority, as the
-        operator renders SGLang's), prefill yielding, mixed prefill/decode iterations with
-        a bounded prefill time per iteration. The engine does not age priorities: the
-        sidecar does, in its queue and in the priority it sends (`engine_priority`).
-        Aging inside the engine too let a low-priority long request the engine's own
-        admission could not fit (its clipped output limit) head the engine's queue two
-        seconds after it came and stop every short request behind it
-        (preemption_crossing: short p50 TTFT 25 s)."""
-        return config.replace(
-            enable_priority_scheduling=True,
-            prefill_yield=True,
-            enable_mixed_chunk=True,
-            prefill_time_budget_s=PREFILL_TIME_BUDGET_S,
+        """Weir's engine flags: exactly those the operator renders for SGLang from the pool
+        policy (`fleet_operator.rendering.engine_args`, held equal by
+        tests/fleetsim/test_weir_engine_flags.py): priority scheduling, fcfs inside a
+        priority, and the pool's prefill chunk and running cap. Nothing stock SGLang
+        lacks: the reference engine's prefill yielding and per-iteration prefill time
+        budget made Weir's simulated goodput up to 1.6x what a Weir deployment gets
+        (docs/fleet-simulation.md). The engine does not age priorities: the sidecar
+        does, in its queue and in the priority it sends (`engine_priority`)."""
+        scheduling = (self.pool_policy or fleet.policy).scheduling
+        flags = config.replace(
+            enable_priority_scheduling=scheduling.priority_scheduling,
+            schedule_policy="fcfs",
+            chunked_prefill_size=scheduling.chunked_prefill_size,
         )
+        if scheduling.max_running_requests > 0:
+            flags = flags.replace(max_running_requests=scheduling.max_running_requests)
+        return flags
 
     def _policy(self) -> PoolPolicy:
         if self.pool_policy is None:

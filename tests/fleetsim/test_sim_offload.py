@@ -29,8 +29,9 @@ def run(kv_tokens: int, host_tier: bool, modes: tuple[PreemptionMode, ...]) -> S
 def runs() -> dict[str, SimResult]:
     return {
         "unpressured": run(4_000_000, False, (M.RECOMPUTE,)),
-        "offload": run(60_000, True, (M.RECOMPUTE, M.OFFLOAD)),
-        "recompute": run(60_000, False, (M.RECOMPUTE,)),
+        # Room for five of the long requests' prompts and outputs, not six.
+        "offload": run(54_000, True, (M.RECOMPUTE, M.OFFLOAD)),
+        "recompute": run(54_000, False, (M.RECOMPUTE,)),
     }
 
 
@@ -45,8 +46,9 @@ def test_offloaded_victims_resume_from_the_host_tier(runs: dict[str, SimResult])
     assert offloaded
     assert recomputed
     # Without a host tier the victims' prefixes were evicted while they waited and were
-    # computed again; with one, only what did not fill a page was.
-    assert sum(f.recomputed_tokens for f in recompute.flights) > 10_000
+    # computed again (7,170 tokens for two victims); with one, only what did not fill a
+    # page was.
+    assert sum(f.recomputed_tokens for f in recompute.flights) > 5_000
     assert sum(f.recomputed_tokens for f in offload.flights) < 16 * len(offloaded)
 
 
