@@ -142,7 +142,7 @@ def table(rows: Sequence[dict[str, object]]) -> str:
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--engines", type=int, default=2)
-    parser.add_argument("--kv-tokens", type=int, default=60_000, help="each engine's KV pool")
+    parser.add_argument("--kv-tokens", type=int, default=50_000, help="each engine's KV pool")
     parser.add_argument("--long", type=int, default=10, help="long requests")
     parser.add_argument("--chats", type=int, default=40, help="short chats")
     args = parser.parse_args(argv)
