@@ -134,6 +134,12 @@ class EngineMetrics:
         # The tokenizer side labels by model (and engine type on 0.5.23); 0.5.23 splits
         # request counts and latencies by whether the request streamed.
         self._tok = {"engine_type": kind, "model_name": name} if new else {"model_name": name}
+        # 0.5.23 with priority scheduling labels both sides by priority: "" on scheduler
+        # totals, each request's own on its counts and latencies (the scheduler's
+        # per-priority breakdown of its queue gauges is not modelled).
+        self._by_priority = new and model.config.enable_priority_scheduling
+        if self._by_priority:
+            sched["priority"] = self._tok["priority"] = ""
         self._split = ["is_streaming"] if new else []
         gauges = {**_GAUGES, **(_GAUGES_0523 if new else {})}
         self._gauges = {
@@ -218,10 +224,13 @@ class EngineMetrics:
         metric = Counter(f"sglang:{key}", doc, list(labels), registry=self.registry)
         return metric.labels(**labels)
 
-    def _labels(self, streaming: bool) -> dict[str, str]:
+    def _labels(self, req: EngineRequest, streaming: bool) -> dict[str, str]:
+        labels = self._tok
+        if self._by_priority:
+            labels = {**labels, "priority": str(req.priority)}
         if self._split:
-            return {**self._tok, "is_streaming": "true" if streaming else "false"}
-        return self._tok
+            return {**labels, "is_streaming": "true" if streaming else "false"}
+        return labels
 
     def refresh(self) -> None:
         """Copy the scheduler's state into the gauges (SGLang's log_stats moments)."""
@@ -249,7 +258,7 @@ class EngineMetrics:
             self.pd.refresh()
 
     def first_token(self, req: EngineRequest, streaming: bool, at: float) -> None:
-        self._ttft.labels(**self._labels(streaming)).observe(max(0.0, at - req.arrival))
+        self._ttft.labels(**self._labels(req, streaming)).observe(max(0.0, at - req.arrival))
 
     def retracted(self, req: EngineRequest) -> None:
         if self.retracted_counters is not None:
@@ -260,7 +269,7 @@ class EngineMetrics:
 
     def finished(self, req: EngineRequest, streaming: bool) -> None:
         """Count a request that ended, however it ended."""
-        labels = self._labels(streaming)
+        labels = self._labels(req, streaming)
         self._requests.labels(**labels).inc()
         self._prompt.labels(**labels).inc(req.prompt_tokens)
         self._generation.labels(**labels).inc(req.completion_tokens)

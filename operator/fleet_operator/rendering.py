@@ -58,7 +58,7 @@ from kubernetes_asyncio.client import (
 )
 from kubernetes_asyncio.client import V1Affinity as Affinity
 
-from controlplane.contract import Role, encode_json
+from controlplane.contract import Role, SchedulingPolicy, encode_json
 from fleet_operator.config import OperatorConfig
 from fleet_operator.spec import Pool
 
@@ -175,6 +175,19 @@ def _engine_security(pool: Pool, uid: int) -> V1SecurityContext:
     )
 
 
+def scheduling_args(scheduling: SchedulingPolicy) -> list[str]:
+    """The engine-scheduling flags of `engine_args`, from the pool's `scheduling`: the
+    prefill chunk, the running cap, priority scheduling. The real SGLang test tier's
+    servers run with the defaults' (tests/sglang/conftest.py)."""
+    args = ["--chunked-prefill-size", str(scheduling.chunked_prefill_size)]
+    if scheduling.max_running_requests > 0:
+        args += ["--max-running-requests", str(scheduling.max_running_requests)]
+    if scheduling.priority_scheduling:
+        # fcfs honours priorities; lpm would ignore them and starve uncached prompts.
+        args += ["--enable-priority-scheduling", "--schedule-policy", "fcfs"]
+    return args
+
+
 def engine_args(pool: Pool) -> list[str]:
     """SGLang launch flags derived from the spec (`python -m sglang.launch_server --help`).
 
@@ -199,15 +212,9 @@ def engine_args(pool: Pool) -> list[str]:
         str(spec.engine.tensor_parallel),
         "--page-size",
         str(spec.kv.page_size),
-        "--chunked-prefill-size",
-        str(spec.scheduling.chunked_prefill_size),
         "--enable-metrics",
+        *scheduling_args(spec.scheduling),
     ]
-    if spec.scheduling.max_running_requests > 0:
-        args += ["--max-running-requests", str(spec.scheduling.max_running_requests)]
-    if spec.scheduling.priority_scheduling:
-        # fcfs honours priorities; lpm would ignore them and starve uncached prompts.
-        args += ["--enable-priority-scheduling", "--schedule-policy", "fcfs"]
     if spec.engine.mem_fraction_static > 0:
         args += ["--mem-fraction-static", str(spec.engine.mem_fraction_static)]
     if role is not Role.MIXED:

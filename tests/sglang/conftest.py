@@ -7,6 +7,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from controlplane.contract import SchedulingPolicy
+from fleet_operator.rendering import scheduling_args
 from tests.sglang import server
 from tests.sglang.server import SGLangServer
 from weir.local.sglang_cpu import versions
@@ -16,6 +18,12 @@ from weir.local.sglang_cpu import versions
 def sglang(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[SGLangServer]:
-    """A real SGLang server, once per version (tests run grouped by version)."""
+    """A real SGLang server, once per version (tests run grouped by version), with the
+    scheduling flags the operator renders for a pool's defaults (priority scheduling,
+    fcfs, the prefill chunk): the tier tests the engine as Weir deploys it."""
     version: str = request.param
-    yield from server.serve(version, log_dir=tmp_path_factory.mktemp(f"sglang-{version}"))
+    yield from server.serve(
+        version,
+        log_dir=tmp_path_factory.mktemp(f"sglang-{version}"),
+        extra_args=scheduling_args(SchedulingPolicy()),
+    )

@@ -57,21 +57,6 @@ async def stream_events(
     return events
 
 
-async def metric(sglang: SGLangServer, name: str) -> float:
-    """One gauge from the server's own /metrics (summed over its label sets)."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", sglang.port)
-    writer.write(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
-    text = (await reader.read()).decode()
-    writer.close()
-    values = [
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith((name + "{", name + " "))
-    ]
-    assert values, f"{name} is not in /metrics"
-    return sum(values)
-
-
 async def test_server_info_reads_what_the_sidecar_needs(
     engine: SGLangEngine, sglang: SGLangServer
 ) -> None:
@@ -97,9 +82,11 @@ async def test_a_stream_through_the_adapter_is_cumulative_and_ends_with_its_leng
     assert all(b.startswith(a) for a, b in itertools.pairwise(texts))  # cumulative
 
 
-async def test_abort_ends_a_running_stream_and_frees_its_kv(
-    engine: SGLangEngine, sglang: SGLangServer
-) -> None:
+async def test_abort_ends_a_running_stream_and_frees_its_kv(engine: SGLangEngine) -> None:
+    """The load report the sidecar reads (/v1/loads, /get_load) counts the abort at once.
+    SGLang's /metrics gauges do not: they are set every `--decode-log-interval` decode
+    steps, so one that was set while the request ran keeps its value once nothing runs
+    (0.5.5 with priority scheduling read num_running_reqs 1 after the abort)."""
     rid = "weiradapterabort0001"
     events: list[dict[str, Any]] = []
     async with engine.open("/generate", generate(2000, rid=rid)) as stream:
@@ -111,7 +98,6 @@ async def test_abort_ends_a_running_stream_and_frees_its_kv(
     assert events[-1]["meta_info"]["completion_tokens"] < 2000
     load = await engine.load()
     assert (load.running_requests, load.waiting_requests) == (0, 0)
-    assert await metric(sglang, "sglang:num_running_reqs") == 0
 
 
 async def test_pause_then_resume_leaves_the_engine_serving(

@@ -25,6 +25,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from controlplane.contract import SchedulingPolicy
 from fleetsim.engine import LLAMA_8B, EngineConfig, TimingModel
 from fleetsim.server import RunningEngine, serve_engine
 from tests.sglang.server import SGLangServer
@@ -93,14 +94,18 @@ LOADS_NULL_IN_REFERENCE = ("decode_moments",)
 PROMPT_IDS = list(range(3, 21))  # 18 token ids every vocabulary of both engines has
 
 
+SCHEDULING = SchedulingPolicy()
+
+
 def reference_config(version: str) -> EngineConfig:
     """The reference engine launched as tests/sglang/server.py launches SGLang."""
     return EngineConfig(
         model=str(model_dir()),
         max_total_tokens=4096,
         page_size=16 if version == "0.5.23" else 1,
-        # What each version picks for this machine's memory.
-        chunked_prefill_size=4096 if version == "0.5.23" else 2048,
+        # The operator's scheduling flags, as the tier's servers run (tests/sglang/conftest.py).
+        chunked_prefill_size=SCHEDULING.chunked_prefill_size,
+        enable_priority_scheduling=SCHEDULING.priority_scheduling,
         timing=TimingModel(model=dataclasses.replace(LLAMA_8B, context_length=4096)),
         enable_metrics=True,
         speed_factor=4.0,
