@@ -81,16 +81,16 @@ def _assert_whole(streams: list[Stream], expected: list[str]) -> None:
         assert stream.text == expected[i], i
 
 
-@pytest.mark.parametrize("resume_wait_s", [60.0, 1.0])
-async def test_a_kv_burst_keeps_every_admitted_stream(redis_url: str, resume_wait_s: float) -> None:
+async def test_a_kv_burst_keeps_every_admitted_stream(redis_url: str) -> None:
     """Twice the KV the fleet has, asked for at once: admission queues what does not fit,
-    relief preempts and migrates as outputs grow, and every stream still ends whole. A
-    resume queued behind streams that run longer than the pool's resume wait is not
-    lost for it."""
+    relief preempts and migrates as outputs grow, and every stream still ends whole. The
+    pool lets a resume wait 1 s, far less than the streams ahead of it run: a resume
+    queued behind them is not lost for it (with the router counting its wait from the
+    hand-back, some were: 503 resume_failed). A longer wait only makes the test easier."""
     bodies = [request_body(i, 1500) for i in range(24)]
     expected = await _expected(bodies)
     async with (
-        live_fleet(redis_url, resume_wait_s=resume_wait_s) as fleet,
+        live_fleet(redis_url, resume_wait_s=1.0) as fleet,
         aiohttp.ClientSession() as session,
     ):
         streams = await asyncio.wait_for(
