@@ -35,10 +35,10 @@ A request's life here:
   waits ahead of new work of its class, without holding the line for anything (it can
   only wait for want of a routable endpoint), for up to `resume_wait_s` in all since it
   was handed back (then 503 `resume_failed`): the time an endpoint held it, queued there
-  as accepted work until it refused it, does not count. A migration whose sidecar took room for it at
-  a target (`target`) goes there first, if the filters a resume passes allow it: a
-  preference, tried once; a target that refuses or is gone leaves the resume to
-  `decide_resume`.
+  as accepted work until it refused it, does not count. A migration whose sidecar took
+  room for it at a target (`target`) goes there first, if the filters a resume passes
+  allow it: a preference, tried once; a target that refuses or is gone leaves the resume
+  to `decide_resume`.
 - **Reached.** Once the endpoint it was placed at has it, the caller says so (`reached`):
   the profile's post-decision hooks learn where it went (the prefix plugin records its
   prompt's blocks there, for the next decisions to find).

@@ -13,8 +13,10 @@ from typing import Any
 
 import pytest
 
+from controlplane.contract import PoolPolicy
 from fleet_operator.rendering import engine_args
 from fleet_operator.spec import parse_pool
+from fleetsim.engine import EngineConfig
 from fleetsim.sim import FleetConfig
 from fleetsim.sim.loop import engine_config_for
 from fleetsim.sim.weir import WeirPolicy
@@ -33,7 +35,7 @@ SCHEDULING = (
 )
 
 
-def _rendered(scheduling: dict[str, Any]) -> tuple[Any, Any]:
+def _rendered(scheduling: dict[str, Any]) -> tuple[PoolPolicy, EngineConfig]:
     """The pool's policy, and the engine the reference engine's command line makes of the
     operator's arguments for it."""
     pool = parse_pool("sim", "ns", {"model": {"name": "m", "source": "org/m"},
