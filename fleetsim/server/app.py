@@ -249,12 +249,20 @@ class EngineServer:
                 self.driver.cancel(stream.req)
 
     async def _stream(
-        self, request: web.Request, spec: GenerateSpec, req: EngineRequest, chunks: Chunks
+        self,
+        request: web.Request,
+        spec: GenerateSpec,
+        req: EngineRequest,
+        chunks: Chunks,
+        *,
+        native: bool,
     ) -> web.StreamResponse:
-        # Headers leave with the first event, as a real server's first write; a decode
-        # half sends them at once, as SGLang does while its KV is on its way.
-        waits_for_kv = isinstance(self.handoffs, DecodeSide) and spec.bootstrap is not None
-        kind = web.StreamResponse if waits_for_kv else EventStreamResponse
+        # SGLang's /generate sends its headers at once, before the request is scheduled
+        # (0.5.5 and 0.5.23: 200 within 0.03 s, the first event after the queue,
+        # tests/sglang/test_reference_fidelity.py); so does a decode half while its KV
+        # is on its way. An OpenAI stream's headers leave with its first event.
+        at_once = native or (isinstance(self.handoffs, DecodeSide) and spec.bootstrap is not None)
+        kind = web.StreamResponse if at_once else EventStreamResponse
         response = kind(headers=_SSE_HEADERS)
         await response.prepare(request)
         # Queued only now, with nothing left to wait for before following it: the first
@@ -423,7 +431,7 @@ class EngineServer:
             message = str(exc)
         else:
             if spec.stream:
-                return await self._stream(request, spec, req, self._native_chunk)
+                return await self._stream(request, spec, req, self._native_chunk, native=True)
             stream = self._submit(spec, req, streaming=False)
             await self._complete(stream)
             refused = self._aborted_with_status(stream.req)
@@ -548,7 +556,8 @@ class EngineServer:
         except EngineRequestError as exc:
             return _openai_error(str(exc))
         if spec.stream:
-            return await self._stream(request, spec, req, self._openai_chunks(spec, chat))
+            chunks = self._openai_chunks(spec, chat)
+            return await self._stream(request, spec, req, chunks, native=False)
         stream = self._submit(spec, req, streaming=False)
         await self._complete(stream)
         refused = self._aborted_with_status(req)

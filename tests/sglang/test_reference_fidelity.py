@@ -567,3 +567,65 @@ async def test_an_overfilled_pool_retracts_the_latest_and_every_request_finishes
         # The victims are the latest admitted of those running: never the first ones.
         assert min(retracted) > 2, (name, retractions)
     print(f"SGLang {both.version} retractions per request (in arrival order): {report}")
+
+
+def filler(lead: int, tokens: int) -> list[int]:
+    """A prompt of `tokens` ids that shares no prefix with one of another `lead`."""
+    return [lead, *itertools.islice(itertools.cycle(PROMPT_IDS), tokens - 1)]
+
+
+async def first_token(response: aiohttp.ClientResponse, rid: str) -> tuple[float, str]:
+    """When the stream's first event came, and its name; the stream is read to its end,
+    which must be its natural one."""
+    await response.content.readuntil(b"\n\n")
+    at = asyncio.get_running_loop().time()
+    events: list[dict[str, Any]] = []
+    assert await read_rest(response, events) == "data: [DONE]"
+    assert events[-1]["meta_info"]["finish_reason"]["type"] == "length", (rid, events[-1])
+    return at, rid
+
+
+async def waiting_requests(both: Both, base: str) -> int:
+    answer = await both.one(base, "GET", "/v1/loads?include=all" if both.new else "/get_load")
+    body = answer.json()
+    return sum(row["num_waiting_reqs"] for row in (body["loads"] if both.new else body))
+
+
+async def test_priority_scheduling_admits_the_higher_priority_first_then_in_arrival_order(
+    both: Both,
+) -> None:
+    """What Weir's sidecar relies on when it sends each request's priority (its class,
+    aged): with the flags the operator renders (`--enable-priority-scheduling`, fcfs), a
+    waiting request of a higher priority value is admitted before older ones of a lower
+    value, and equal ones in the order they came. A first request holds the 4,096-token
+    pool while three of 2,100 tokens queue, priorities 0, 5, 0; once all three wait it
+    is aborted, leaving room for one of them at a time, so their first tokens come in
+    the order the scheduler took them."""
+    order = {}
+    for name, base in zip(("real", "reference"), both.urls, strict=True):
+        # No waiting rid starts with the holder's: an abort takes every rid it prefixes.
+        rid = f"weir-fidelity-holder-{name}"
+        body = {
+            "input_ids": filler(3, 2000), "stream": True, "priority": 10, "rid": rid,
+            "sampling_params": {"max_new_tokens": 2000, "temperature": 0, "ignore_eos": True},
+        }  # fmt: skip
+        holder = await both.http.post(base + "/generate", json=body)
+        await holder.content.readuntil(b"\n\n")  # it runs
+        waiting = {}
+        for lead, (tag, priority) in enumerate((("b", 0), ("c", 5), ("d", 0)), start=4):
+            body = {**generate(8, stream=True), "input_ids": filler(lead, 2100),
+                    "priority": priority, "rid": f"weir-fidelity-waiting-{name}-{tag}"}  # fmt: skip
+            waiting[tag] = await both.http.post(base + "/generate", json=body)
+        for _ in range(300):
+            if await waiting_requests(both, base) == len(waiting):
+                break
+            await asyncio.sleep(0.1)
+        else:
+            raise AssertionError(f"{name}: the three requests never all waited")
+        assert (await both.one(base, "POST", "/abort_request", {"rid": rid})).status == 200
+        events: list[dict[str, Any]] = []
+        assert await read_rest(holder, events) == "data: [DONE]"
+        assert events[-1]["meta_info"]["finish_reason"] == ABORTED
+        firsts = await asyncio.gather(*(first_token(r, tag) for tag, r in waiting.items()))
+        order[name] = [tag for _, tag in sorted(firsts)]
+    assert order == {"real": ["c", "b", "d"], "reference": ["c", "b", "d"]}
