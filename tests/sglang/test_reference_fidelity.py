@@ -587,8 +587,8 @@ async def first_token(response: aiohttp.ClientResponse, rid: str) -> tuple[float
 
 async def waiting_requests(both: Both, base: str) -> int:
     answer = await both.one(base, "GET", "/v1/loads?include=all" if both.new else "/get_load")
-    body = answer.json()
-    return sum(row["num_waiting_reqs"] for row in (body["loads"] if both.new else body))
+    rows = load_rows(answer.json()) if both.new else answer.json()
+    return sum(row["num_waiting_reqs"] for row in rows)
 
 
 async def test_priority_scheduling_admits_the_higher_priority_first_then_in_arrival_order(
