@@ -235,15 +235,13 @@ class Ledger:
         """The engine's load as the latency model sees it: prompt tokens admitted or queued
         and not yet prefilled, the batch, the KV committed, the requests queued here and
         in the engine."""
-        entries = self._queue.entries()
-        queued = sum(q.prompt_tokens for q, _ in entries)
         usage = self.usage()
         committed = usage.used_tokens + usage.reserved_growth_tokens
         return EngineLoad(
-            self.waiting_prefill + queued,
+            self.waiting_prefill + self._queue.prompt_tokens,
             self.running,
             committed / self.capacity_tokens if self.capacity_tokens > 0 else 1.0,
-            len(entries),
+            len(self._queue),
             self.engine_waiting,
         )
 

@@ -193,6 +193,9 @@ class AdmissionQueue(Generic[T]):
         self.counters = VirtualCounters(weights)
         self._entries: dict[str, tuple[QueuedRequest, T]] = {}
         self._waiting: Counter[str] = Counter()  # entries per tenant
+        # The entries' prompt tokens, summed as they come and go: every latency forecast
+        # counts them among the prefill ahead.
+        self.prompt_tokens = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -214,6 +217,7 @@ class AdmissionQueue(Generic[T]):
             self.counters.join(item.tenant, +self._waiting)
         self._entries[item.rid] = (item, payload)
         self._waiting[item.tenant] += 1
+        self.prompt_tokens += item.prompt_tokens
 
     def remove(self, rid: str) -> T | None:
         entry = self._entries.get(rid)
@@ -267,6 +271,7 @@ class AdmissionQueue(Generic[T]):
     def _take(self, item: QueuedRequest) -> None:
         del self._entries[item.rid]
         self._waiting[item.tenant] -= 1
+        self.prompt_tokens -= item.prompt_tokens
 
 
 def holds_line(queued: QueuedRequest, now: float) -> bool:

@@ -2,10 +2,10 @@
 
 Each engine is the reference engine's `EngineModel` — the scheduler `weir engine` runs —
 stepped in virtual time: an iteration starts at `t`, its tokens and finishes are applied
-at `t + duration`, and the next iteration starts then. Everything else (arrivals,
-heartbeats, scrapes, cancellations, deadlines, engine failures) is a timed callback on one
-heap, ordered by time and then by insertion, so a run is a pure function of its inputs
-and seed.
+at `t + duration`, and the next iteration starts then. Everything else (heartbeats,
+scrapes, cancellations, deadlines, engine failures) is a timed callback on one heap,
+ordered by time and then by insertion; arrivals, all known in advance, are read in order
+beside it and go first at an equal time. A run is a pure function of its inputs and seed.
 
 P/D: on a disaggregated fleet a request is first sent to a prefill engine for its prompt
 and first token only; its prompt's KV then travels to a decode engine (the transfer takes
@@ -205,8 +205,11 @@ class Simulation:
         self.last_arrival = max((s.arrival_s for s in specs), default=0.0)
         self.horizon = self.last_arrival + self.config.drain_s
         self.kv_samples: list[KVSample] = []
-        for flight in self.flights:
-            self.at(flight.spec.arrival_s, functools.partial(self._arrive, flight))
+        # Arrivals are known in advance: read in order beside the heap rather than pushed
+        # into it (a million-request trace would make every heap operation pay for them).
+        # An arrival goes before any heap event at the same instant, as if it had been
+        # pushed first.
+        self._arrivals = sorted(self.flights, key=lambda f: f.spec.arrival_s)
         for failure in failures:
             if failure.engine < len(self.engines):
                 self.at(failure.at_s, functools.partial(self._fail, failure.engine))
@@ -246,10 +249,23 @@ class Simulation:
     def run(self) -> SimResult:
         self.policy.start(self)
         self.every(self.config.sample_period_s, self._sample)
-        heap, stale = self._heap, self._stale
-        while heap and self._open > 0:
+        heap, stale, horizon = self._heap, self._stale, self.horizon
+        arrivals, arrive = self._arrivals, self._arrive
+        following, last = 0, len(arrivals)
+        while self._open > 0:
+            if following < last and (not heap or arrivals[following].spec.arrival_s <= heap[0][0]):
+                flight = arrivals[following]
+                following += 1
+                when = max(0.0, flight.spec.arrival_s)
+                if when > horizon:
+                    break
+                self.now = when
+                arrive(flight)
+                continue
+            if not heap:
+                break
             when, _, action = heapq.heappop(heap)
-            if when > self.horizon:
+            if when > horizon:
                 break
             if action in stale:
                 stale.discard(action)

@@ -288,8 +288,7 @@ class Sidecar:
         """Prompt tokens not yet prefilled: queued here, or admitted and still waiting
         for their first token (the sidecar knows what it sent and what has streamed
         back)."""
-        waiting = sum(q.prompt_tokens for q, _ in self.queue.entries())
-        return waiting + sum(
+        return self.queue.prompt_tokens + sum(
             h.prompt_tokens - max(0, h.flight.visit_cached)
             for h in self.held.values()
             if h.flight.generated == h.generated_at_admission

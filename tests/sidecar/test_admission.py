@@ -121,6 +121,24 @@ def test_queue_orders_by_aged_priority_and_expires() -> None:
     assert [q.rid for q in queue_order((late, early), 9.0, 0.0, EQUAL)] == ["z", "a"]
 
 
+def test_the_queue_sums_its_prompt_tokens_through_every_way_out() -> None:
+    """The prefill ahead every latency forecast reads: what joined, less what left by
+    removal, by expiry and by the pump."""
+    queue: AdmissionQueue[str] = AdmissionQueue(8, 0.0)
+    for rid, tokens, expires in (("a", 100, 50.0), ("b", 20, 5.0), ("c", 3, 50.0), ("d", 7, 50.0)):
+        queue.offer(QueuedRequest(rid, 0, 0.0, expires, tokens), rid)
+    assert queue.prompt_tokens == 130
+    queue.remove("d")
+    assert [q.rid for q, _ in queue.expire(6.0)] == ["b"]
+    assert queue.prompt_tokens == 103
+
+    def small(item: QueuedRequest, _: str) -> AdmissionVerdict:
+        return AdmissionVerdict.ADMIT if item.prompt_tokens < 10 else AdmissionVerdict.WAIT
+
+    assert [q.rid for q, _, _ in queue.pump(6.0, small)] == ["c"]
+    assert queue.prompt_tokens == sum(q.prompt_tokens for q, _ in queue.entries()) == 100
+
+
 def test_inside_a_class_tenants_take_turns_by_kv_cost_and_weight() -> None:
     """Six requests of each of two tenants, all of one class and KV cost: `gold` (weight
     2) goes twice for each turn of `iron`; a tenant already served goes after; a higher
