@@ -343,9 +343,11 @@ async def test_unary_generate_has_the_same_body_and_meta_info(both: Both) -> Non
 
 
 async def test_a_stream_sends_one_token_per_chunk_with_the_same_meta_info(both: Both) -> None:
-    """The first chunk carries exactly one token and each decode step one more (SGLang's
+    """The first chunk carries one token and each decode step one more (SGLang's
     stream_interval 1), unless the client reads slower than the engine writes (then
-    steps coalesce, on both: a loaded test machine does that now and then); output_ids
+    steps coalesce, on both, the first chunk's too: a loaded test machine does that now
+    and then, so what is asserted is that chunks of one token occur and none is empty,
+    which no stream interval above one gives); output_ids
     are cumulative on 0.5.23, and on 0.5.5 those of the chunk's latest step alone (one
     token: the ids of coalesced steps before it are lost, on both; CI caught the real
     0.5.5 server doing it)."""
@@ -354,9 +356,9 @@ async def test_a_stream_sends_one_token_per_chunk_with_the_same_meta_info(both: 
     real_events, ref_events = ([json.loads(e) for e in a.events()[:-1]] for a in answers)
     for events in (real_events, ref_events):
         counts = [e["meta_info"]["completion_tokens"] for e in events]
-        assert counts[0] == 1
+        steps = [counts[0], *(b - a for a, b in itertools.pairwise(counts))]
         assert counts[-1] == 30
-        assert all(a < b for a, b in itertools.pairwise(counts))
+        assert min(steps) == 1, steps
         ids = [len(e["output_ids"]) for e in events]
         assert ids == (counts if both.new else [1] * len(events))
         assert all(e["meta_info"]["finish_reason"] is None for e in events[:-1])
@@ -478,11 +480,16 @@ async def test_an_abort_needs_a_live_exact_rid_and_then_takes_its_prefix(both: B
 
 
 async def test_pause_modes_end_and_resume_requests_alike(both: Both) -> None:
+    """A stream the pause aborts is long, so that a loaded machine's late pause still
+    finds it running (CI saw a 60-token one end first, as `length`); one the pause only
+    holds is short, for it runs to its end after the continue."""
     modes: list[str | None] = ["abort", "retract", "in_place"] if both.new else [None]
     for mode in modes:
         outcomes = []
+        max_new = 1000 if mode in (None, "abort") else 60
         for base in both.urls:
-            response, events = await open_stream(both.http, base, f"weir-pause-{mode}-01", 60)
+            rid = f"weir-pause-{mode}-01"
+            response, events = await open_stream(both.http, base, rid, max_new)
             body = None if mode is None else {"mode": mode}
             assert (await both.one(base, "POST", "/pause_generation", body)).status == 200
             assert (await both.one(base, "POST", "/continue_generation", {})).status == 200
