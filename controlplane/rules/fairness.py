@@ -98,6 +98,7 @@ class VirtualCounters:
                     f"tenant {tenant!r}: weight must be a positive number, got {weight!r}"
                 )
         self._counters: dict[str, float] = {}
+        self.changes = 0  # how many times a counter was set (what orders by them reads)
 
     def counter(self, tenant: str) -> float:
         return self._counters.get(tenant, 0.0)
@@ -115,11 +116,13 @@ class VirtualCounters:
         if floor is None:
             floor = min(counters.values(), default=0.0)
         counters[tenant] = max(counters.get(tenant, 0.0), floor)
+        self.changes += 1
 
     def charge(self, tenant: str, cost: float) -> None:
         """Add service to a tenant's counter (a placement, or a correction, perhaps
         negative, once the real cost is known)."""
         self._counters[tenant] = self.counter(tenant) + self.share(tenant, cost)
+        self.changes += 1
 
     def settle(self, charge: Charge, output_tokens: int, now: float) -> None:
         """The request `charge` was placed for ended at `now` with `output_tokens`

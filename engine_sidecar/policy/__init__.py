@@ -12,6 +12,7 @@ from engine_sidecar.policy.admission import (
     SequenceOutlook,
     decide_admission,
     growth_reserve,
+    growth_tokens,
     total_growth_reserve,
 )
 from engine_sidecar.policy.host_prefixes import HostPrefixes
@@ -113,6 +114,7 @@ __all__ = [
     "engine_priority",
     "expired",
     "growth_reserve",
+    "growth_tokens",
     "peer_rooms",
     "pick_target",
     "plan_relief",

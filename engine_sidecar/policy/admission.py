@@ -44,10 +44,20 @@ class SequenceOutlook:
 
 def growth_reserve(seq: SequenceOutlook, horizon_steps: int) -> int:
     """Tokens this sequence is expected to add over the next `horizon_steps` steps."""
-    remaining = seq.max_new_tokens - seq.generated_tokens
+    return growth_tokens(
+        seq.generated_tokens, seq.max_new_tokens, seq.predicted_total_tokens, horizon_steps
+    )
+
+
+def growth_tokens(
+    generated_tokens: int, max_new_tokens: int, predicted_total_tokens: int, horizon_steps: int
+) -> int:
+    """`growth_reserve` of a sequence given by its figures (an account over every
+    running sequence builds no outlook for each)."""
+    remaining = max_new_tokens - generated_tokens
     if remaining <= 0:
         return 0
-    predicted = max(1, seq.predicted_total_tokens - seq.generated_tokens)
+    predicted = max(1, predicted_total_tokens - generated_tokens)
     return max(1, min(horizon_steps, remaining, predicted))
 
 

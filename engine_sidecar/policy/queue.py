@@ -22,7 +22,8 @@ is released (`AdmissionQueue.settle`): each stay in the engine is one charge.
 from __future__ import annotations
 
 import heapq
-from collections import Counter, deque
+import math
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -127,11 +128,19 @@ def queue_order(
     higher class): a head that waited long goes ahead of younger work of a higher
     class, so a class is delayed, never starved, while aging never reorders tenants
     inside one."""
+    return tuple(merge_classes(class_lines(queue, counters), now, aging_per_second))
+
+
+def class_lines(
+    queue: tuple[QueuedRequest, ...], counters: VirtualCounters
+) -> dict[float, tuple[QueuedRequest, ...]]:
+    """Each class's requests in `queue_order`'s order inside a class: a function of the
+    requests and the tenants' counters only (not of the clock)."""
     classes: dict[float, list[tuple[float, int, QueuedRequest]]] = {}
     for i, q in enumerate(queue):
         lead = RESUME_LEAD if q.resumed else 0.0
         classes.setdefault(q.priority + lead, []).append((q.enqueued_at, i, q))
-    lines: dict[float, deque[QueuedRequest]] = {}
+    lines: dict[float, tuple[QueuedRequest, ...]] = {}
     for klass, members in classes.items():
         members.sort()
         ahead: dict[str, float] = {}
@@ -143,24 +152,36 @@ def queue_order(
             ahead[q.tenant] = start + counters.share(q.tenant, q.cost)
             ranked.append((start, enqueued_at, i, q))
         ranked.sort()
-        lines[klass] = deque(r[-1] for r in ranked)
+        lines[klass] = tuple(r[-1] for r in ranked)
+    return lines
+
+
+def merge_classes(
+    lines: Mapping[float, tuple[QueuedRequest, ...]], now: float, aging_per_second: float
+) -> Iterator[QueuedRequest]:
+    """`queue_order` across classes at `now`, lazily: a pump that stops at its first
+    request orders no more."""
+    if len(lines) == 1:
+        (line,) = lines.values()
+        yield from line
+        return
+    at = dict.fromkeys(lines, 0)
 
     def aged(klass: float) -> tuple[float, float, float]:
-        head = lines[klass][0]
+        head = lines[klass][at[klass]]
         waited = now - head.enqueued_at
         lead = klass - head.priority
         return (-effective_priority(head.priority, waited, aging_per_second) - lead, -klass, klass)
 
     heads = [aged(klass) for klass in lines]
     heapq.heapify(heads)
-    order = []
     while heads:
         klass = heapq.heappop(heads)[-1]
-        line = lines[klass]
-        order.append(line.popleft())
-        if line:
+        line, i = lines[klass], at[klass]
+        yield line[i]
+        at[klass] = i + 1
+        if i + 1 < len(line):
             heapq.heappush(heads, aged(klass))
-    return tuple(order)
 
 
 def expired(queue: tuple[QueuedRequest, ...], now: float) -> tuple[QueuedRequest, ...]:
@@ -193,6 +214,12 @@ class AdmissionQueue(Generic[T]):
         self.counters = VirtualCounters(weights)
         self._entries: dict[str, tuple[QueuedRequest, T]] = {}
         self._waiting: Counter[str] = Counter()  # entries per tenant
+        # Each class's line as the last pump ordered it, kept while neither the entries
+        # nor the counters change (an engine's every iteration pumps a waiting queue;
+        # the clock alone only moves classes against each other).
+        self._lines: dict[float, tuple[QueuedRequest, ...]] = {}
+        self._lines_for: tuple[int, int] = (-1, -1)
+        self._changes = 0
         # The entries' prompt tokens, summed as they come and go: every latency forecast
         # counts them among the prefill ahead.
         self.prompt_tokens = 0
@@ -217,6 +244,7 @@ class AdmissionQueue(Generic[T]):
             self.counters.join(item.tenant, +self._waiting)
         self._entries[item.rid] = (item, payload)
         self._waiting[item.tenant] += 1
+        self._changes += 1
         self.prompt_tokens += item.prompt_tokens
 
     def remove(self, rid: str) -> T | None:
@@ -251,10 +279,7 @@ class AdmissionQueue(Generic[T]):
         one that can never fit (REFUSE); one that must wait is passed over, unless it
         holds the line, which ends the pump. `decide` may answer None for an entry to
         pass over (its waiter is already gone)."""
-        ordered = queue_order(
-            tuple(q for q, _ in self._entries.values()), now, self.aging_per_second, self.counters
-        )
-        for item in ordered:
+        for item in merge_classes(self._class_lines(), now, self.aging_per_second):
             entry = self._entries.get(item.rid)
             if entry is None:
                 continue
@@ -268,9 +293,31 @@ class AdmissionQueue(Generic[T]):
             self._take(item)
             yield item, entry[1], verdict
 
+    def settled_until(self) -> float:
+        """Right after a pump that let nothing out: until when every pump would let
+        nothing out either, as long as the entries, the counters and what `decide`
+        answers for each stay as they are. With one class that is until the first entry
+        expires: the order inside a class does not move with the clock, and a line held
+        only holds longer, so no pump decides an entry the last one did not. With
+        several, -inf: which class's head goes first is decided in floating point at
+        each pump, and heads whose aged priorities tie may compare either way at another
+        time, putting first an entry the last pump never reached."""
+        lines = self._class_lines()
+        if len(lines) != 1:
+            return -math.inf
+        return min(q.expires_at for q, _ in self._entries.values())
+
+    def _class_lines(self) -> dict[float, tuple[QueuedRequest, ...]]:
+        state = (self._changes, self.counters.changes)
+        if state != self._lines_for:
+            entries = tuple(q for q, _ in self._entries.values())
+            self._lines, self._lines_for = class_lines(entries, self.counters), state
+        return self._lines
+
     def _take(self, item: QueuedRequest) -> None:
         del self._entries[item.rid]
         self._waiting[item.tenant] -= 1
+        self._changes += 1
         self.prompt_tokens -= item.prompt_tokens
 
 

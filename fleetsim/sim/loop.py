@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import gc
 import heapq
 import itertools
 from collections.abc import Callable, Sequence
@@ -249,6 +250,23 @@ class Simulation:
     def run(self) -> SimResult:
         self.policy.start(self)
         self.every(self.config.sample_period_s, self._sample)
+        # Python's cyclic collector, at its default thresholds, kept scanning the run's
+        # millions of long-lived objects (the flights, the engines' caches): 7 % of a
+        # 30K-request trace's time. What exists now is frozen out of its scans, and it
+        # runs a fiftieth as often; almost nothing here is freed by it (the same peak
+        # memory with it off).
+        thresholds = gc.get_threshold()
+        gc.freeze()
+        gc.set_threshold(50_000, 20, 100)
+        try:
+            self._events()
+        finally:
+            gc.set_threshold(*thresholds)
+            gc.unfreeze()
+        return self._finish()
+
+    def _events(self) -> None:
+        """Every event in time order until the flights are all done or the horizon."""
         heap, stale, horizon = self._heap, self._stale, self.horizon
         arrivals, arrive = self._arrivals, self._arrive
         following, last = 0, len(arrivals)
@@ -272,9 +290,11 @@ class Simulation:
                 continue
             self.now = when
             action()
-        # Only the horizon ends a run with fast-forwards under way (their flights are
-        # open): the iterations that ended by then ran, and the last of them ends the run
-        # if it came after every event.
+
+    def _finish(self) -> SimResult:
+        """The result. Only the horizon ends a run with fast-forwards under way (their
+        flights are open): the iterations that ended by then ran, and the last of them
+        ends the run if it came after every event."""
         for slot in self.engines:
             if slot.run is not None:
                 self._catch_up(slot, self.horizon, through=True)

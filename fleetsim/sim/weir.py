@@ -121,6 +121,7 @@ from engine_sidecar.policy import (
     decide_admission,
     engine_priority,
     growth_reserve,
+    growth_tokens,
     peer_rooms,
     plan_relief,
     queue_wait_s,
@@ -188,6 +189,8 @@ class Sidecar:
     accounted_at: float = -1e9
     engine_waiting: int = 0  # requests waiting in the engine, as its last poll read it
     version: int = 0
+    # When its admission last pumped a waiting queue and let nothing out (-1: it did).
+    stalled_at: float = -1.0
     # Offloaded victims not yet back in the engine, with the KV each left in its host tier.
     offloaded: dict[str, tuple[SimFlight, int]] = field(default_factory=dict)
     # Room held for continuations migrating here, as the live ledger holds it.
@@ -205,17 +208,15 @@ class Sidecar:
     def predictor(self) -> OutputLengthPredictor:
         return self.ledger.predictor
 
-    def predicted_total(self, flight: SimFlight) -> int:
+    def predicted_total(self, flight: SimFlight, generated: int) -> int:
+        """The flight's predicted total output, `generated` (its tokens so far) known."""
         spec = flight.spec
         if self.told_lengths:
             return spec.generated_tokens
         if spec.output_hint_tokens > 0:
-            return max(flight.generated + 1, min(spec.max_tokens, spec.output_hint_tokens))
+            return max(generated + 1, min(spec.max_tokens, spec.output_hint_tokens))
         return self.predictor.predict_total(
-            _length_key(spec.tenant),
-            self.policy.kv.growth_quantile,
-            flight.generated,
-            spec.max_tokens,
+            _length_key(spec.tenant), self.policy.kv.growth_quantile, generated, spec.max_tokens
         )
 
     def charge_for(self, flight: SimFlight, prompt_tokens: int, now: float) -> Charge:
@@ -243,8 +244,9 @@ class Sidecar:
         return held
 
     def outlook(self, flight: SimFlight) -> SequenceOutlook:
+        generated = flight.generated
         return SequenceOutlook(
-            flight.generated, flight.spec.max_tokens, self.predicted_total(flight)
+            generated, flight.spec.max_tokens, self.predicted_total(flight, generated)
         )
 
     def account(self) -> None:
@@ -257,9 +259,11 @@ class Sidecar:
             if flight.forecast is not None and flight.ttft_error < 0:
                 # The live sidecar learns at the first token; this one at its next poll.
                 self.learn_ttft(flight)
+            generated = len(flight.output_ids)
             cached = max(0, flight.visit_cached)
-            used += held.prompt_tokens - cached + flight.generated - held.generated_at_admission
-            reserved += growth_reserve(self.outlook(flight), horizon)
+            used += held.prompt_tokens - cached + generated - held.generated_at_admission
+            predicted = self.predicted_total(flight, generated)
+            reserved += growth_tokens(generated, flight.spec.max_tokens, predicted, horizon)
         self.used_tokens = used
         self.reserved_tokens = reserved
 
@@ -865,7 +869,9 @@ class WeirPolicy:
             decisions[queued.rid] = decision
             return decision.verdict
 
+        sidecar.stalled_at = now
         for queued, flight, verdict in sidecar.queue.pump(now, decide):
+            sidecar.stalled_at = -1.0
             decision = decisions[queued.rid]
             if verdict is AdmissionVerdict.REFUSE:
                 self._where.pop(flight.rid, None)
@@ -973,14 +979,22 @@ class WeirPolicy:
         self._admit(self.sidecars[engine], now)
 
     def quiet_until(self, engine: int, now: float) -> float:
-        """Below the pressure watermark with nothing queued, the sidecar does nothing at
-        an iteration until its next KV account: its admission has nobody to admit, and
-        its watermark, classified again from the same account, stays (a change comes
-        from an admission, a release or room held, which interrupt the engine)."""
+        """Below the pressure watermark, the sidecar does nothing at an iteration until
+        its next KV account: its watermark, classified again from the same account,
+        stays (a change comes from an admission, a release or room held, which
+        interrupt the engine), and its admission has nobody to admit — nothing queued,
+        or a queue its pump just let nothing out of, until the queue's rule says that
+        may change (`AdmissionQueue.settled_until`: with what the decisions read
+        unchanged, which the same interruptions guarantee)."""
         sidecar = self.sidecars[engine]
-        if len(sidecar.queue) or sidecar.watermark.rank >= WatermarkState.PRESSURE.rank:
+        if sidecar.watermark.rank >= WatermarkState.PRESSURE.rank:
             return now
-        return sidecar.accounted_at + self._engine_poll_s - ACCOUNT_MARGIN_S
+        until = sidecar.accounted_at + self._engine_poll_s - ACCOUNT_MARGIN_S
+        if len(sidecar.queue):
+            if sidecar.stalled_at != now:
+                return now
+            until = min(until, sidecar.queue.settled_until() - ACCOUNT_MARGIN_S)
+        return until
 
     def after_step(self, engine: int, now: float) -> None:
         sidecar = self.sidecars[engine]

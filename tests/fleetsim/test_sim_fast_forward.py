@@ -15,7 +15,10 @@ from collections.abc import Callable
 import pytest
 
 from fleetsim.engine import EngineConfig, EngineModel
+from fleetsim.report import CellSpec
+from fleetsim.report.matrix import fleet_config, workload
 from fleetsim.sim import FleetConfig, SimResult, Simulation, loop, policies
+from fleetsim.sim.weir import WeirPolicy
 from fleetsim.workloads import scenario
 from tests.fleetsim.conftest import submit
 
@@ -144,3 +147,30 @@ def test_fast_forward_changes_nothing_but_how_often_the_policy_is_called(
     assert sum(slot.model.steps for slot in unforwarded_sim.engines) == iterations
     assert every_call >= iterations
     assert calls < every_call / 2
+
+
+def test_a_queue_that_let_nothing_out_fast_forwards_alike(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Weir's sidecar also lets its engine run ahead while requests wait in its queue,
+    when its last pump let none of them out (`AdmissionQueue.settled_until`): the same
+    run as every iteration an event, and that case does occur here."""
+    quiet_with_a_queue = [0]
+    quiet_until = WeirPolicy.quiet_until
+
+    def counted(self: WeirPolicy, engine: int, now: float) -> float:
+        until = quiet_until(self, engine, now)
+        if len(self.sidecars[engine].queue) and until > now:
+            quiet_with_a_queue[0] += 1
+        return until
+
+    monkeypatch.setattr(WeirPolicy, "quiet_until", counted)
+    cell = CellSpec("few_long_many_short", "weir", 1.0, 0, 16, 20.0, kv_scale=0.25, drain_s=60.0)
+
+    def run() -> SimResult:
+        config = fleet_config(cell)
+        specs, _, failures = workload(cell, config)
+        return Simulation(specs, policies(0)["weir"](), config, failures=failures).run()
+
+    result = run()
+    assert quiet_with_a_queue[0] > 0
+    monkeypatch.setattr(loop, "FAST_FORWARD_STEPS", 0)
+    assert _outcome(result) == _outcome(run())

@@ -28,7 +28,8 @@ class _Watched(WeirPolicy):
         for sidecar in self.sidecars:
             for held in sidecar.held.values():
                 truth = held.flight.spec.generated_tokens
-                self.predictions.append((sidecar.predicted_total(held.flight), truth))
+                predicted = sidecar.predicted_total(held.flight, held.flight.generated)
+                self.predictions.append((predicted, truth))
             published = self._views[sidecar.index].state
             sidecar.account()
             self.stale.append(

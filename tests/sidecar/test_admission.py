@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from controlplane.contract import KVPolicy, WatermarkState
 from controlplane.rules.fairness import Charge, VirtualCounters, kv_cost
 from engine_sidecar.policy import (
@@ -172,6 +174,69 @@ def test_inside_a_class_tenants_take_turns_by_kv_cost_and_weight() -> None:
     served.charge("iron", 100.0)
     order = [q.rid for q in queue_order((queue[0], queue[7]), 3.0, 1.0, served)]
     assert order == ["gold1", "iron0"]
+
+
+def test_a_pump_orders_as_queue_order_does_after_every_kind_of_change() -> None:
+    """The queue keeps each class's line between pumps: a pump still sees the order
+    `queue_order` gives now, after a charge, a settle, an arrival, a departure, and the
+    clock moving classes against each other by aging."""
+    queue: AdmissionQueue[str] = AdmissionQueue(100, 0.1, {"gold": 2.0})
+    for i in range(4):
+        for tenant in ("gold", "iron"):
+            queue.offer(QueuedRequest(f"{tenant}{i}", 0, i, 1e9, 10, tenant=tenant, cost=50.0), "")
+    queue.offer(QueuedRequest("high", 2, 25.0, 1e9, 10, tenant="iron", cost=50.0), "")
+
+    def pumped(now: float) -> list[str]:
+        seen: list[str] = []
+
+        def look(item: QueuedRequest, _: str) -> AdmissionVerdict:
+            seen.append(item.rid)
+            return AdmissionVerdict.WAIT
+
+        assert list(queue.pump(now, look)) == []
+        return seen
+
+    def expected(now: float) -> list[str]:
+        entries = tuple(q for q, _ in queue.entries())
+        return [q.rid for q in queue_order(entries, now, 0.1, queue.counters)]
+
+    assert pumped(4.0) == expected(4.0)
+    assert pumped(4.0)[0] == "high"
+    assert pumped(26.0) == expected(26.0)
+    assert pumped(26.0)[0] == "gold0"  # aged past "high"
+    before = pumped(26.0)
+    charged = queue.charge(Charge.placed("gold", 400, 100, 26.0, ttft_s=1.0, tpot_s=0.01))
+    assert pumped(26.0) == expected(26.0) != before
+    queue.settle(charged, 0, 26.0)  # it cost less than its estimate
+    assert pumped(26.0) == expected(26.0)
+    queue.remove("gold0")
+    queue.offer(QueuedRequest("late", 0, 0.0, 1e9, 10, tenant="iron", cost=50.0), "")
+    assert pumped(26.0) == expected(26.0)
+    assert "gold0" not in pumped(26.0)
+
+
+def test_a_queue_of_one_class_stays_settled_until_its_first_expiry() -> None:
+    """After a pump that let nothing out, a queue of one class lets nothing out at any
+    later pump before its first entry expires, with every decision as it was: a line
+    held holds longer, and nothing behind it is reached. With two classes it promises
+    nothing."""
+    queue: AdmissionQueue[str] = AdmissionQueue(8, 0.5)
+    queue.offer(QueuedRequest("first", 0, 0.0, 10.0, 10), "")
+    queue.offer(QueuedRequest("fits", 0, 1.0, 30.0, 10), "")
+    reached: list[str] = []
+
+    def wait_unless_fits(item: QueuedRequest, _: str) -> AdmissionVerdict:
+        reached.append(item.rid)
+        return AdmissionVerdict.WAIT if item.rid == "first" else AdmissionVerdict.ADMIT
+
+    assert [q.rid for q, _, _ in queue.pump(6.0, wait_unless_fits)] == []  # "first" holds
+    assert queue.settled_until() == 10.0
+    for now in (6.5, 8.0, 9.99):
+        reached.clear()
+        assert list(queue.pump(now, wait_unless_fits)) == []
+        assert reached == ["first"]
+    queue.offer(QueuedRequest("urgent", 3, 7.0, 30.0, 10), "")
+    assert queue.settled_until() == -math.inf
 
 
 def test_a_tenant_of_weight_two_is_admitted_twice_the_kv_of_one_of_weight_one() -> None:
