@@ -711,13 +711,19 @@ class EngineModel:
             and all(r.ignore_eos and not r.stop and not r.stop_token_ids for r in self.decoding)
         )
 
-    def _page_phases(self) -> list[list[EngineRequest]]:
+    def _page_phases(self) -> dict[int, list[EngineRequest]]:
         """The decoding requests by the iteration, modulo the page size, at which each
-        needs its next page (when its KV fills its last one), in batch order."""
+        needs its next page (when its KV fills its last one), in batch order; a phase
+        no request has is absent."""
         ps = self.page_size
-        phases: list[list[EngineRequest]] = [[] for _ in range(ps)]
+        phases: dict[int, list[EngineRequest]] = {}
         for req in self.decoding:
-            phases[req.tree_len + len(req.pages) * ps - req.computed].append(req)
+            phase = (req.tree_len + len(req.pages) * ps - req.computed) % ps
+            members = phases.get(phase)
+            if members is None:
+                phases[phase] = [req]
+            else:
+                members.append(req)
         return phases
 
     def decode_run(self, now: float, limit: int, until: float) -> tuple[list[float], list[int]]:
@@ -728,7 +734,9 @@ class EngineModel:
         returns for them). Nothing changes here; `decode_ahead` runs them."""
         batch, ps = self.decoding, self.page_size
         limit = min(limit, min(r.max_new_tokens - len(r.output_ids) for r in batch) - 1)
-        needs = [len(phase) for phase in self._page_phases()]
+        needs = [0] * ps
+        for phase, members in self._page_phases().items():
+            needs[phase] = len(members)
         available = self.kv.available_pages
         steps = 0
         while steps < limit:
@@ -758,7 +766,7 @@ class EngineModel:
         in_use = kv.used_pages
         used: list[int] = []
         for step in range(count):
-            phase = phases[step % ps]
+            phase = phases.get(step % ps)
             if phase:
                 pages = kv.allocate(len(phase))
                 assert pages is not None, "decode_run planned pages that are not there"
