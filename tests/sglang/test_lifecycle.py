@@ -203,7 +203,7 @@ async def test_a_request_preempted_by_recompute_resumes_with_the_same_tokens(
     sglang: SGLangServer, redis_url: str, api: str
 ) -> None:
     async with fleet(redis_url, [sglang]) as pool, aiohttp.ClientSession() as session:
-        path, body = bodies(pool.model, 500)[api]
+        path, body = bodies(pool.model, 200)[api]
         direct = streamed_text(await stream(session, sglang.url + path, body))
         sidecar = pool.lanes["e0"].sidecar
         resumes = record_resumes(pool)
