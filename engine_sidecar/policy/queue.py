@@ -218,7 +218,7 @@ class AdmissionQueue(Generic[T]):
         # nor the counters change (an engine's every iteration pumps a waiting queue;
         # the clock alone only moves classes against each other).
         self._lines: dict[float, tuple[QueuedRequest, ...]] = {}
-        self._lines_for: tuple[int, int] = (-1, -1)
+        self._lines_for: tuple[int, VirtualCounters | None, int] = (-1, None, -1)
         self._changes = 0
         # The entries' prompt tokens, summed as they come and go: every latency forecast
         # counts them among the prefill ahead.
@@ -308,7 +308,7 @@ class AdmissionQueue(Generic[T]):
         return min(q.expires_at for q, _ in self._entries.values())
 
     def _class_lines(self) -> dict[float, tuple[QueuedRequest, ...]]:
-        state = (self._changes, self.counters.changes)
+        state = (self._changes, self.counters, self.counters.changes)  # counters replaced too
         if state != self._lines_for:
             entries = tuple(q for q, _ in self._entries.values())
             self._lines, self._lines_for = class_lines(entries, self.counters), state
