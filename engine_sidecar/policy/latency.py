@@ -76,7 +76,7 @@ class OnlineLinear:
     drift_reset: float = 0.5
     weights: list[float] = field(init=False)
     _cov: list[list[float]] = field(init=False, repr=False)
-    _drift: float = field(init=False, repr=False, default=0.0)
+    _drift: float = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         n = len(self.prior)
@@ -87,6 +87,7 @@ class OnlineLinear:
         if any(not (math.isfinite(v) and v > 0.0) for v in self.prior_variance):
             raise ValueError("prior_variance must be positive numbers")
         self.weights = [float(w) for w in self.prior]
+        self._drift = 0.0
         self._reset_cov()
 
     def _reset_cov(self) -> None:
@@ -95,7 +96,7 @@ class OnlineLinear:
                      for i in range(n)]  # fmt: skip
 
     def predict(self, x: Sequence[float]) -> float:
-        return sum(w * v for w, v in zip(self.weights, x, strict=True))
+        return sum((w * v for w, v in zip(self.weights, x, strict=True)), 0.0)
 
     def update(self, x: Sequence[float], y: float, weight: float = 1.0) -> None:
         """One sample, counted `weight` times as much as a plain one."""
@@ -110,10 +111,10 @@ class OnlineLinear:
         scale = math.sqrt(weight)
         xs = [v * scale for v in x]
         cov, lam = self._cov, self.forgetting
-        px = [sum(row[j] * xs[j] for j in range(len(xs))) for row in cov]
-        denominator = lam + sum(a * b for a, b in zip(xs, px, strict=True))
+        px = [sum((row[j] * xs[j] for j in range(len(xs))), 0.0) for row in cov]
+        denominator = lam + sum((a * b for a, b in zip(xs, px, strict=True)), 0.0)
         gain = [p / denominator for p in px]
-        error = y * scale - sum(w * v for w, v in zip(self.weights, xs, strict=True))
+        error = y * scale - sum((w * v for w, v in zip(self.weights, xs, strict=True)), 0.0)
         self.weights = [w + k * error for w, k in zip(self.weights, gain, strict=True)]
         # P = (P - k (P x)ᵀ) / λ: P is symmetric, so x'P = (Px)ᵀ.
         for i, row in enumerate(cov):

@@ -850,7 +850,7 @@ class EngineModel:
             kv,
             ps,
             page_charge=ps if self.v0523 else 0,
-            total_offset=mixed + sum(self._running_offset(r) for r in self.decoding),
+            total_offset=mixed + sum((self._running_offset(r) for r in self.decoding), 0.0),
             current_offset=mixed,
             rem_input=cfg.max_prefill_tokens - mixed,
             rem_chunk=chunk - mixed if chunk > 0 else None,

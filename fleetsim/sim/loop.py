@@ -310,8 +310,8 @@ class Simulation:
             end_s=self.now,
             kv_samples=self.kv_samples,
             exhaustion_events=sum(e.exhaustion_events for e in self.engines),
-            high_water_s=sum(e.high_water_s for e in self.engines),
-            engine_seconds=sum(e.busy_s for e in self.engines),
+            high_water_s=sum((e.high_water_s for e in self.engines), 0.0),
+            engine_seconds=sum((e.busy_s for e in self.engines), 0.0),
             peak_usage=max(e.peak_usage for e in self.engines),
         )
 
@@ -600,7 +600,7 @@ class Simulation:
         if not alive:
             return
         usages = [e.usage for e in alive]
-        self.kv_samples.append(KVSample(now, sum(usages) / len(usages), max(usages)))
+        self.kv_samples.append(KVSample(now, sum(usages, 0.0) / len(usages), max(usages)))
 
 
 def engine_config_for(config: FleetConfig) -> EngineConfig:
