@@ -34,6 +34,19 @@ def cache_home() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "weir"
 
 
+@contextlib.contextmanager
+def locked(lock: Path) -> Iterator[None]:
+    """Held by one process at a time across the machine: concurrent builders of one
+    cached thing build it once."""
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with lock.open("w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 @dataclass(frozen=True, slots=True)
 class ToolVenv:
     tool: str  # the distribution that provides the client, e.g. "inference-perf"
@@ -65,21 +78,10 @@ class ToolVenv:
         """The venv's folder, building it first if it is missing or stale."""
         if self.ready():
             return self.folder
-        with self._locked():
+        with locked(self.folder.parent / ".lock"):
             if not self.ready():
                 self._build()
         return self.folder
-
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
-        lock = self.folder.parent / ".lock"
-        lock.parent.mkdir(parents=True, exist_ok=True)
-        with lock.open("w") as handle:
-            fcntl.flock(handle, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(handle, fcntl.LOCK_UN)
 
     def _build(self) -> None:
         if self.folder.exists():
