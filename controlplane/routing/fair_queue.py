@@ -14,6 +14,8 @@ passes the clock.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 from collections import deque
 from collections.abc import Mapping
@@ -66,6 +68,10 @@ class FairQueue(Generic[T]):
         self.counters = VirtualCounters(weights)
         self._bands: dict[int, _Band[T]] = {}
         self._index: dict[str, QueueEntry[T]] = {}
+        # Every entry by (expiry, offer order), left in place when it leaves otherwise and
+        # skipped when it reaches the top: the next expiry without a scan of the queue.
+        self._expiries: list[tuple[float, int, QueueEntry[T]]] = []
+        self._offers = itertools.count()
 
     def __len__(self) -> int:
         return len(self._index)
@@ -105,6 +111,10 @@ class FairQueue(Generic[T]):
         waiting.append(entry)
         band.size += 1
         self._index[key] = entry
+        if len(self._expiries) > 2 * len(self._index) + 64:  # mostly entries gone
+            self._expiries = [x for x in self._expiries if self._queued(x[2])]
+            heapq.heapify(self._expiries)
+        heapq.heappush(self._expiries, (entry.expires_at, next(self._offers), entry))
         return entry
 
     def peek(self) -> QueueEntry[T] | None:
@@ -135,11 +145,17 @@ class FairQueue(Generic[T]):
         return entry
 
     def expire(self, now: float) -> list[QueueEntry[T]]:
-        """Entries whose time to live has passed, removed from the queue."""
-        expired = [e for e in self._index.values() if e.expires_at <= now]
-        for entry in expired:
+        """Entries whose time to live has passed, removed from the queue, in the order
+        they were offered."""
+        expiries, due = self._expiries, []
+        while expiries and expiries[0][0] <= now:
+            _, order, entry = heapq.heappop(expiries)
+            if self._queued(entry):
+                due.append((order, entry))
+        due.sort(key=lambda pair: pair[0])
+        for _, entry in due:
             self._remove(entry)
-        return expired
+        return [entry for _, entry in due]
 
     def charge(self, tenant: str, cost: float) -> None:
         """Add service to a tenant's counter (a placement that did not wait here)."""
@@ -152,7 +168,14 @@ class FairQueue(Generic[T]):
         return max(1.0, oldest + self.max_wait_s - now)
 
     def next_expiry(self) -> float | None:
-        return min((e.expires_at for e in self._index.values()), default=None)
+        expiries = self._expiries
+        while expiries and not self._queued(expiries[0][2]):
+            heapq.heappop(expiries)
+        return expiries[0][0] if expiries else None
+
+    def _queued(self, entry: QueueEntry[T]) -> bool:
+        """Still waiting here (not taken or withdrawn, nor a later entry of its key)."""
+        return self._index.get(entry.key) is entry
 
     def _remove(self, entry: QueueEntry[T]) -> None:
         band = self._bands[entry.priority]

@@ -613,6 +613,51 @@ def test_the_fair_queue_is_bounded_and_expires_with_a_retry_after() -> None:
     assert queue.counter("t") == 0.0  # nothing was served, nothing charged
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["offer", "pop", "remove", "expire"]), st.integers(0, 9)),
+        max_size=80,
+    )
+)
+def test_the_fair_queue_expires_what_a_scan_of_it_would(ops: list[tuple[str, int]]) -> None:
+    """The queue's expiry heap against a scan of what waits: the same next expiry after
+    every operation, and the same entries expired, in the order they were offered."""
+    queue: FairQueue[int] = FairQueue(capacity_per_band=64, max_wait_s=5.0)
+    waiting: dict[str, float] = {}  # what waits, by key in offer order: its expiry
+    now = 0.0
+    for op, n in ops:
+        now += 0.25 * n
+        key = f"k{n}"
+        if op == "offer" and key not in waiting:
+            entry = queue.offer(key, f"t{n % 3}", n % 2, now, n, max_wait_s=0.5 + n)
+            waiting[key] = entry.expires_at
+        elif op == "pop" and (taken := queue.pop(1.0)) is not None:
+            del waiting[taken.key]
+        elif op == "remove" and queue.remove(key) is not None:
+            del waiting[key]
+        elif op == "expire":
+            due = [k for k, expires_at in waiting.items() if expires_at <= now]
+            assert [e.key for e in queue.expire(now)] == due
+            for k in due:
+                del waiting[k]
+        assert len(queue) == len(waiting)
+        assert queue.next_expiry() == min(waiting.values(), default=None)
+
+
+def test_the_fair_queue_forgets_the_expiries_of_what_left_it() -> None:
+    """Entries taken long before their expiry do not pile up in the expiry heap."""
+    queue: FairQueue[int] = FairQueue(max_wait_s=30.0)
+    for i in range(1000):
+        queue.offer(f"k{i}", "t", 0, i * 0.01, i)
+        assert queue.pop(1.0) is not None
+    assert queue.next_expiry() is None
+    assert len(queue._expiries) <= 64 + 1
+    queue.offer("last", "t", 0, 10.0, 0)
+    assert queue.next_expiry() == 40.0
+    assert [e.key for e in queue.expire(40.0)] == ["last"]
+
+
 @pytest.mark.parametrize(
     ("slow", "fast"),
     [
