@@ -96,3 +96,13 @@ def test_any_changed_file_of_the_three_packages_is_a_new_build(tmp_path: Path) -
     data = next((tmp_path / "controlplane").rglob("*.lua"))
     data.write_text(data.read_text() + "\n")
     assert build_key(tmp_path) != key
+
+
+def test_no_c_compiler_is_a_clear_error_and_leaves_no_build(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", "no-such-compiler")
+    with pytest.raises(CompiledSimError, match=r"no C compiler"):
+        ensure_build()
+    assert [p.name for p in (tmp_path / "weir" / "compiled-sim").iterdir()] == [".lock"]

@@ -123,7 +123,7 @@ def build_key(root: Path) -> str:
     try:
         mypy = importlib.metadata.version("mypy")
     except importlib.metadata.PackageNotFoundError as exc:
-        raise CompiledSimError("--compiled needs mypyc, which comes with mypy") from exc
+        raise CompiledSimError("mypyc is not installed (it comes with mypy)") from exc
     digest.update(f"compiled-sim/1\0{sys.version}\0{mypy}\0{COMPILED}".encode())
     for path in _sources(root):
         digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
@@ -145,8 +145,8 @@ def ensure_build(jobs: int = 2) -> Path:
 
 
 def _build(root: Path, target: Path, jobs: int) -> None:
-    if shutil.which(os.environ.get("CC", "cc")) is None:
-        raise CompiledSimError("--compiled needs a C compiler (cc), which is not here")
+    if shutil.which((os.environ.get("CC") or "cc").split()[0]) is None:
+        raise CompiledSimError("no C compiler (cc) here")
     staging = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
     try:
         for package in PACKAGES:
@@ -174,6 +174,9 @@ def _build(root: Path, target: Path, jobs: int) -> None:
 
 
 def _prune(cache: Path, keep: Path) -> None:
+    """Keep the newest builds; drop what an interrupted build left (the lock is held)."""
+    for left in cache.glob(".build-*"):
+        shutil.rmtree(left, ignore_errors=True)
     builds = sorted(
         (p for p in cache.iterdir() if (p / _BUILT).exists() and p != keep),
         key=lambda p: (p / _BUILT).stat().st_mtime,
