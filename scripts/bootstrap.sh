@@ -13,7 +13,8 @@ venv=.venv
 apt_packages=(redis-server)
 # redis-tools' redis-cli makes the tests' Redis Cluster (redis-server pulls it in; named so
 # that a trimmed install is caught here, not by a skipped tier).
-if [ "$mode" = dev ]; then apt_packages+=(redis-tools redis-sentinel prometheus); fi
+# gcc and libc6-dev: mypyc's build of the simulator (`weir bench fleet --compiled`, tested).
+if [ "$mode" = dev ]; then apt_packages+=(redis-tools redis-sentinel prometheus gcc libc6-dev); fi
 
 missing=()
 for pkg in "${apt_packages[@]}"; do
