@@ -45,6 +45,9 @@ def summaries() -> dict[str, Any]:
     return loaded
 
 
-def recorded() -> dict[str, Any]:
-    loaded: dict[str, Any] = json.loads(RECORDED.read_text())
-    return loaded
+def assert_recorded(got: dict[str, Any]) -> None:
+    """Every cell of the recorded report, figure for figure, and no other cell."""
+    want = json.loads(RECORDED.read_text())
+    assert got.keys() == want.keys()
+    for cell, summary in want.items():
+        assert got[cell] == summary, cell

@@ -16,7 +16,7 @@ import os
 
 import pytest
 
-from tests.fleetsim.identical_cells import RECORDED, recorded, summaries
+from tests.fleetsim.identical_cells import RECORDED, assert_recorded, summaries
 
 RECORD = os.environ.get("WEIR_RECORD_IDENTICAL") == "1"
 
@@ -26,7 +26,4 @@ def test_a_fixed_seed_matrix_gives_the_recorded_report() -> None:
     if RECORD:
         RECORDED.write_text(json.dumps(got, indent=1, sort_keys=True) + "\n")
         pytest.skip(f"recorded {RECORDED}")
-    want = recorded()
-    assert got.keys() == want.keys()
-    for key, summary in want.items():
-        assert got[key] == summary, key
+    assert_recorded(got)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.fleetsim.identical_cells import assert_recorded
 from weir.benchmarks._compiled_sim import (
     BUILD_ENV,
     PACKAGES,
@@ -58,12 +59,7 @@ def test_the_compiled_simulator_gives_the_recorded_identical_cells(
         check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    from tests.fleetsim.identical_cells import recorded
-
-    got, want = json.loads(done.stdout), recorded()
-    assert got.keys() == want.keys()
-    for key, summary in want.items():
-        assert got[key] == summary, key
+    assert_recorded(json.loads(done.stdout))
 
 
 @pytest.mark.slow

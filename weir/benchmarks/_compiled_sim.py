@@ -11,7 +11,7 @@ at once. A run puts the build first on `PYTHONPATH` in a child process, so every
 it imports comes from one version of the source.
 
 What mypyc cannot compile stays interpreted, and the compiled modules keep to what it
-compiles identically (`tests/fleetsim/test_compiled_sim.py` runs the recorded identical
+compiles identically (`tests/weir/test_compiled_sim.py` runs the recorded identical
 cells through a build): a `sum` of floats starts at `0.0` (mypyc keeps a `sum` started
 at the int 0 in an int), and a dataclass field that `__init__` does not take is set in
 `__post_init__`, not by a default. Interpreted: `controlplane.routing.framework`,
