@@ -96,7 +96,16 @@ class OnlineLinear:
                      for i in range(n)]  # fmt: skip
 
     def predict(self, x: Sequence[float]) -> float:
-        return sum((w * v for w, v in zip(self.weights, x, strict=True)), 0.0)
+        # A plain loop, the sum `sum(..., 0.0)` would add in the same order: compiled
+        # (the fleet simulator's `--compiled`), a generator costs several times the
+        # arithmetic, and this runs at every heartbeat.
+        weights = self.weights
+        if len(x) != len(weights):
+            raise ValueError(f"{len(x)} features for {len(weights)} weights")
+        total = 0.0
+        for i in range(len(weights)):
+            total += weights[i] * x[i]
+        return total
 
     def update(self, x: Sequence[float], y: float, weight: float = 1.0) -> None:
         """One sample, counted `weight` times as much as a plain one."""

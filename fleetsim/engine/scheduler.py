@@ -81,6 +81,16 @@ class EngineRequestError(ValueError):
     """A request the engine refuses outright (SGLang answers these with 400)."""
 
 
+def _byte_ids(ids: list[int]) -> bool:
+    """Whether every id is a byte value (all but EOS and out-of-vocabulary ids): one C
+    pass where `min` and `max` compare every id as an object, twice."""
+    try:
+        bytes(ids)
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
 @dataclass(slots=True)
 class StepResult:
     """What one iteration did. `admitted` left the queue for a prefill; `emitted` got
@@ -273,12 +283,13 @@ class EngineModel:
                 f"The input ({n} tokens) is longer than the model's context length "
                 f"({self.context_len} tokens)."
             )
-        low, high = min(input_ids), max(input_ids)
-        if low < 0 or high >= VOCAB_SIZE:
-            bad = low if low < 0 else high
-            raise EngineRequestError(
-                f"Token id {bad} is out of the vocabulary (0..{VOCAB_SIZE - 1})."
-            )
+        if not _byte_ids(input_ids):
+            low, high = min(input_ids), max(input_ids)
+            if low < 0 or high >= VOCAB_SIZE:
+                bad = low if low < 0 else high
+                raise EngineRequestError(
+                    f"Token id {bad} is out of the vocabulary (0..{VOCAB_SIZE - 1})."
+                )
         if max_new_tokens is not None and max_new_tokens < 0:
             raise EngineRequestError(f"max_new_tokens must be at least 0, got {max_new_tokens}.")
         if max_new_tokens is not None and n + max_new_tokens > self.context_len:

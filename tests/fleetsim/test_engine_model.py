@@ -18,6 +18,7 @@ from fleetsim.engine import (
     encode,
 )
 from fleetsim.engine.timing import TimingModel
+from fleetsim.engine.tokens import EOS_ID, VOCAB_SIZE, extend_hash, prefix_hash
 
 
 def run_alone(request: EngineRequest, **config: object) -> list[int]:
@@ -92,6 +93,23 @@ def test_tokens_are_a_function_of_the_prefix() -> None:
     assert whole.output_ids[20:] == cont.output_ids
     # The continuation's prefix was cached by the first request.
     assert cont.cached_tokens >= len(prompt) + 20 - 1
+
+
+@given(st.lists(st.integers(0, VOCAB_SIZE - 1), max_size=300), st.integers(0, 2**32 - 1))
+def test_the_prefix_hash_of_many_tokens_is_one_token_at_a_time(ids: list[int], seed: int) -> None:
+    # Byte ids take a fast path; a list with EOS (256) the general one.
+    state = seed
+    for token in ids:
+        state = extend_hash(state, token)
+    assert prefix_hash(ids, seed) == state
+
+
+@pytest.mark.parametrize("bad", [-1, VOCAB_SIZE, 99999])
+def test_a_token_id_out_of_the_vocabulary_is_refused(bad: int) -> None:
+    model = EngineModel(EngineConfig(max_total_tokens=4096))
+    with pytest.raises(EngineRequestError, match=f"Token id {bad} is out of the vocabulary"):
+        model.make_request("bad", [65, bad, EOS_ID], 5)
+    assert model.make_request("eos", [65, EOS_ID], 5).input_ids == [65, EOS_ID]
 
 
 def test_eos_min_tokens_and_stop_strings() -> None:
