@@ -53,8 +53,8 @@ tenants' fair-share weights (`controlplane.rules.fairness.tenant_weights`).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
-from typing import Generic, Protocol, TypeAlias, TypeVar
+from dataclasses import dataclass, replace
+from typing import Final, Generic, Protocol, TypeAlias, TypeVar
 
 from controlplane.contract import RoutingPolicy
 from controlplane.routing.fair_queue import FairQueue, QueueFullError
@@ -95,22 +95,36 @@ class Refusal:
         return self.status in (429, 503)
 
 
-@dataclass(frozen=True, slots=True)
+# The events and a request's record are plain classes: a generic dataclass does not import
+# when mypyc compiles it (the fleet simulator's `--compiled` compiles this module).
+
+
 class Placed(Generic[P]):
     """Send `payload` to `endpoint_id` (reserved for it until it ends or comes back);
     `route` is the request as it arrived, for `Dispatcher.reached`."""
 
-    payload: P
-    endpoint_id: str
-    route: RouteRequest
+    __slots__ = ("endpoint_id", "payload", "route")
+
+    def __init__(self, payload: P, endpoint_id: str, route: RouteRequest) -> None:
+        self.payload: Final = payload
+        self.endpoint_id: Final = endpoint_id
+        self.route: Final = route
+
+    def __repr__(self) -> str:
+        return f"Placed({self.payload!r}, {self.endpoint_id!r})"
 
 
-@dataclass(frozen=True, slots=True)
 class Refused(Generic[P]):
     """The router gives `payload` up: answer its client with `refusal`."""
 
-    payload: P
-    refusal: Refusal
+    __slots__ = ("payload", "refusal")
+
+    def __init__(self, payload: P, refusal: Refusal) -> None:
+        self.payload: Final = payload
+        self.refusal: Final = refusal
+
+    def __repr__(self) -> str:
+        return f"Refused({self.payload!r}, {self.refusal!r})"
 
 
 Event: TypeAlias = Placed[P] | Refused[P]
@@ -128,25 +142,32 @@ class Decider(Protocol):
     ) -> None: ...
 
 
-@dataclass(slots=True, eq=False)
 class _Request(Generic[P]):
-    route: RouteRequest  # as it arrived: prompt, output limit, deadline budget, owners
-    payload: P
-    arrived_at: float
-    waiting_since: float  # arrival, or the last hand-back or refusal: a wait counts from it
-    endpoint: str = ""  # reserved for it now
-    charge: Charge | None = None  # the KV cost charged when it was first placed
-    decision: Decision | None = None  # its first placement, for fallbacks
-    failed: set[str] = field(default_factory=set)  # never offered it again
-    avoided: dict[str, float] = field(default_factory=dict)  # endpoint -> avoided until
-    resuming: bool = False
-    refusals: int = 0  # of this resume, for the backoff
-    # A resume's wait here before `waiting_since`: its earlier spells without an endpoint
-    # (the time an endpoint held it, queued as accepted work, does not count).
-    waited_before_s: float = 0.0
-    generated: int = 0  # tokens the client holds: a resume's prompt grows by them
-    retry_after_s: float = 0.0
-    target: str = ""  # where room is held for its resume: tried first, once
+    __slots__ = (
+        "arrived_at", "avoided", "charge", "decision", "endpoint", "failed", "generated",
+        "payload", "refusals", "resuming", "retry_after_s", "route", "target",
+        "waited_before_s", "waiting_since",
+    )  # fmt: skip
+
+    def __init__(self, route: RouteRequest, payload: P, now: float) -> None:
+        self.route = route  # as it arrived: prompt, output limit, deadline budget, owners
+        self.payload = payload
+        self.arrived_at = now
+        # Arrival, or the last hand-back or refusal: a wait counts from it.
+        self.waiting_since = now
+        self.endpoint = ""  # reserved for it now
+        self.charge: Charge | None = None  # the KV cost charged when it was first placed
+        self.decision: Decision | None = None  # its first placement, for fallbacks
+        self.failed: set[str] = set()  # never offered it again
+        self.avoided: dict[str, float] = {}  # endpoint -> avoided until
+        self.resuming = False
+        self.refusals = 0  # of this resume, for the backoff
+        # A resume's wait here before `waiting_since`: its earlier spells without an
+        # endpoint (the time an endpoint held it, queued as accepted work, does not count).
+        self.waited_before_s = 0.0
+        self.generated = 0  # tokens the client holds: a resume's prompt grows by them
+        self.retry_after_s = 0.0
+        self.target = ""  # where room is held for its resume: tried first, once
 
 
 class Dispatcher(Generic[P]):
@@ -320,7 +341,7 @@ class Dispatcher(Generic[P]):
         rid = route.request_id
         if rid in self._requests:
             raise ValueError(f"request {rid} is already being dispatched")
-        request = self._requests[rid] = _Request(route, payload, now, now)
+        request = self._requests[rid] = _Request(route, payload, now)
         return request
 
     def _pump(self, now: float, snapshot: PoolSnapshot | None, events: list[Event[P]]) -> None:

@@ -19,7 +19,6 @@ import itertools
 import math
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from controlplane.rules.fairness import VirtualCounters
@@ -27,14 +26,33 @@ from controlplane.rules.fairness import VirtualCounters
 T = TypeVar("T")
 
 
-@dataclass(slots=True)
 class QueueEntry(Generic[T]):
-    key: str
-    tenant: str
-    priority: int
-    enqueued_at: float
-    expires_at: float
-    payload: T
+    """One waiting request. (A plain class, as `_Band`: a generic dataclass does not
+    import when mypyc compiles it, as the fleet simulator's `--compiled` does.)"""
+
+    __slots__ = ("enqueued_at", "expires_at", "key", "payload", "priority", "tenant")
+
+    def __init__(
+        self,
+        key: str,
+        tenant: str,
+        priority: int,
+        enqueued_at: float,
+        expires_at: float,
+        payload: T,
+    ) -> None:
+        self.key = key
+        self.tenant = tenant
+        self.priority = priority
+        self.enqueued_at = enqueued_at
+        self.expires_at = expires_at
+        self.payload = payload
+
+    def __repr__(self) -> str:
+        return (
+            f"QueueEntry({self.key!r}, tenant={self.tenant!r}, priority={self.priority}, "
+            f"expires_at={self.expires_at})"
+        )
 
 
 class QueueFullError(Exception):
@@ -46,10 +64,12 @@ class QueueFullError(Exception):
         self.retry_after_s = retry_after_s
 
 
-@dataclass
 class _Band(Generic[T]):
-    tenants: dict[str, deque[QueueEntry[T]]] = field(default_factory=dict)
-    size: int = 0
+    __slots__ = ("size", "tenants")
+
+    def __init__(self) -> None:
+        self.tenants: dict[str, deque[QueueEntry[T]]] = {}
+        self.size = 0
 
 
 class FairQueue(Generic[T]):

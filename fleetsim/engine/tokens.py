@@ -22,7 +22,7 @@ VOCAB_BYTES = 256
 EOS_ID = 256
 VOCAB_SIZE = 257
 
-_MASK = (1 << 64) - 1
+_MASK32 = (1 << 32) - 1
 _PRINTABLE_FIRST = 32
 _PRINTABLE_COUNT = 95  # bytes 32..126
 
@@ -64,10 +64,13 @@ def prefix_hash(ids: Sequence[int], state: int = HASH_SEED) -> int:
 
 
 def _mix(state: int) -> int:
-    """splitmix64's finaliser: spreads the 32-bit CRC over the bits the decision reads."""
-    z = ((state ^ (state >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
-    return z ^ (z >> 31)
+    """A 32-bit integer finaliser (two multiply-xorshift rounds by a 27-bit constant):
+    spreads the CRC over the bits the decision reads. Every product stays below 2**59,
+    a machine integer when compiled (the fleet simulator's `--compiled`), where a 64-bit
+    finaliser's products overflowed into arbitrary-precision arithmetic at every token."""
+    z = (((state >> 16) ^ state) * 0x45D9F3B) & _MASK32
+    z = (((z >> 16) ^ z) * 0x45D9F3B) & _MASK32
+    return (z >> 16) ^ z
 
 
 class TokenFunction:

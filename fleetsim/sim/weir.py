@@ -195,6 +195,7 @@ class Sidecar:
     offloaded: dict[str, tuple[SimFlight, int]] = field(default_factory=dict)
     # Room held for continuations migrating here, as the live ledger holds it.
     reservations: Reservations = field(init=False)
+    _usage: KVUsage = field(init=False, repr=False)  # the last `usage()`
 
     def __post_init__(self) -> None:
         self.ledger = Ledger(self.policy, self.capacity_tokens, self.clock)
@@ -203,6 +204,7 @@ class Sidecar:
             sched.local_queue_size, sched.aging_per_second, tenant_weights(self.policy.tenants)
         )
         self.reservations = Reservations(self.endpoint_id)
+        self._usage = KVUsage(self.capacity_tokens, 0, 0)
 
     @property
     def predictor(self) -> OutputLengthPredictor:
@@ -270,7 +272,13 @@ class Sidecar:
     def usage(self) -> KVUsage:
         """Used KV, and what is committed beside it: growth reserved and room held."""
         committed = self.reserved_tokens + self.reservations.held_tokens
-        return KVUsage(self.capacity_tokens, self.used_tokens, committed)
+        last = self._usage
+        if last.used_tokens != self.used_tokens or last.reserved_growth_tokens != committed:
+            # Built again only when it changed (at an account, an admission, a release):
+            # it is read at every iteration, and a dataclass's constructor is the
+            # interpreter's even in a compiled run.
+            last = self._usage = KVUsage(self.capacity_tokens, self.used_tokens, committed)
+        return last
 
     def room_tokens(self) -> int:
         """The largest continuation a reservation here would be granted now."""

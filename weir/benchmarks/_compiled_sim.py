@@ -14,10 +14,12 @@ What mypyc cannot compile stays interpreted, and the compiled modules keep to wh
 compiles identically (`tests/weir/test_compiled_sim.py` runs the recorded identical
 cells through a build): a `sum` of floats starts at `0.0` (mypyc keeps a `sum` started
 at the int 0 in an int), and a dataclass field that `__init__` does not take is set in
-`__post_init__`, not by a default. Interpreted: `controlplane.routing.framework`,
+`__post_init__`, not by a default; a generic class is a plain class (a generic
+dataclass does not import compiled). Interpreted: `controlplane.routing.framework`,
 `profile` and `snapshot` (their construction short-cuts through `object.__new__` and
-slot setters, and a runtime-checkable protocol), `dispatch` and `fair_queue` (generic
-dataclasses).
+slot setters, and a runtime-checkable protocol). A dataclass's generated methods
+(`__init__` among them) stay interpreted in a compiled module: mypyc compiles only the
+methods written out.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ COMPILED = (
     "controlplane/ownership/membership.py",
     "controlplane/ownership/ring.py",
     "controlplane/routing/cost.py",
+    "controlplane/routing/dispatch.py",
+    "controlplane/routing/fair_queue.py",
     "controlplane/routing/filters.py",
     "controlplane/routing/inflight.py",
     "controlplane/routing/pairing.py",
