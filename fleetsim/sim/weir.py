@@ -133,7 +133,7 @@ from fleetsim.sim.config import MODEL, FleetConfig, Staleness
 from fleetsim.sim.flight import SimFlight, Stage
 from fleetsim.sim.gate import HOLDER_TTL_MS, RouterGate
 from fleetsim.sim.loop import Simulation
-from fleetsim.workloads import BLOCK_TOKENS, prompt_token_ids
+from fleetsim.workloads import BLOCK_TOKENS, prompt_token_bytes
 
 # A lease lapses after this many missed heartbeats.
 LEASE_HEARTBEATS = 3
@@ -147,6 +147,10 @@ HOLDER_RENEW_S = HOLDER_TTL_MS / 3000
 # How much earlier than its next KV account a sidecar's quiet span is said to end: far
 # above the float rounding of `now - accounted_at`, far below an iteration.
 ACCOUNT_MARGIN_S = 1e-6
+
+
+# The cache identity every simulated prompt is keyed under, as the router keys it.
+_IDENTITY = CacheIdentity(model=MODEL)
 
 
 @functools.cache
@@ -792,12 +796,9 @@ class WeirPolicy:
         """Primary and secondary owner of the prompt's prefix key on the current ring of
         the pool, keyed from the prompt's first tokens exactly as the router keys it."""
         routing = self._policy().routing
-        head = prompt_token_ids(flight.spec, routing.prefix_blocks_for_owner * BLOCK_TOKENS)
+        head = prompt_token_bytes(flight.spec, routing.prefix_blocks_for_owner * BLOCK_TOKENS)
         key = prefix_key(
-            CacheIdentity(model=MODEL),
-            head,
-            routing.prefix_block_tokens,
-            routing.prefix_blocks_for_owner,
+            _IDENTITY, head, routing.prefix_block_tokens, routing.prefix_blocks_for_owner
         )
         return tuple(o for o in self.rings[role].owners(key) if o)
 

@@ -7,6 +7,7 @@ from fleetsim.workloads.request import (
     LENGTH_BUCKETS,
     RequestSpec,
     length_bucket,
+    prompt_token_bytes,
     prompt_token_ids,
 )
 from fleetsim.workloads.scenarios import SCENARIOS, MixStats, Scenario, mix_stats, scenario
@@ -22,6 +23,7 @@ __all__ = [
     "TraceError",
     "length_bucket",
     "mix_stats",
+    "prompt_token_bytes",
     "prompt_token_ids",
     "read_trace",
     "scenario",

@@ -17,7 +17,8 @@ BLOCK_TOKENS = 512
 """Tokens per prompt block, as in Mooncake's traces (`hash_ids` of 512-token blocks)."""
 
 VOCAB = 256
-"""Byte-level token ids, as the reference engine's tokenizer uses."""
+"""Byte-level token ids, as the reference engine's tokenizer uses (`prompt_token_bytes`
+takes a byte of its mix as the id)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +74,12 @@ def prompt_token_ids(spec: RequestSpec, head: int | None = None) -> list[int]:
     the same `BLOCK_TOKENS` byte-level ids wherever it appears, so shared block chains are
     shared token prefixes in any radix cache, and distinct blocks differ (a 64-bit mix of
     block id and offset per token)."""
+    return list(prompt_token_bytes(spec, head))
+
+
+def prompt_token_bytes(spec: RequestSpec, head: int | None = None) -> bytes:
+    """`prompt_token_ids` as bytes (byte-level ids, one a byte), which a prefix key packs
+    in one C pass where a list costs a conversion per id."""
     tokens = spec.input_tokens if head is None else min(head, spec.input_tokens)
     blocks = spec.block_ids[: -(-tokens // BLOCK_TOKENS)]
     ids = np.asarray(blocks, dtype=np.uint64)[:, None]
@@ -81,9 +88,8 @@ def prompt_token_ids(spec: RequestSpec, head: int | None = None) -> list[int]:
     z ^= z >> np.uint64(31)
     z *= np.uint64(0x94D049BB133111EB)
     z ^= z >> np.uint64(29)
-    return (  # type: ignore[no-any-return]
-        (z.reshape(-1)[:tokens] % np.uint64(VOCAB)).astype(np.int64).tolist()
-    )
+    # Each id is the mix's low byte: its value modulo VOCAB (256).
+    return z.reshape(-1)[:tokens].astype(np.uint8).tobytes()
 
 
 def length_bucket(tokens: int) -> str:
