@@ -9,11 +9,16 @@ suffered. Reports are computed from flights alone.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from controlplane.contract import FinishReason
 from engine_sidecar.policy import LatencyForecast
+from fleetsim.engine.tokens import HASH_SEED, TokenFunction, extend_hash, prefix_hash
 from fleetsim.workloads import RequestSpec
+
+# A decode run's tokens (EOS suppressed) do not depend on the EOS rate.
+_TOKENS = TokenFunction()
 
 
 class Stage(enum.StrEnum):
@@ -36,7 +41,13 @@ class SimFlight:
     finished_at: float = -1.0
     reason: FinishReason | None = None
     detail: str = ""
-    output_ids: list[int] = field(default_factory=list)
+    # What it streamed to its client so far: how many tokens, and their digest (the token
+    # function's rolling hash over them, `fleetsim.engine.tokens.prefix_hash`): a test
+    # compares digests for exact tokens, and a continuation regenerates the tokens from
+    # the prompt (`continuation_ids`). A list of every token was half of a
+    # million-request replay's memory.
+    generated: int = 0
+    stream_digest: int = HASH_SEED
     cached_tokens: int = 0
     visit_cached: int = -1
     preemptions: dict[str, int] = field(default_factory=dict)
@@ -78,13 +89,27 @@ class SimFlight:
         return self.spec.request_id
 
     @property
-    def generated(self) -> int:
-        return len(self.output_ids)
-
-    @property
     def remaining(self) -> int:
         """Tokens still to stream before the request ends on its own."""
-        return self.target_tokens - len(self.output_ids)
+        return self.target_tokens - self.generated
+
+    def streamed(self, tokens: Sequence[int]) -> None:
+        """More tokens reached its client."""
+        self.generated += len(tokens)
+        self.stream_digest = prefix_hash(tokens, self.stream_digest)
+
+    def streamed_one(self, token: int) -> None:
+        self.generated += 1
+        self.stream_digest = extend_hash(self.stream_digest, token)
+
+    def continuation_ids(self, prompt_ids: list[int]) -> list[int]:
+        """The prompt and what it streamed, as a continuation sends them: the tokens are
+        the token function's over the prompt (the simulator's engines run the hash
+        backend with EOS ignored), which `stream_digest` lets a test check."""
+        if not self.generated:
+            return prompt_ids
+        tokens, _ = _TOKENS.run(prefix_hash(prompt_ids), self.generated)
+        return prompt_ids + tokens
 
     def leave_engine(self) -> None:
         """The current engine visit is over; the next one gets a fresh engine rid."""

@@ -331,9 +331,7 @@ class Simulation:
         self.interrupt(engine)
         spec = flight.spec
         flight.dequeue(now)
-        ids = prompt_token_ids(spec)
-        if flight.output_ids:
-            ids.extend(flight.output_ids)
+        ids = flight.continuation_ids(prompt_token_ids(spec))
         model = slot.model
         wanted = 1 if slot.role is Role.PREFILL else spec.max_tokens - flight.generated
         try:
@@ -484,7 +482,7 @@ class Simulation:
             if flight is None or flight.visit_cached < 0 or flight.handoff_from >= 0:
                 return False  # its next token is its first on this engine
             # The iteration that streams its last token ends the run: the flight ends then.
-            limit = min(limit, flight.target_tokens - len(flight.output_ids))
+            limit = min(limit, flight.target_tokens - flight.generated)
             batch.append((req, flight))
         durations, pages = slot.model.decode_run(now, limit, until)
         if len(durations) < 2:
@@ -527,7 +525,7 @@ class Simulation:
             for req, flight in run.batch:
                 out = req.output_ids
                 n = len(out)
-                flight.output_ids.extend(out[n - 1 - (ended - applied) : n - 1])
+                flight.streamed(out[n - 1 - (ended - applied) : n - 1])
                 flight.last_token_at = at
 
     def _apply(self, slot: EngineSlot, now: float) -> None:
@@ -543,8 +541,7 @@ class Simulation:
             flight = flights.get(req.rid)
             if flight is None:
                 continue  # withdrawn while the iteration ran
-            out = flight.output_ids
-            out.append(req.output_ids[-1])
+            flight.streamed_one(req.output_ids[-1])
             if flight.visit_cached < 0:
                 flight.visit_cached = req.cached_tokens
                 flight.cached_tokens += req.cached_tokens
@@ -557,9 +554,11 @@ class Simulation:
                 flight.handoff_s = now - flight.handoff_from
                 flight.handoff_from = -1.0
             flight.last_token_at = now
-            if len(out) >= flight.target_tokens:
+            if flight.generated >= flight.target_tokens:
                 reason = (
-                    FinishReason.LENGTH if len(out) >= flight.spec.max_tokens else FinishReason.STOP
+                    FinishReason.LENGTH
+                    if flight.generated >= flight.spec.max_tokens
+                    else FinishReason.STOP
                 )
                 self.end(flight, reason, now)
             elif prefill:

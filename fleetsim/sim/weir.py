@@ -265,7 +265,7 @@ class Sidecar:
             if flight.forecast is not None and flight.ttft_error < 0:
                 # The live sidecar learns at the first token; this one at its next poll.
                 self.learn_ttft(flight)
-            generated = len(flight.output_ids)
+            generated = flight.generated
             cached = max(0, flight.visit_cached)
             used += held.prompt_tokens - cached + generated - held.generated_at_admission
             predicted = self.predicted_total(flight, generated)

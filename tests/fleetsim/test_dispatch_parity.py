@@ -275,19 +275,19 @@ def _simulated(script: tuple[Event, ...]) -> tuple[Decisions, dict[str, RouteReq
             weir.arrive(flight, now)
         elif isinstance(event, Finish):
             flight = flights[event.rid]
-            flight.output_ids = [7] * event.generated
+            flight.generated = event.generated
             finished.add(event.rid)
             sim.end(flight, FinishReason.STOP, now)
         elif isinstance(event, Preempt):
             flight = flights[event.rid]
-            flight.output_ids = [7] * event.generated
+            flight.generated = event.generated
             flight.target = event.target
             weir._hand_back(flight, now, broken=False)
         elif isinstance(event, Fail):
             sim.engines[event.endpoint].alive = False
             on_it = _streaming(weir.decisions, f"engine-{event.endpoint}", finished)
             for rid in on_it:
-                flights[rid].output_ids = [7] * FAILED_AFTER
+                flights[rid].generated = FAILED_AFTER
             weir.engine_failed(event.endpoint, [flights[rid] for rid in on_it], now)
     return weir.decisions, weir.routes
 
@@ -486,7 +486,7 @@ def _simulated_pairs(script: tuple[Event, ...]) -> tuple[Decisions, dict[str, Ro
             weir._paired(flight, route, now)
         elif isinstance(event, Finish):
             flight = flights[event.rid]
-            flight.output_ids = [7] * event.generated
+            flight.generated = event.generated
             sim.end(flight, FinishReason.STOP, now)
     return weir.decisions, weir.routes
 

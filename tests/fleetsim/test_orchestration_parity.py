@@ -240,7 +240,7 @@ def _simulated(script: tuple[Event, ...]) -> list[tuple[str, str]]:
                 max_tokens=event.max_new,
                 block_ids=tuple(range(-(-event.prompt // BLOCK_TOKENS))),
             )  # fmt: skip
-            flight = flights[event.rid] = SimFlight(spec, output_ids=[7] * event.resumed)
+            flight = flights[event.rid] = SimFlight(spec, generated=event.resumed)
             if event.held:
                 flight.target, flight.reservation = sidecar.endpoint_id, held[event.rid]
             weir._offer(sidecar, flight, event.at)

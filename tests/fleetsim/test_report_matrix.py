@@ -52,13 +52,12 @@ def test_refusals_are_not_losses_and_errors_after_acceptance_are() -> None:
 
 def test_slo_needs_every_objective() -> None:
     slo = SLO(ttft_s=1.0, ttft_per_1k_input_s=0.0, tpot_s=0.05)
-    ids = [65] * 10
     ok = _flight(
         reason=FinishReason.STOP,
         first_token_at=0.5,
         last_token_at=0.9,
         finished_at=0.9,
-        output_ids=ids,
+        generated=10,
     )
     assert meets_slo(ok, slo)
     slow_tokens = _flight(
@@ -66,7 +65,7 @@ def test_slo_needs_every_objective() -> None:
         first_token_at=0.5,
         last_token_at=1.5,
         finished_at=1.5,
-        output_ids=ids,
+        generated=10,
     )
     assert not meets_slo(slow_tokens, slo)
     assert not meets_slo(_flight(reason=FinishReason.ERROR, first_token_at=0.1), slo)
@@ -74,8 +73,7 @@ def test_slo_needs_every_objective() -> None:
 
 def test_a_request_withdrawn_or_open_within_its_objectives_is_not_judged() -> None:
     slo = SLO(ttft_s=1.0, ttft_per_1k_input_s=0.0, tpot_s=0.1)
-    ids = [65] * 10
-    streaming = {"first_token_at": 0.5, "last_token_at": 1.4, "output_ids": ids}
+    streaming = {"first_token_at": 0.5, "last_token_at": 1.4, "generated": 10}
     # Cancelled while streaming on pace (10 tokens by 1.5 s: 1 s + 10 x 0.1 s allowed).
     on_pace = _flight(reason=FinishReason.CANCELLED, finished_at=1.5, **streaming)
     assert slo_verdict(on_pace, slo, end_s=100.0) is None

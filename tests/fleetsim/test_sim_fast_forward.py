@@ -121,7 +121,15 @@ def _run(name: str) -> tuple[SimResult, Simulation, int]:
 
 def _outcome(result: SimResult) -> tuple[object, ...]:
     flights = [
-        (f.rid, f.reason, f.output_ids, f.first_token_at, f.last_token_at, f.finished_at)
+        (
+            f.rid,
+            f.reason,
+            f.generated,
+            f.stream_digest,
+            f.first_token_at,
+            f.last_token_at,
+            f.finished_at,
+        )
         for f in result.flights
     ]
     return (

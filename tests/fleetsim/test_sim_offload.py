@@ -8,9 +8,11 @@ import msgspec
 import pytest
 
 from controlplane.contract import PreemptionMode
+from fleetsim.engine.tokens import TokenFunction, prefix_hash
 from fleetsim.report.relief_modes import workload
-from fleetsim.sim import FleetConfig, SimResult, Simulation, engine_config_for
+from fleetsim.sim import FleetConfig, SimFlight, SimResult, Simulation, engine_config_for
 from fleetsim.sim.weir import WeirPolicy
+from fleetsim.workloads import prompt_token_ids
 
 M = PreemptionMode
 
@@ -35,8 +37,19 @@ def runs() -> dict[str, SimResult]:
     }
 
 
-def outputs(result: SimResult) -> dict[str, list[int]]:
-    return {f.rid: f.output_ids for f in result.flights}
+def outputs_of(flight: SimFlight) -> tuple[int, int]:
+    """What a request streamed: how many tokens, and their digest."""
+    return flight.generated, flight.stream_digest
+
+
+def outputs(result: SimResult) -> dict[str, tuple[int, int]]:
+    return {f.rid: outputs_of(f) for f in result.flights}
+
+
+def uninterrupted(flight: SimFlight) -> tuple[int, int]:
+    """What the token function gives the flight's prompt, run uninterrupted."""
+    tokens, _ = TokenFunction().run(prefix_hash(prompt_token_ids(flight.spec)), flight.generated)
+    return flight.generated, prefix_hash(tokens)
 
 
 def test_offloaded_victims_resume_from_the_host_tier(runs: dict[str, SimResult]) -> None:
@@ -62,4 +75,7 @@ def test_every_request_produces_what_it_would_unpressured(runs: dict[str, SimRes
     for name in ("offload", "recompute"):
         done = [f for f in runs[name].flights if str(f.reason) == "stop"]
         assert {f.rid for f in done} >= {f"long{i}" for i in range(6)}, name
-        assert {f.rid: f.output_ids for f in done} == {f.rid: reference[f.rid] for f in done}
+        assert {f.rid: outputs_of(f) for f in done} == {f.rid: reference[f.rid] for f in done}
+        preempted = [f for f in done if f.preemptions]
+        assert preempted, name
+        assert all(outputs_of(f) == uninterrupted(f) for f in preempted), name
