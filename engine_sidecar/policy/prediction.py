@@ -24,6 +24,12 @@ class LengthKey:
     tenant: str
     model: str
 
+    def __hash__(self) -> int:
+        # The generated one's value, written out: mypyc compiles only the methods written
+        # out (the fleet simulator's `--compiled`), and a key is hashed at every
+        # prediction, for every running request at every KV account.
+        return hash((self.tenant, self.model))
+
 
 @dataclass
 class OutputLengthPredictor:
