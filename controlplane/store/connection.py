@@ -256,7 +256,7 @@ def connect(settings: RedisSettings) -> RedisClient:
             ssl_certfile=settings.tls_cert_file,
             ssl_keyfile=settings.tls_key_file,
         )
-    sentinel = Sentinel(  # type: ignore[no-untyped-call]
+    sentinel = Sentinel(  # type: ignore[no-untyped-call, unused-ignore]  # typed from redis 8.2
         list(settings.sentinels), sentinel_kwargs=sentinel_kwargs, **kwargs
     )
     master: _SentinelMaster = sentinel.master_for(
