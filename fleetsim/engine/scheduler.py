@@ -59,6 +59,7 @@ from fleetsim.engine.tokens import (
     TOKEN_BYTES,
     VOCAB_SIZE,
     TokenFunction,
+    byte_ids,
     decode,
     prefix_hash,
 )
@@ -79,16 +80,6 @@ _CONTINUE, _NO_TOKEN, _OTHER = "continue", "no_token", "other"
 
 class EngineRequestError(ValueError):
     """A request the engine refuses outright (SGLang answers these with 400)."""
-
-
-def _byte_ids(ids: list[int]) -> bool:
-    """Whether every id is a byte value (all but EOS and out-of-vocabulary ids): one C
-    pass where `min` and `max` compare every id as an object, twice."""
-    try:
-        bytes(ids)
-    except (ValueError, TypeError):
-        return False
-    return True
 
 
 @dataclass(slots=True)
@@ -283,7 +274,7 @@ class EngineModel:
                 f"The input ({n} tokens) is longer than the model's context length "
                 f"({self.context_len} tokens)."
             )
-        if not _byte_ids(input_ids):
+        if byte_ids(input_ids) is None:  # else every id is in the vocabulary
             low, high = min(input_ids), max(input_ids)
             if low < 0 or high >= VOCAB_SIZE:
                 bad = low if low < 0 else high

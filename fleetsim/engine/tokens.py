@@ -50,11 +50,19 @@ def extend_hash(state: int, token: int) -> int:
     return zlib.crc32(TOKEN_BYTES[token], state)
 
 
+def byte_ids(ids: Sequence[int]) -> bytes | None:
+    """The ids as bytes when every one is a byte value (all but EOS and out-of-vocabulary
+    ids, as in all but a rare prompt), else None: one C pass over the list."""
+    try:
+        return bytes(ids)
+    except (ValueError, TypeError):
+        return None
+
+
 def prefix_hash(ids: Sequence[int], state: int = HASH_SEED) -> int:
     """The rolling hash over many tokens at once: equal to extending one by one."""
-    try:
-        raw = bytes(ids)  # every id a byte value, as in all but a rare prompt
-    except (ValueError, TypeError):
+    raw = byte_ids(ids)
+    if raw is None:
         return zlib.crc32(array.array("H", ids), state)
     # The same little-endian 16-bit words, built by one strided copy: about a third of
     # the time `array` takes to convert the ids one by one.
