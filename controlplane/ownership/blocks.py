@@ -17,10 +17,11 @@ import sys
 from array import array
 from collections.abc import Sequence
 from hashlib import blake2b
+from typing import Final
 
 from controlplane.contract import CacheIdentity
 
-DIGEST_BYTES = 8
+DIGEST_BYTES: Final = 8
 _BIG_ENDIAN = sys.byteorder == "big"
 assert array("I").itemsize == 4, "tokens pack as 4-byte unsigned ints"
 

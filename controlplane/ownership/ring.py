@@ -22,14 +22,15 @@ import math
 from array import array
 from collections.abc import Mapping, Sequence
 from hashlib import blake2b
+from typing import Final
 
 import numpy as np
 
 from controlplane.ownership.membership import Membership
 from controlplane.ownership.overrides import HotPrefixTable
 
-DEFAULT_VNODES = 160
-_MAX_KEY = 2**64 - 1
+DEFAULT_VNODES: Final = 160
+_MAX_KEY: Final = 2**64 - 1
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
 _MIX2 = np.uint64(0x94D049BB133111EB)

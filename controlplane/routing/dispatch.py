@@ -68,10 +68,10 @@ P = TypeVar("P")
 
 # How long an endpoint that refused a resume, or migrated it away, is avoided: doubled with
 # each refusal of the same resume, up to the cap.
-RESUME_BACKOFF_S = 0.05
-RESUME_BACKOFF_MAX_S = 1.0
+RESUME_BACKOFF_S: Final = 0.05
+RESUME_BACKOFF_MAX_S: Final = 1.0
 # A deadline is never passed to routing as spent: 0 means "no deadline" there.
-_MIN_DEADLINE_S = 1e-3
+_MIN_DEADLINE_S: Final = 1e-3
 
 QUEUE_FULL = "queue_full"
 QUEUE_TIMEOUT = "queue_timeout"
@@ -202,7 +202,10 @@ class Dispatcher(Generic[P]):
     def next_wakeup(self) -> float | None:
         """The next instant a wait ends or an avoided endpoint may be asked again: pump
         then."""
-        times = [self.queue.next_expiry()]
+        expiry = self.queue.next_expiry()
+        if not self._resuming:
+            return expiry  # as a rule: it is asked at every report the router takes
+        times = [expiry]
         for request in self._resuming.values():
             times.append(self._resume_expires_at(request))
             times.extend(request.avoided.values())

@@ -14,7 +14,7 @@ Pure: the caller passes the instant and the decode pool's snapshot.
 from __future__ import annotations
 
 from collections.abc import Collection
-from typing import TypeVar
+from typing import Final, TypeVar
 
 from controlplane.contract import Role
 from controlplane.routing.dispatch import ENDPOINTS_OVERLOADED, Dispatcher, Placed, Refusal, Refused
@@ -24,7 +24,7 @@ P = TypeVar("P")
 
 DECODE_SATURATED = "decode_saturated"
 # A client told the decode side is saturated asks again after this long.
-DECODE_SATURATED_RETRY_S = 1.0
+DECODE_SATURATED_RETRY_S: Final = 1.0
 
 
 def decode_route(route: RouteRequest, generated: int, failed: Collection[str]) -> RouteRequest:

@@ -19,7 +19,7 @@ Times are server milliseconds (integers), as in the scripts.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from controlplane.contract.models import WatermarkState
 from controlplane.contract.policy import KVPolicy
@@ -126,7 +126,7 @@ class CreditLedger:
 
 # How often a decode pool's router publishes its budget: the wait worth suggesting when no
 # outstanding credit's expiry is a better one.
-BUDGET_PERIOD_S = 1.0
+BUDGET_PERIOD_S: Final = 1.0
 
 
 def credit_refusal(reason: str, retry_after_s: float | None) -> tuple[int, str, float | None]:

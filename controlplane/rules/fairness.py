@@ -23,15 +23,16 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Final
 
 from controlplane.contract import TenantQuota
 
 # The share of its output limit a request is assumed to generate until it ends (the cost
 # model's `expected_output_fraction`).
-EXPECTED_OUTPUT_FRACTION = 0.5
+EXPECTED_OUTPUT_FRACTION: Final = 0.5
 # The time per output token assumed where none is known yet: the sidecar's own starting
 # estimate, before a request has finished there.
-UNKNOWN_TPOT_S = 0.02
+UNKNOWN_TPOT_S: Final = 0.02
 
 
 def kv_cost(prompt_tokens: int, output_tokens: float, held_s: float) -> float:

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Final
 
 from controlplane.contract.models import TenantQuota
 
 RATES = ("input_tokens", "output_tokens", "kv_token_seconds")
-_MINUTE_MS = 60_000
+_MINUTE_MS: Final = 60_000
 # Retry-After of a concurrency or class-capacity refusal: a slot may free any moment.
-_SLOT_RETRY_MS = 1000
+_SLOT_RETRY_MS: Final = 1000
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,16 +28,18 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Final
 
 # Feature scales: the models see tokens in thousands and the batch in tens, so the
 # prior covariance means roughly the same thing for every weight.
-_TOKENS = 1e-3
-_BATCH = 0.1
+_TOKENS: Final = 1e-3
+_BATCH: Final = 0.1
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class EngineLoad:
-    """What the sidecar sees of its engine when a request reaches it."""
+    """What the sidecar sees of its engine when a request reaches it: a value, never
+    changed once made (not declared frozen: see `__init__`)."""
 
     prefill_ahead_tokens: int  # prompt tokens admitted or queued here, not yet prefilled
     running_requests: int  # requests in the engine's batch
@@ -47,13 +49,33 @@ class EngineLoad:
     # not scheduled there, or retracted by it and waiting to run again.
     engine_waiting_requests: int = 0
 
-    def __post_init__(self) -> None:
-        counts = (self.prefill_ahead_tokens, self.running_requests, self.queued_requests,
-                  self.engine_waiting_requests)  # fmt: skip
-        if min(counts) < 0:
-            raise ValueError(f"engine load must not be negative: {self}")
-        if not math.isfinite(self.kv_fraction) or self.kv_fraction < 0.0:
-            raise ValueError(f"kv_fraction must be a finite number >= 0, got {self.kv_fraction}")
+    # Written out, not generated, and not frozen: compiled (the fleet simulator's
+    # `--compiled`), a dataclass's generated `__init__` stays interpreted, and a frozen
+    # one's fields can only be set through `object.__setattr__`, a generic call per field;
+    # a load is built at every heartbeat and admission.
+    def __init__(
+        self,
+        prefill_ahead_tokens: int,
+        running_requests: int,
+        kv_fraction: float,
+        queued_requests: int = 0,
+        engine_waiting_requests: int = 0,
+    ) -> None:
+        if (prefill_ahead_tokens < 0 or running_requests < 0 or queued_requests < 0
+                or engine_waiting_requests < 0):  # fmt: skip
+            raise ValueError(
+                f"engine load must not be negative: {prefill_ahead_tokens} tokens ahead, "
+                f"{running_requests} running, {queued_requests} queued, "
+                f"{engine_waiting_requests} waiting in the engine"
+            )
+        # NaN fails the comparison; `isinf`, unlike `isfinite`, is native when compiled.
+        if not kv_fraction >= 0.0 or math.isinf(kv_fraction):
+            raise ValueError(f"kv_fraction must be a finite number >= 0, got {kv_fraction}")
+        self.prefill_ahead_tokens = prefill_ahead_tokens
+        self.running_requests = running_requests
+        self.kv_fraction = kv_fraction
+        self.queued_requests = queued_requests
+        self.engine_waiting_requests = engine_waiting_requests
 
 
 @dataclass
@@ -140,16 +162,25 @@ class OnlineLinear:
                     row[j] *= shrink[i] * shrink[j]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class LatencyForecast:
     """What the model predicts for a request reaching the engine under `load`, as the
     sidecar publishes it: the wait before its own prefill starts, the prefill seconds
-    per uncached prompt token, and its TPOT. Every term is >= 0."""
+    per uncached prompt token, and its TPOT. Every term is >= 0. A value, never changed
+    once made (not frozen, as `EngineLoad`)."""
 
     load: EngineLoad
     wait_s: float
     prefill_s_per_token: float
     tpot_s: float
+
+    def __init__(
+        self, load: EngineLoad, wait_s: float, prefill_s_per_token: float, tpot_s: float
+    ) -> None:  # written out, as `EngineLoad`'s: one is built at every heartbeat
+        self.load = load
+        self.wait_s = wait_s
+        self.prefill_s_per_token = prefill_s_per_token
+        self.tpot_s = tpot_s
 
     def ttft_s(self, uncached_tokens: int) -> float:
         return self.wait_s + max(0, uncached_tokens) * self.prefill_s_per_token

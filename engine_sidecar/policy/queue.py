@@ -26,7 +26,7 @@ import math
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Final, Generic, TypeVar
 
 from controlplane.contract import PoolPolicy
 from controlplane.rules.fairness import Charge, VirtualCounters
@@ -48,7 +48,7 @@ class QueuedRequest:
 
 
 # How far ahead of new work of its class a resume waits, in priority classes.
-RESUME_LEAD = 1.0
+RESUME_LEAD: Final = 1.0
 
 
 def queue_wait_s(policy: PoolPolicy, resumed: bool) -> float:

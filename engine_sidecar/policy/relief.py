@@ -43,6 +43,7 @@ import enum
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import Final
 
 from controlplane.contract import (
     EndpointState,
@@ -239,7 +240,7 @@ class ReliefPlan:
 
 
 # Deadline slack under which a request is treated as urgent and spared.
-_URGENT_SLACK_S = 30.0
+_URGENT_SLACK_S: Final = 30.0
 _NO_PEERS: Mapping[str, int] = MappingProxyType({})
 
 

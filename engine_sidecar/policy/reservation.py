@@ -25,6 +25,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Final
 
 from controlplane.contract import KVPolicy, WatermarkState
 from controlplane.rules.credits import endpoint_headroom_tokens
@@ -33,7 +34,7 @@ from engine_sidecar.policy.watermark import KVUsage
 # How long a target holds room for a continuation that has not arrived. A hand-back
 # takes an engine abort and two hops through the router (milliseconds); this covers a
 # router that is slow to place it, and bounds what a lost one costs the target.
-RESERVATION_TTL_S = 10.0
+RESERVATION_TTL_S: Final = 10.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,13 +27,14 @@ from __future__ import annotations
 import random
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Final
 
 from fleetsim.baselines.view import WorkerView, healthy
 from fleetsim.workloads import BLOCK_TOKENS, RequestSpec
 
-HASH_BLOCK_TOKENS = 64
-MAX_PREFIX_BLOCKS = 256
-LRU_CAPACITY_PER_SERVER = 31250
+HASH_BLOCK_TOKENS: Final = 64
+MAX_PREFIX_BLOCKS: Final = 256
+LRU_CAPACITY_PER_SERVER: Final = 31250
 _SUB = BLOCK_TOKENS // HASH_BLOCK_TOKENS
 
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Final, Literal
 
 from fleetsim.engine.timing import TimingModel
 from fleetsim.engine.tokens import DEFAULT_EOS_PER_MILLE
 
 # SGLang clips each request's remaining output at this many tokens when it estimates growth
 # (SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION, sglang/srt/managers/schedule_policy.py).
-CLIP_MAX_NEW_TOKENS = 4096
+CLIP_MAX_NEW_TOKENS: Final = 4096
 
 SGLangVersion = Literal["0.5.5", "0.5.23"]
 DisaggregationMode = Literal["null", "prefill", "decode"]

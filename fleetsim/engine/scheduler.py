@@ -48,6 +48,7 @@ import math
 import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Final
 
 from fleetsim.engine.backends import HashBackend, TokenBackend
 from fleetsim.engine.config import CLIP_MAX_NEW_TOKENS, EngineConfig
@@ -68,12 +69,12 @@ _crc32 = zlib.crc32
 
 # SGLANG_RETRACT_DECODE_STEPS: decode steps of headroom a retraction frees per request kept,
 # and the steps credited to each in the new-token-ratio estimate after a retraction.
-RETRACT_DECODE_STEPS = 20
+RETRACT_DECODE_STEPS: Final = 20
 # LPM sorts at most this many waiting requests; beyond, the queue is served in order.
-LPM_MAX_WAITING = 128
+LPM_MAX_WAITING: Final = 128
 # LPM's in-batch prefix caching: a request with at most this many tokens cached waits
 # behind an earlier waiting request that shares its first this-many tokens.
-IN_BATCH_PREFIX_TOKENS = 32
+IN_BATCH_PREFIX_TOKENS: Final = 32
 # Admission results (SGLang's AddReqResult).
 _CONTINUE, _NO_TOKEN, _OTHER = "continue", "no_token", "other"
 

@@ -17,20 +17,21 @@ from __future__ import annotations
 import array
 import zlib
 from collections.abc import Iterable, Sequence
+from typing import Final
 
-VOCAB_BYTES = 256
-EOS_ID = 256
-VOCAB_SIZE = 257
+VOCAB_BYTES: Final = 256
+EOS_ID: Final = 256
+VOCAB_SIZE: Final = 257
 
-_MASK32 = (1 << 32) - 1
-_PRINTABLE_FIRST = 32
-_PRINTABLE_COUNT = 95  # bytes 32..126
+_MASK32: Final = (1 << 32) - 1
+_PRINTABLE_FIRST: Final = 32
+_PRINTABLE_COUNT: Final = 95  # bytes 32..126
 
 # One generated token in 512 is EOS unless `ignore_eos` is set: outputs end on their own at
 # realistic lengths, and tests that need exact lengths set `ignore_eos`.
-DEFAULT_EOS_PER_MILLE = 2.0
+DEFAULT_EOS_PER_MILLE: Final = 2.0
 
-HASH_SEED = 0
+HASH_SEED: Final = 0
 # Each token id's bytes in the hashed stream, precomputed for the decode loop.
 TOKEN_BYTES = tuple(t.to_bytes(2, "little") for t in range(VOCAB_SIZE))
 
@@ -71,13 +72,22 @@ def prefix_hash(ids: Sequence[int], state: int = HASH_SEED) -> int:
     return zlib.crc32(words, state)
 
 
+_MIX: Final = 0x45D9F3B  # 27 bits
+
+
+def _mul_low32(x: int) -> int:
+    """The low 32 bits of `x * _MIX` for a 32-bit `x`, from its two 16-bit halves.
+    Compiled (the fleet simulator's `--compiled`), a product is a machine multiply only
+    while both factors are below 2**30: `x * _MIX` itself went through Python's
+    arbitrary-precision arithmetic at every token, the halves' products never do."""
+    return ((((x >> 16) * _MIX) & 0xFFFF) << 16) + (x & 0xFFFF) * _MIX & _MASK32
+
+
 def _mix(state: int) -> int:
     """A 32-bit integer finaliser (two multiply-xorshift rounds by a 27-bit constant):
-    spreads the CRC over the bits the decision reads. Every product stays below 2**59,
-    a machine integer when compiled (the fleet simulator's `--compiled`), where a 64-bit
-    finaliser's products overflowed into arbitrary-precision arithmetic at every token."""
-    z = (((state >> 16) ^ state) * 0x45D9F3B) & _MASK32
-    z = (((z >> 16) ^ z) * 0x45D9F3B) & _MASK32
+    spreads the CRC over the bits the decision reads."""
+    z = _mul_low32((state >> 16) ^ state)
+    z = _mul_low32((z >> 16) ^ z)
     return (z >> 16) ^ z
 
 

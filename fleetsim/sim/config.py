@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Final
 
 from controlplane.contract import KVPolicy, PoolPolicy, RoutingPolicy, SchedulingPolicy
 from fleetsim.engine import H200, ModelProfile, TimingModel
@@ -67,7 +68,7 @@ class SLO:
         return self.ttft_for(input_tokens) + self.tpot_s * generated
 
 
-INTERACTIVE_PATIENCE_S = 10.0
+INTERACTIVE_PATIENCE_S: Final = 10.0
 """How long an interactive client (no `max_wait_s` of its own) waits for its first token
 before a request that has not started is better refused with Retry-After."""
 

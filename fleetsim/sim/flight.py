@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from controlplane.contract import FinishReason
 from engine_sidecar.policy import LatencyForecast
 from fleetsim.engine.tokens import HASH_SEED, TokenFunction, extend_hash, prefix_hash
-from fleetsim.workloads import RequestSpec
+from fleetsim.workloads import RequestSpec, prompt_token_bytes
 
 # A decode run's tokens (EOS suppressed) do not depend on the EOS rate.
 _TOKENS = TokenFunction()
@@ -80,6 +80,9 @@ class SimFlight:
     tpot_error: float = -1.0
     # The spec's `generated_tokens`, read for every token streamed.
     target_tokens: int = field(init=False)
+    # The prompt's token ids as bytes while the flight is open (`prompt_bytes`): its
+    # routing and every engine visit read them, and making them is numpy's work.
+    _prompt: bytes = field(init=False, default=b"")
 
     def __post_init__(self) -> None:
         self.target_tokens = self.spec.generated_tokens
@@ -93,6 +96,16 @@ class SimFlight:
         """Tokens still to stream before the request ends on its own."""
         return self.target_tokens - self.generated
 
+    def primed(self, prompt: bytes) -> None:
+        """Its prompt's ids, made ahead of its arrival (`prompt_token_bytes_each`)."""
+        self._prompt = prompt
+
+    def prompt_bytes(self) -> bytes:
+        """The prompt's token ids (`prompt_token_bytes`), made once while it is open."""
+        if not self._prompt:
+            self._prompt = prompt_token_bytes(self.spec)
+        return self._prompt
+
     def streamed(self, tokens: Sequence[int]) -> None:
         """More tokens reached its client."""
         self.generated += len(tokens)
@@ -102,14 +115,23 @@ class SimFlight:
         self.generated += 1
         self.stream_digest = extend_hash(self.stream_digest, token)
 
-    def continuation_ids(self, prompt_ids: list[int]) -> list[int]:
+    def continuation_ids(self) -> list[int]:
         """The prompt and what it streamed, as a continuation sends them: the tokens are
         the token function's over the prompt (the simulator's engines run the hash
         backend with EOS ignored), which `stream_digest` lets a test check."""
+        prompt_ids = list(self.prompt_bytes())
         if not self.generated:
             return prompt_ids
         tokens, _ = _TOKENS.run(prefix_hash(prompt_ids), self.generated)
         return prompt_ids + tokens
+
+    def close(self, reason: FinishReason, now: float, detail: str) -> None:
+        """It ended for good: the prompt's ids go (a replay holds every flight)."""
+        self.stage = Stage.DONE
+        self.reason = reason
+        self.detail = detail
+        self.finished_at = now
+        self._prompt = b""
 
     def leave_engine(self) -> None:
         """The current engine visit is over; the next one gets a fresh engine rid."""

@@ -16,6 +16,7 @@ its credit goes back when its handoff lands or, failing that, when it ends.
 from __future__ import annotations
 
 import functools
+from typing import Final
 
 from controlplane.contract import PoolPolicy
 from controlplane.routing import Refusal
@@ -26,8 +27,8 @@ from fleetsim.sim.flight import SimFlight
 HOLDER = "router-sim"
 # The router's defaults: the quota holder's lease (renewed at a third of it) and a
 # handoff credit's time to live.
-HOLDER_TTL_MS = 15_000
-CREDIT_TTL_MS = 30_000
+HOLDER_TTL_MS: Final = 15_000
+CREDIT_TTL_MS: Final = 30_000
 DECODE_CLASS = "decode"
 
 

@@ -41,18 +41,20 @@ import heapq
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Final, Protocol
 
 from controlplane.contract import FinishReason, Role
 from fleetsim.engine import EngineConfig, EngineModel, EngineRequest, EngineRequestError
 from fleetsim.sim.config import FleetConfig
 from fleetsim.sim.flight import SimFlight, Stage
-from fleetsim.workloads import RequestSpec, prompt_token_ids
+from fleetsim.workloads import RequestSpec, prompt_token_bytes_each
 from fleetsim.workloads.scenarios import EngineFailure
 
 # The most iterations one fast-forward plans: their ends are computed when it starts, and
 # a run an arrival interrupts early has computed the rest for nothing.
 FAST_FORWARD_STEPS = 32
+# Arrivals whose prompt ids are made together (`prompt_token_bytes_each`).
+PROMPT_CHUNK: Final = 32
 
 
 class FleetPolicy(Protocol):
@@ -144,8 +146,8 @@ class EngineSlot:
 class DecodeRun:
     """A fast-forward: iterations that only decode, starting at `times[:-1]` and taking
     `durations`, the last ending at `times[-1]` (the engine's next step event). The
-    model has run `done` of them (the one under way at the clock included); the flights
-    hold the tokens of all but the last of those."""
+    model has run `done` of them (a catch-up runs every one started by then, the one
+    under way included); the flights hold the tokens of all but the last of those."""
 
     times: list[float]
     durations: list[float]
@@ -270,8 +272,18 @@ class Simulation:
         heap, stale, horizon = self._heap, self._stale, self.horizon
         arrivals, arrive = self._arrivals, self._arrive
         following, last = 0, len(arrivals)
+        primed = 0  # arrivals whose prompt ids are made
         while self._open > 0:
             if following < last and (not heap or arrivals[following].spec.arrival_s <= heap[0][0]):
+                if following == primed:
+                    # The next few arrivals' prompts in one pass: numpy's cost per call was
+                    # most of a prompt's. (Few: the ids of many would leave the CPU cache.)
+                    chunk = arrivals[primed : primed + PROMPT_CHUNK]
+                    for ahead, ids in zip(
+                        chunk, prompt_token_bytes_each([f.spec for f in chunk]), strict=True
+                    ):
+                        ahead.primed(ids)
+                    primed += len(chunk)
                 flight = arrivals[following]
                 following += 1
                 when = max(0.0, flight.spec.arrival_s)
@@ -331,7 +343,7 @@ class Simulation:
         self.interrupt(engine)
         spec = flight.spec
         flight.dequeue(now)
-        ids = flight.continuation_ids(prompt_token_ids(spec))
+        ids = flight.continuation_ids()
         model = slot.model
         wanted = 1 if slot.role is Role.PREFILL else spec.max_tokens - flight.generated
         try:
@@ -394,10 +406,7 @@ class Simulation:
             return
         self.withdraw(flight, now)
         flight.dequeue(now)
-        flight.stage = Stage.DONE
-        flight.reason = reason
-        flight.detail = detail
-        flight.finished_at = now
+        flight.close(reason, now, detail)
         self._open -= 1
         self.policy.ended(flight, now)
 
@@ -491,8 +500,10 @@ class Simulation:
         for duration in durations:
             now += duration
             times.append(now)
+        # Its iterations run when something catches it up (the first too: nothing reads
+        # the engine before then without doing so, and a run caught up once at its end
+        # pays the per-request work of a catch-up once).
         slot.run = DecodeRun(times, durations, batch, pages)
-        self._catch_up(slot, times[0])  # the first iteration starts now
         self.at(now, slot.step)
         return True
 

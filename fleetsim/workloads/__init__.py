@@ -8,6 +8,7 @@ from fleetsim.workloads.request import (
     RequestSpec,
     length_bucket,
     prompt_token_bytes,
+    prompt_token_bytes_each,
     prompt_token_ids,
 )
 from fleetsim.workloads.scenarios import SCENARIOS, MixStats, Scenario, mix_stats, scenario
@@ -24,6 +25,7 @@ __all__ = [
     "length_bucket",
     "mix_stats",
     "prompt_token_bytes",
+    "prompt_token_bytes_each",
     "prompt_token_ids",
     "read_trace",
     "scenario",
