@@ -141,12 +141,28 @@ class OnlineLinear:
                 self._reset_cov()
         scale = math.sqrt(weight)
         xs = [v * scale for v in x]
-        cov, lam = self._cov, self.forgetting
-        px = [sum((row[j] * xs[j] for j in range(len(xs))), 0.0) for row in cov]
-        denominator = lam + sum((a * b for a, b in zip(xs, px, strict=True)), 0.0)
+        n = len(xs)
+        cov, lam, weights = self._cov, self.forgetting, self.weights
+        if len(weights) != n:
+            raise ValueError(f"{n} features for {len(weights)} weights")
+        # Plain loops (as `predict`'s), each sum in the order `sum` would add: compiled,
+        # generators cost several times the arithmetic, and every first token trains.
+        px = []
+        for row in cov:
+            acc = 0.0
+            for j in range(n):
+                acc += row[j] * xs[j]
+            px.append(acc)
+        acc = 0.0
+        for j in range(n):
+            acc += xs[j] * px[j]
+        denominator = lam + acc
         gain = [p / denominator for p in px]
-        error = y * scale - sum((w * v for w, v in zip(self.weights, xs, strict=True)), 0.0)
-        self.weights = [w + k * error for w, k in zip(self.weights, gain, strict=True)]
+        acc = 0.0
+        for j in range(n):
+            acc += weights[j] * xs[j]
+        error = y * scale - acc
+        self.weights = [weights[j] + gain[j] * error for j in range(n)]
         # P = (P - k (P x)ᵀ) / λ: P is symmetric, so x'P = (Px)ᵀ.
         for i, row in enumerate(cov):
             k = gain[i]
@@ -156,7 +172,7 @@ class OnlineLinear:
         # positive definite and leaves the directions the samples excite alone.
         shrink = [math.sqrt(cap / cov[i][i]) if cov[i][i] > cap else 1.0
                   for i, cap in enumerate(self.prior_variance)]  # fmt: skip
-        if any(d < 1.0 for d in shrink):
+        if min(shrink) < 1.0:
             for i, row in enumerate(cov):
                 for j in range(len(row)):
                     row[j] *= shrink[i] * shrink[j]

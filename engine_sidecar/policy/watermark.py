@@ -19,13 +19,19 @@ from dataclasses import dataclass
 from controlplane.contract import KVPolicy, WatermarkState
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class KVUsage:
-    """The KV pool at one moment, in tokens."""
+    """The KV pool at one moment, in tokens: a value, never changed once made (not
+    frozen, as `EngineLoad`: it is built at every admission and KV account)."""
 
     capacity_tokens: int
     used_tokens: int
     reserved_growth_tokens: int
+
+    def __init__(self, capacity_tokens: int, used_tokens: int, reserved_growth_tokens: int) -> None:
+        self.capacity_tokens = capacity_tokens
+        self.used_tokens = used_tokens
+        self.reserved_growth_tokens = reserved_growth_tokens
 
     @property
     def committed_tokens(self) -> int:

@@ -30,24 +30,27 @@ class TokenBackend(Protocol):
 class HashBackend:
     """Tokens from the rolling prefix hash the scheduler keeps on every request."""
 
-    __slots__ = ("_next", "_run")
+    __slots__ = ("_tokens",)
 
     def __init__(self, tokens: TokenFunction) -> None:
-        self._next = tokens.next_token
-        self._run = tokens.run
+        # The function itself, not its bound methods: compiled (the fleet simulator's
+        # `--compiled`), a method called on it is a direct call, a stored bound method a
+        # generic one, for every request at every iteration.
+        self._tokens = tokens
 
     def prefill(self, request: EngineRequest, start: int, end: int) -> int | None:
         if end < request.total_len:
             return None
-        return self._next(request.hash_state, request.eos_suppressed)
+        return self._tokens.next_token(request.hash_state, request.eos_suppressed)
 
     def decode(self, batch: Sequence[EngineRequest]) -> list[int]:
-        nxt = self._next
+        tokens = self._tokens
         return [
-            nxt(r.hash_state, r.ignore_eos or len(r.output_ids) < r.min_new_tokens) for r in batch
+            tokens.next_token(r.hash_state, r.ignore_eos or len(r.output_ids) < r.min_new_tokens)
+            for r in batch
         ]
 
     def decode_run(self, request: EngineRequest, count: int) -> tuple[list[int], int]:
         """`count` decode steps of a request that cannot stop on EOS (`ignore_eos`): its
         next `count` tokens and its prefix hash after them."""
-        return self._run(request.hash_state, count)
+        return self._tokens.run(request.hash_state, count)

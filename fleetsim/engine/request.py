@@ -13,7 +13,7 @@ import enum
 from dataclasses import dataclass, field
 
 from fleetsim.engine.kv_cache import CacheNode, path_pages
-from fleetsim.engine.tokens import decode
+from fleetsim.engine.tokens import decode, prefix_hash
 
 
 class Phase(enum.Enum):
@@ -105,6 +105,13 @@ class EngineRequest:
     host_cached_tokens: int = 0
     first_token_at: float = -1.0
     finished_at: float = -1.0
+    # The rolling hash of `input_ids` (`tokens.prefix_hash`), which never change: made
+    # once, here, unless the maker had it (-1: not given).
+    prompt_hash: int = -1
+
+    def __post_init__(self) -> None:
+        if self.prompt_hash < 0:
+            self.prompt_hash = prefix_hash(self.input_ids)
 
     @property
     def total_len(self) -> int:

@@ -242,7 +242,7 @@ class EngineModel:
     def make_request(
         self,
         rid: str,
-        input_ids: list[int],
+        input_ids: Sequence[int],
         max_new_tokens: int | None,
         *,
         ignore_eos: bool = False,
@@ -275,7 +275,8 @@ class EngineModel:
                 f"The input ({n} tokens) is longer than the model's context length "
                 f"({self.context_len} tokens)."
             )
-        if byte_ids(input_ids) is None:  # else every id is in the vocabulary
+        raw = byte_ids(input_ids)  # one C pass; the same object when given bytes
+        if raw is None:  # else every id is in the vocabulary
             low, high = min(input_ids), max(input_ids)
             if low < 0 or high >= VOCAB_SIZE:
                 bad = low if low < 0 else high
@@ -321,6 +322,7 @@ class EngineModel:
             cache_salt=cache_salt,
             arrival=now,
             kv_imported=kv_imported,
+            prompt_hash=prefix_hash(input_ids if raw is None else raw),
         )
 
     def submit(self, req: EngineRequest, now: float) -> bool:
@@ -331,7 +333,7 @@ class EngineModel:
         if req.rid in self.requests:
             raise EngineRequestError(f"Duplicate request ID detected: {req.rid}")
         req.arrival = now
-        req.hash_state = prefix_hash(req.output_ids, prefix_hash(req.input_ids))
+        req.hash_state = prefix_hash(req.output_ids, req.prompt_hash)
         self.requests[req.rid] = req
         self.requests_total += 1
         self.prompt_tokens_total += len(req.input_ids)
@@ -384,7 +386,7 @@ class EngineModel:
             raise EngineRequestError(f"Duplicate request ID detected: {req.rid}")
         req.arrival = req.queued_at = now
         req.kv_imported = len(req.input_ids)
-        req.hash_state = prefix_hash(req.input_ids)
+        req.hash_state = req.prompt_hash
         req.phase = Phase.PREALLOC
         self.requests[req.rid] = req
         self.requests_total += 1

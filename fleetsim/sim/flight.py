@@ -115,15 +115,16 @@ class SimFlight:
         self.generated += 1
         self.stream_digest = extend_hash(self.stream_digest, token)
 
-    def continuation_ids(self) -> list[int]:
-        """The prompt and what it streamed, as a continuation sends them: the tokens are
-        the token function's over the prompt (the simulator's engines run the hash
-        backend with EOS ignored), which `stream_digest` lets a test check."""
-        prompt_ids = list(self.prompt_bytes())
+    def continuation_ids(self) -> bytes:
+        """The prompt and what it streamed, as a continuation sends them (byte-level ids:
+        generated tokens are printable bytes): the tokens are the token function's over
+        the prompt (the simulator's engines run the hash backend with EOS ignored), which
+        `stream_digest` lets a test check."""
+        prompt = self.prompt_bytes()
         if not self.generated:
-            return prompt_ids
-        tokens, _ = _TOKENS.run(prefix_hash(prompt_ids), self.generated)
-        return prompt_ids + tokens
+            return prompt
+        tokens, _ = _TOKENS.run(prefix_hash(prompt), self.generated)
+        return prompt + bytes(tokens)
 
     def close(self, reason: FinishReason, now: float, detail: str) -> None:
         """It ended for good: the prompt's ids go (a replay holds every flight)."""

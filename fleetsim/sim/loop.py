@@ -38,7 +38,6 @@ import bisect
 import functools
 import gc
 import heapq
-import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Protocol
@@ -203,7 +202,7 @@ class Simulation:
         self._heap: list[tuple[float, int, Callable[[], None]]] = []
         # Step events an interrupted fast-forward left in the heap, skipped when due.
         self._stale: set[Callable[[], None]] = set()
-        self._seq = itertools.count()
+        self._seq = 0  # insertion order, which breaks ties in time
         self._open = len(self.flights)
         self.last_arrival = max((s.arrival_s for s in specs), default=0.0)
         self.horizon = self.last_arrival + self.config.drain_s
@@ -232,7 +231,8 @@ class Simulation:
 
     # -- the clock -----------------------------------------------------------------------
     def at(self, when: float, action: Callable[[], None]) -> None:
-        heapq.heappush(self._heap, (max(when, self.now), next(self._seq), action))
+        self._seq += 1
+        heapq.heappush(self._heap, (max(when, self.now), self._seq, action))
 
     @property
     def active(self) -> bool:

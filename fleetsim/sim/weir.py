@@ -200,8 +200,13 @@ class Sidecar:
     # Room held for continuations migrating here, as the live ledger holds it.
     reservations: Reservations = field(init=False)
     _usage: KVUsage = field(init=False, repr=False)  # the last `usage()`
+    # The policy's growth figures, read for every running request at every KV account.
+    _growth_quantile: float = field(init=False, repr=False)
+    _growth_horizon: int = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        self._growth_quantile = self.policy.kv.growth_quantile
+        self._growth_horizon = self.policy.kv.growth_horizon_steps
         self.ledger = Ledger(self.policy, self.capacity_tokens, self.clock)
         sched = self.policy.scheduling
         self.queue = AdmissionQueue(
@@ -221,8 +226,8 @@ class Sidecar:
             return spec.generated_tokens
         if spec.output_hint_tokens > 0:
             return max(generated + 1, min(spec.max_tokens, spec.output_hint_tokens))
-        return self.predictor.predict_total(
-            _length_key(spec.tenant), self.policy.kv.growth_quantile, generated, spec.max_tokens
+        return self.ledger.predictor.predict_total(
+            _length_key(spec.tenant), self._growth_quantile, generated, spec.max_tokens
         )
 
     def charge_for(self, flight: SimFlight, prompt_tokens: int, now: float) -> Charge:
@@ -258,7 +263,7 @@ class Sidecar:
     def account(self) -> None:
         """KV held (prompt not served from cache + generated) and reserved growth of the
         requests in the engine, from the sidecar's own streamed-token accounting."""
-        horizon = self.policy.kv.growth_horizon_steps
+        horizon = self._growth_horizon
         used = reserved = 0
         for held in self.held.values():
             flight = held.flight

@@ -15,11 +15,14 @@ compiles identically (`tests/weir/test_compiled_sim.py` runs the recorded identi
 cells through a build): a `sum` of floats starts at `0.0` (mypyc keeps a `sum` started
 at the int 0 in an int), and a dataclass field that `__init__` does not take is set in
 `__post_init__`, not by a default; a generic class is a plain class (a generic
-dataclass does not import compiled). Interpreted: `controlplane.routing.framework`,
-`profile` and `snapshot` (their construction short-cuts through `object.__new__` and
-slot setters, and a runtime-checkable protocol). A dataclass's generated methods
-(`__init__` among them) stay interpreted in a compiled module: mypyc compiles only the
-methods written out.
+dataclass does not import compiled). Interpreted: `controlplane.routing.framework`
+and `snapshot` (their construction short-cuts through `object.__new__` and slot setters,
+and a runtime-checkable protocol). A dataclass's generated methods (`__init__` among
+them) stay interpreted in a compiled module: mypyc compiles only the methods written
+out, so the hottest value types write theirs (and are not frozen: a frozen one's fields
+are set through `object.__setattr__`, a generic call each). Module constants read in
+hot code are `Final` (inlined; others are looked up at each use), and a product is a
+machine multiply only while both factors are below 2**30 (else arbitrary precision).
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ COMPILED = (
     "controlplane/routing/pairing.py",
     "controlplane/routing/pickers.py",
     "controlplane/routing/prefix_index.py",
+    "controlplane/routing/profile.py",
     "controlplane/routing/registry.py",
     "controlplane/routing/scorers.py",
     "controlplane/rules/credits.py",
