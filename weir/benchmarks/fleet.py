@@ -94,7 +94,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--compiled",
         action="store_true",
         help="run the simulator compiled by mypyc from the same source (same results, "
-        "about 1.6x the speed; built once per source version into the user's cache, "
+        "about 2x the speed; built once per source version into the user's cache, "
         "about two minutes on two cores; needs mypy and a C compiler)",
     )
     add_output_flags(parser)
