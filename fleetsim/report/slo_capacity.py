@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fleetsim.report.matrix import CellSpec, nominal_rps, ratio, run_cell
-from fleetsim.sim import OraclePolicy, WeirPolicy, is_baseline
+from fleetsim.sim import ORACLE_NAME, WEIR_NAME, is_baseline
 
 # The search's reach, as fractions of the nominal capacity: a policy that meets the SLO
 # at the highest load is reported as at least that ("above"), one that misses it at the
@@ -191,7 +191,7 @@ def capacity_rows(capacities: Sequence[Capacity]) -> list[dict[str, Any]]:
     rows = []
     for name in dict.fromkeys(c.scenario for c in capacities):
         mine = {c.policy: c for c in capacities if c.scenario == name}
-        oracle = mine.get(OraclePolicy.name)
+        oracle = mine.get(ORACLE_NAME)
         limit = oracle.search.capacity if oracle is not None else math.nan
         policies = {
             p: {
@@ -204,7 +204,7 @@ def capacity_rows(capacities: Sequence[Capacity]) -> list[dict[str, Any]]:
         }
         baselines = {p: c.search.capacity for p, c in mine.items() if is_baseline(p)}
         best = max(baselines, key=lambda p: baselines[p]) if baselines else ""
-        weir = mine.get(WeirPolicy.name)
+        weir = mine.get(WEIR_NAME)
         rows.append(
             {
                 "scenario": name,

@@ -12,8 +12,8 @@ from fleetsim.sim.baseline import BaselinePolicy
 from fleetsim.sim.config import LLAMA_70B_FP8, SLO, FleetConfig, Staleness, default_pool_policy
 from fleetsim.sim.flight import SimFlight, Stage
 from fleetsim.sim.loop import FleetPolicy, KVSample, SimResult, Simulation, engine_config_for
-from fleetsim.sim.oracle import OraclePolicy
-from fleetsim.sim.weir import WeirPolicy
+from fleetsim.sim.oracle import ORACLE_NAME, OraclePolicy
+from fleetsim.sim.weir import WEIR_NAME, WeirPolicy
 
 
 def policies(seed: int = 0) -> dict[str, Callable[[], FleetPolicy]]:
@@ -28,20 +28,22 @@ def policies(seed: int = 0) -> dict[str, Callable[[], FleetPolicy]]:
         "max_tokens_reserve": lambda: BaselinePolicy(
             LeastOutstanding(seed), reserve_max_tokens=True, name="max_tokens_reserve"
         ),
-        "weir": WeirPolicy,
-        "oracle": OraclePolicy,
+        WEIR_NAME: WeirPolicy,
+        ORACLE_NAME: OraclePolicy,
     }
 
 
 def is_baseline(name: str) -> bool:
     """Whether a policy is one users would pick instead of Weir (not Weir, not the
     oracle)."""
-    return name not in (WeirPolicy.name, OraclePolicy.name)
+    return name not in (WEIR_NAME, ORACLE_NAME)
 
 
 __all__ = [
     "LLAMA_70B_FP8",
+    "ORACLE_NAME",
     "SLO",
+    "WEIR_NAME",
     "BaselinePolicy",
     "FleetConfig",
     "FleetPolicy",

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import replace
+from typing import Final
 
 from controlplane.contract import PoolPolicy
 from fleetsim.sim.config import Staleness
@@ -30,9 +31,11 @@ from fleetsim.sim.flight import SimFlight
 from fleetsim.sim.loop import Simulation
 from fleetsim.sim.weir import Sidecar, WeirPolicy
 
+ORACLE_NAME: Final = "oracle"
+
 
 class OraclePolicy(WeirPolicy):
-    name = "oracle"
+    name = ORACLE_NAME
     knows_lengths = True
 
     def __init__(self, policy: PoolPolicy | None = None) -> None:

@@ -388,8 +388,13 @@ def relief_costs(config: EngineConfig) -> ReliefCosts | None:
     )
 
 
+# Policy names as module constants: a compiled (mypyc) class's attribute read on the
+# class is its descriptor, not the value, so code that compares names reads these.
+WEIR_NAME: Final = "weir"
+
+
 class WeirPolicy:
-    name = "weir"
+    name = WEIR_NAME
     # Whether the router and the sidecars know every answer's length (the oracle) rather
     # than estimate it from `max_tokens` and the sidecars' predictors.
     knows_lengths = False

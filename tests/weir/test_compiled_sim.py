@@ -33,6 +33,8 @@ _IDENTICAL = """
 import json, sys
 from weir.benchmarks._compiled_sim import running_compiled
 assert running_compiled()
+from fleetsim.sim import is_baseline
+assert not is_baseline("weir") and not is_baseline("oracle") and is_baseline("round_robin")
 from tests.fleetsim.identical_cells import summaries
 json.dump(summaries(), sys.stdout)
 """
@@ -71,6 +73,9 @@ def test_bench_fleet_compiled_runs_in_a_child_on_the_build(build: Path, tmp_path
     assert main(argv) == 0
     report = json.loads((out / "report.json").read_text())
     assert {cell["policy"] for cell in report["cells"]} == {"weir", "round_robin"}
+    # Weir is compared with the baseline, not with itself: policy names are read from
+    # module constants (a compiled class's attribute is its descriptor).
+    assert [row["goodput_best_baseline"] for row in report["goals"]] == ["round_robin"]
 
 
 def test_a_run_started_on_a_build_that_imports_the_interpreted_simulator_is_an_error(
