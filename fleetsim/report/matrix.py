@@ -62,13 +62,15 @@ def fleet_config(spec: CellSpec) -> FleetConfig:
         return config
     s = scenario(spec.scenario)
     prefill = round(spec.engines * s.prefill_share) if s.prefill_share else 0
-    return replace(
+    config = replace(
         config,
         kv_scale=spec.kv_scale * s.kv_factor,
         prefill_engines=min(spec.engines - 1, max(1, prefill)) if prefill else 0,
         decode_kv_factor=s.decode_kv_factor,
-        policy=msgspec.structs.replace(config.policy, tenants=s.tenant_quotas),
     )
+    fleet_kv = spec.engines * engine_config_for(config).total_tokens
+    tenants = s.quotas_for(fleet_kv)
+    return replace(config, policy=msgspec.structs.replace(config.policy, tenants=tenants))
 
 
 def workload(spec: CellSpec, config: FleetConfig) -> tuple[list[RequestSpec], float, Any]:

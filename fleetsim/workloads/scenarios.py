@@ -86,6 +86,25 @@ class RequestClass:
 
 
 @dataclass(frozen=True, slots=True)
+class KVSizedQuota:
+    """A tenant's concurrency quota sized to the fleet's KV by the operator's rule
+    (docs/fleet-simulation.md, "The quota trade-off"): the tenant's requests at their
+    typical size (`request_tokens`, prompt plus expected answer) hold at most `kv_share`
+    of the fleet's KV, so the same scenario keeps its meaning at any fleet size."""
+
+    name: str
+    priority_class: str
+    request_tokens: int
+    kv_share: float
+
+    def for_fleet(self, kv_tokens: int) -> TenantQuota:
+        concurrency = int(self.kv_share * kv_tokens / self.request_tokens)
+        return TenantQuota(
+            name=self.name, priority_class=self.priority_class, max_concurrency=max(1, concurrency)
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class EngineFailure:
     at_s: float
     engine: int
@@ -102,7 +121,7 @@ class Scenario:
     `kv_factor` < 1 gives every engine that fraction of its KV while the offered load
     stays what the full-KV fleet serves: small-KV engines, as the live chaos test runs.
     `tenant_quotas` are what an operator would configure for this traffic in Weir's pool
-    policy (baselines have no quotas).
+    policy (baselines have no quotas); `quotas_for` sizes them to a fleet.
     """
 
     name: str
@@ -115,8 +134,15 @@ class Scenario:
     decode_kv_factor: float = 1.0
     kv_factor: float = 1.0
     mixed_long_short: bool = False
-    tenant_quotas: tuple[TenantQuota, ...] = ()
+    tenant_quotas: tuple[TenantQuota | KVSizedQuota, ...] = ()
     notes: str = ""
+
+    def quotas_for(self, fleet_kv_tokens: int) -> tuple[TenantQuota, ...]:
+        """The pool policy's quotas for a fleet holding `fleet_kv_tokens` of KV."""
+        return tuple(
+            q.for_fleet(fleet_kv_tokens) if isinstance(q, KVSizedQuota) else q
+            for q in self.tenant_quotas
+        )
 
     def generate(self, rate_rps: float, seed: int) -> list[RequestSpec]:
         """The scenario's requests for a total offered rate, deterministic for `seed`."""
@@ -336,16 +362,17 @@ SCENARIOS: dict[str, Scenario] = {
                 ),
             ),
             mixed_long_short=True,
-            # The bulk tenant's concurrency, sized for the matrix's 16-engine fleet by two
-            # rules an operator can apply (docs/fleet-simulation.md, "The quota
-            # trade-off"): its burst (~62 requests of ~60 s each) must start within its
-            # clients' 120 s patience, in waves of `quota` one service time apart: at
-            # least 62 / ceil(120 / 60) = 31; and its requests' KV (8K prompt + 2.8K
-            # answer) must leave the fleet below the pressure watermark: at most
-            # 0.70 x 16 x 37.7K / 10.9K = 38. The interactive tenants are listed without
-            # limits (a pool that declares quotas refuses tenants it does not know).
+            # The bulk tenant's concurrency, by the upper of the two rules an operator
+            # can apply (docs/fleet-simulation.md, "The quota trade-off"): its requests'
+            # KV (8K prompt + 2.8K answer) leaves the fleet below the pressure watermark,
+            # with room for everyone else's: 0.6 of the fleet's KV (33 requests on 16
+            # engines at a quarter of the KV, 132 at full KV). The interactive tenants are
+            # listed without limits (a pool that declares quotas refuses tenants it does
+            # not know).
             tenant_quotas=(
-                TenantQuota(name="bulk", priority_class="batch", max_concurrency=32),
+                KVSizedQuota(
+                    name="bulk", priority_class="batch", request_tokens=10_900, kv_share=0.6
+                ),
                 *(TenantQuota(name=t) for t in _INTERACTIVE),
             ),
         ),

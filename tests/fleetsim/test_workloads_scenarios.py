@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from fleetsim.report.matrix import CellSpec, fleet_config
 from fleetsim.workloads import (
     BLOCK_TOKENS,
     SCENARIOS,
@@ -121,3 +122,14 @@ def test_length_buckets() -> None:
         "16k-32k",
         ">32k",
     ]
+
+
+def test_the_bulk_tenant_s_quota_is_sized_to_the_fleet_s_kv() -> None:
+    def bulk(kv_scale: float) -> int:
+        spec = CellSpec("tenant_long_burst", "weir", 1.0, 0, 16, 10.0, kv_scale=kv_scale)
+        (quota,) = [t for t in fleet_config(spec).policy.tenants if t.name == "bulk"]
+        return quota.max_concurrency
+
+    # 0.6 of 16 engines' KV in 10.9K-token requests: 37.7K tokens each, then 151K.
+    assert (bulk(0.25), bulk(1.0)) == (33, 132)
+    assert all(q.max_concurrency == 0 for q in scenario("tenant_long_burst").quotas_for(1)[1:])
