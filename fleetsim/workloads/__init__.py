@@ -9,7 +9,6 @@ from fleetsim.workloads.request import (
     length_bucket,
     prompt_token_bytes,
     prompt_token_bytes_each,
-    prompt_token_ids,
 )
 from fleetsim.workloads.scenarios import SCENARIOS, MixStats, Scenario, mix_stats, scenario
 from fleetsim.workloads.traces import TraceError, read_trace, write_trace
@@ -26,7 +25,6 @@ __all__ = [
     "mix_stats",
     "prompt_token_bytes",
     "prompt_token_bytes_each",
-    "prompt_token_ids",
     "read_trace",
     "scenario",
     "with_output_hints",

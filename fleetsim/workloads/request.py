@@ -72,18 +72,13 @@ class RequestSpec:
         return "long" in self.tags
 
 
-def prompt_token_ids(spec: RequestSpec, head: int | None = None) -> list[int]:
-    """The prompt's token ids (its first `head` only, if given): each block id expands to
-    the same `BLOCK_TOKENS` byte-level ids wherever it appears, so shared block chains are
-    shared token prefixes in any radix cache, and distinct blocks differ (a 64-bit mix of
-    block id and offset per token)."""
-    return list(prompt_token_bytes(spec, head))
-
-
-def prompt_token_bytes(spec: RequestSpec, head: int | None = None) -> bytes:
-    """`prompt_token_ids` as bytes (byte-level ids, one a byte), which a prefix key packs
-    in one C pass where a list costs a conversion per id."""
-    tokens = spec.input_tokens if head is None else min(head, spec.input_tokens)
+def prompt_token_bytes(spec: RequestSpec) -> bytes:
+    """The prompt's token ids, one byte each (byte-level ids: a prefix key packs them in
+    one C pass where a list costs a conversion per id). Each block id expands to the same
+    `BLOCK_TOKENS` ids wherever it appears, so shared block chains are shared token
+    prefixes in any radix cache, and distinct blocks differ (a 64-bit mix of block id and
+    offset per token)."""
+    tokens = spec.input_tokens
     blocks = spec.block_ids[: -(-tokens // BLOCK_TOKENS)]
     return _block_token_bytes(np.asarray(blocks, dtype=np.uint64))[:tokens]
 

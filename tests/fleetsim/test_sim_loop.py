@@ -12,7 +12,7 @@ from controlplane.contract import FinishReason
 from fleetsim.engine import EngineConfig, EngineModel
 from fleetsim.report.matrix import CellSpec, fleet_config, workload
 from fleetsim.sim import FleetConfig, Simulation, WeirPolicy, engine_config_for, policies
-from fleetsim.workloads import BLOCK_TOKENS, RequestSpec, prompt_token_ids, read_trace, scenario
+from fleetsim.workloads import BLOCK_TOKENS, RequestSpec, prompt_token_bytes, read_trace, scenario
 from fleetsim.workloads.scenarios import EngineFailure
 
 
@@ -88,7 +88,7 @@ def test_simulated_throughput_is_the_engine_models_own() -> None:
     model = EngineModel(engine_config_for(config))
     for spec in specs:
         model.submit(
-            model.make_request(spec.request_id, prompt_token_ids(spec), 200, ignore_eos=True),
+            model.make_request(spec.request_id, prompt_token_bytes(spec), 200, ignore_eos=True),
             0.0,
         )
     now = tokens = 0.0

@@ -12,7 +12,7 @@ from fleetsim.engine.tokens import TokenFunction, prefix_hash
 from fleetsim.report.relief_modes import workload
 from fleetsim.sim import FleetConfig, SimFlight, SimResult, Simulation, engine_config_for
 from fleetsim.sim.weir import WeirPolicy
-from fleetsim.workloads import prompt_token_ids
+from fleetsim.workloads import prompt_token_bytes
 
 M = PreemptionMode
 
@@ -48,7 +48,7 @@ def outputs(result: SimResult) -> dict[str, tuple[int, int]]:
 
 def uninterrupted(flight: SimFlight) -> tuple[int, int]:
     """What the token function gives the flight's prompt, run uninterrupted."""
-    tokens, _ = TokenFunction().run(prefix_hash(prompt_token_ids(flight.spec)), flight.generated)
+    tokens, _ = TokenFunction().run(prefix_hash(prompt_token_bytes(flight.spec)), flight.generated)
     return flight.generated, prefix_hash(tokens)
 
 

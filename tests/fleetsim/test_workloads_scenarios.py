@@ -12,7 +12,7 @@ from fleetsim.workloads import (
     RequestSpec,
     length_bucket,
     mix_stats,
-    prompt_token_ids,
+    prompt_token_bytes,
     scenario,
     with_output_hints,
 )
@@ -106,7 +106,7 @@ def test_bad_requests_and_rates_are_refused() -> None:
 def test_shared_blocks_expand_to_shared_token_prefixes() -> None:
     a = RequestSpec("a", 0.0, "t", 0, 2 * BLOCK_TOKENS, 1, 1, (5, 6))
     b = RequestSpec("b", 0.0, "t", 0, BLOCK_TOKENS + 10, 1, 1, (5, 9))
-    ta, tb = prompt_token_ids(a), prompt_token_ids(b)
+    ta, tb = prompt_token_bytes(a), prompt_token_bytes(b)
     assert len(ta) == 2 * BLOCK_TOKENS
     assert len(tb) == BLOCK_TOKENS + 10
     assert ta[:BLOCK_TOKENS] == tb[:BLOCK_TOKENS]
