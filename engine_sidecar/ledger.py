@@ -345,6 +345,7 @@ class Ledger:
         flight.record = flight.record.transition(to, self.clock(), finish_reason)
         if to is _S.DECODE_PREEMPTED:
             self.preemptions += 1
+        prefilling = self.waiting_prefill > 0
         self._account(flight)
         if flight.charge is not None and to not in COMMITTED:
             generated = flight.record.generated_tokens - flight.charged_from
@@ -354,7 +355,9 @@ class Ledger:
             self.flights.pop(flight.rid, None)
             if not self.flights:
                 self._idle.set()
-        if flight.kv == 0:
+        # KV released, or the last pending prefill done (the TPOT gate lifts): what waits
+        # may be admitted now.
+        if flight.kv == 0 or (prefilling and self.waiting_prefill == 0):
             self._pump()
 
     def set_prompt_tokens(self, flight: Flight, prompt_tokens: int) -> None:
@@ -439,16 +442,22 @@ class Ledger:
         if rec.generated_tokens == 0 or flight.predicted_total == 0:
             self.predict(flight)
         usage = self.usage()
+        target_tpot_s = self.policy.scheduling.target_tpot_s
+        # The TPOT gate's inputs, read only where the pool declares an objective and a
+        # prefill admitted here is pending (`decide_admission`).
+        pending = target_tpot_s > 0.0 and self.waiting_prefill > 0
         pool = PoolOutlook(
             usage.capacity_tokens,
             usage.used_tokens,
             usage.reserved_growth_tokens,
             self.watermark,
             self.admission_open,
+            prefill_pending=pending,
+            predicted_tpot_s=self.latency.predicted_tpot_s(self.load()) if pending else 0.0,
         )
         flight.admission = decide_admission(
             self._outlook(flight), rec.prompt_tokens + rec.generated_tokens, pool, self.policy.kv,
-            held=held,
+            held=held, target_tpot_s=target_tpot_s,
         )  # fmt: skip
         return flight.admission
 
@@ -507,7 +516,7 @@ class Ledger:
         return OverloadError(
             "queue_timeout",
             retry_after_s(len(self._queue), sched.local_queue_size, sched.local_queue_max_wait_s),
-            f"no KV capacity within its wait (last reason {reason})",
+            f"not admitted within its wait (last reason {reason})",
         )
 
     # -- room held for migrations ------------------------------------------------------------
@@ -609,7 +618,9 @@ class Ledger:
     def _wait_over(self, queued: QueuedRequest, waiter: asyncio.Future[None]) -> None:
         """`queued` waited as long as it may: its admission is refused."""
         if not waiter.done():
-            waiter.set_exception(self._timed_out("kv_reserve"))
+            flight = self.flights.get(queued.rid)
+            last = flight.admission if flight is not None else None
+            waiter.set_exception(self._timed_out(last.reason if last else "kv_reserve"))
 
     def _verdict(
         self, queued: QueuedRequest, waiter: asyncio.Future[None]

@@ -79,6 +79,7 @@ class _Gauges(Collector):
             ("weir_sidecar_kv_capacity_tokens", ledger.capacity_tokens),
             ("weir_sidecar_kv_growth_tokens_per_second", ledger.growth.tokens_per_s),
             ("weir_sidecar_waiting_prefill_tokens", ledger.waiting_prefill),
+            ("weir_sidecar_predicted_tpot_seconds", ledger.latency.predicted_tpot_s(ledger.load())),
             ("weir_sidecar_prefill_wait_age_seconds", ledger.oldest_wait_s()),
             ("weir_sidecar_prompt_bytes_per_token", ledger.prompt_sizer.bytes_per_token),
             (

@@ -40,6 +40,11 @@ class KVPolicy(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class SchedulingPolicy(msgspec.Struct, frozen=True, kw_only=True):
+    """How engines schedule and sidecars admit. `target_tpot_s` is the pool's TPOT
+    objective: while a request the sidecar admitted still waits for its first token and
+    its engine's predicted TPOT is above it, the sidecar admits nothing new (the request
+    waits in its queue, at most `local_queue_max_wait_s`). 0 turns the gate off."""
+
     chunked_prefill_size: int = 8192
     max_running_requests: int = 0
     priority_scheduling: bool = True
@@ -52,6 +57,13 @@ class SchedulingPolicy(msgspec.Struct, frozen=True, kw_only=True):
     overload_may_abort: bool = False
     local_queue_size: int = 256
     local_queue_max_wait_s: float = 30.0
+    target_tpot_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.target_tpot_s < math.inf:
+            raise ValueError(
+                f"scheduling.target_tpot_s must be a number >= 0, got {self.target_tpot_s}"
+            )
 
 
 class RoutingPolicy(msgspec.Struct, frozen=True, kw_only=True):

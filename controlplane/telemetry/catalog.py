@@ -106,6 +106,14 @@ SIDECAR: tuple[MetricSpec, ...] = (
         _EP,
     ),
     MetricSpec(
+        "weir_sidecar_predicted_tpot_seconds",
+        _G,
+        "The latency model's TPOT for a request reaching the engine now. Above the pool's "
+        "scheduling.targetTpotS while a prefill is pending, new requests wait in the "
+        "sidecar queue (the TPOT gate).",
+        _EP,
+    ),
+    MetricSpec(
         "weir_sidecar_prefill_yields_total",
         _C,
         "Times a long prefill yielded at a chunk boundary.",

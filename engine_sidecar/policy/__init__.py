@@ -6,6 +6,7 @@ exactly this code on a virtual clock, and the live sidecar drives it on the real
 
 from engine_sidecar.policy.admission import (
     RESERVED,
+    TPOT_OBJECTIVE,
     AdmissionDecision,
     AdmissionVerdict,
     PoolOutlook,
@@ -76,6 +77,7 @@ __all__ = [
     "H200_LLAMA_8B",
     "RESERVATION_TTL_S",
     "RESERVED",
+    "TPOT_OBJECTIVE",
     "TRANSITIONS",
     "AdmissionDecision",
     "AdmissionQueue",

@@ -22,6 +22,18 @@ one admitted on a shorter prediction would wait in the engine for room it never 
 Relief never preempts such a request (`relief.resumable_anywhere`: no endpoint's margin
 would take its continuation); the requests beside it are the victims if it grows into
 the emergency band.
+
+Memory is not the only objective that binds. A prompt's prefill shares the engine's
+iterations with the running batch and stretches every one of them: at full KV on a large
+batch, a second and a third prefill admitted beside a pending one push every running
+stream past its TPOT objective long before the KV is full, and under overload every
+stream misses it. So when the pool declares a TPOT objective (`target_tpot_s`) and the
+engine's predicted TPOT (its sidecar's latency model, on the load now) is above it, a new
+request waits (`TPOT_OBJECTIVE`) while one admitted earlier still waits for its first
+token. The gate engages only then: the prefill in flight is what stretches the
+iterations, and a gate on the prediction alone costs a fifth of the capacity at SLO at
+three quarters load (measured in the simulator); one prefill at a time is always let in,
+so the gate slows admission and never stops it.
 """
 
 from __future__ import annotations
@@ -84,6 +96,9 @@ RESERVED = "reserved"
 # The reason of a request past the margin that fits the whole KV: admitted, or waiting,
 # to run alone.
 ALONE = "alone"
+# The reason of a request that waits for a pending prefill while its engine's predicted
+# TPOT is past the pool's objective.
+TPOT_OBJECTIVE = "tpot_objective"
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +110,14 @@ class PoolOutlook:
     reserved_growth_tokens: int
     watermark: WatermarkState
     admission_open: bool = True
+    # A request admitted here still waits for its first token, and the engine's predicted
+    # TPOT on the load now: what the TPOT gate reads (0 where no objective is declared).
+    prefill_pending: bool = False
+    predicted_tpot_s: float = 0.0
+
+    def over_tpot(self, target_tpot_s: float) -> bool:
+        """Whether the TPOT gate holds new requests back (`target_tpot_s` 0: no gate)."""
+        return 0.0 < target_tpot_s < self.predicted_tpot_s and self.prefill_pending
 
 
 def alone_tokens(candidate: SequenceOutlook, prompt_tokens: int, policy: KVPolicy) -> int:
@@ -111,10 +134,12 @@ def decide_admission(
     policy: KVPolicy,
     *,
     held: bool = False,
+    target_tpot_s: float = 0.0,
 ) -> AdmissionDecision:
     """Whether a request with `prompt_tokens` and growth prospects `candidate` fits now.
     `held`: this endpoint held room for it until now (a reservation just consumed, no
-    longer counted in `pool`): only the arithmetic decides, not the watermark or a pause."""
+    longer counted in `pool`): only the arithmetic decides, not the watermark, a pause or
+    the TPOT gate. `target_tpot_s`: the pool's TPOT objective (0: none)."""
     needed = prompt_tokens + growth_reserve(candidate, policy.growth_horizon_steps)
     capacity = pool.capacity_tokens
     safety = policy.safety_tokens(capacity)
@@ -129,6 +154,8 @@ def decide_admission(
             return AdmissionDecision(AdmissionVerdict.REFUSE, "too_large", alone, room)
         if alone >= room or not pool.admission_open:
             return AdmissionDecision(AdmissionVerdict.WAIT, ALONE, alone, room)
+        if pool.over_tpot(target_tpot_s):
+            return AdmissionDecision(AdmissionVerdict.WAIT, TPOT_OBJECTIVE, alone, room)
         return AdmissionDecision(AdmissionVerdict.ADMIT, ALONE, alone, room)
     if held and needed <= available:
         return AdmissionDecision(AdmissionVerdict.ADMIT, RESERVED, needed, available)
@@ -140,4 +167,6 @@ def decide_admission(
         )
     if needed > available:
         return AdmissionDecision(AdmissionVerdict.WAIT, "kv_reserve", needed, available)
+    if pool.over_tpot(target_tpot_s):
+        return AdmissionDecision(AdmissionVerdict.WAIT, TPOT_OBJECTIVE, needed, available)
     return AdmissionDecision(AdmissionVerdict.ADMIT, "fits", needed, available)

@@ -263,8 +263,12 @@ class LatencyPredictor:
             load,
             max(0.0, self.ttft.predict(self._ttft_x(load, 0))),
             max(0.0, per_token),
-            max(0.0, self.tpot.predict(self._tpot_x(load))),
+            self.predicted_tpot_s(load),
         )
+
+    def predicted_tpot_s(self, load: EngineLoad) -> float:
+        """The TPOT a request reaching the engine now would see, under `load`."""
+        return max(0.0, self.tpot.predict(self._tpot_x(load)))
 
     def observe_ttft(self, forecast: LatencyForecast, uncached_tokens: int, ttft_s: float) -> float:
         """Train on a request's first token (`forecast` is what was predicted when it

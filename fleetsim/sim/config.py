@@ -73,16 +73,34 @@ INTERACTIVE_PATIENCE_S: Final = 10.0
 before a request that has not started is better refused with Retry-After."""
 
 
+SHED_AFTER_S: Final = 2.0
+"""How long a new interactive request waits in a sidecar's queue before it is refused
+(`scheduling.local_queue_max_wait_s`): by then a short prompt has missed its TTFT
+objective, and a prefill started that late only stretches the iterations of streams
+that can still meet theirs. Measured on few_long_many_short at 125 % of nominal load,
+with the TPOT gate: 6.0 requests/s within SLO shed at 2 s, 5.1 at 3 s, 1.4 at 5 s, 0.3
+at 10 s (docs/fleet-simulation.md)."""
+
+TARGET_TPOT_S: Final = 0.07
+"""The pool's declared TPOT objective (`scheduling.target_tpot_s`): the SLO's 80 ms less
+an eighth for the latency model's error (an objective at the SLO itself met 28 % fewer
+requests within SLO at 125 % load)."""
+
+
 def default_pool_policy() -> PoolPolicy:
     """Weir's pool policy in the simulator: the defaults, with prefix blocks as large as the
-    workloads' blocks so the router's index and ownership keys line up with them, and the
-    sidecar's local queue and the router's fair queue both letting a request wait as long
-    as an interactive client's patience (a patient client retries after the refusal)."""
+    workloads' blocks so the router's index and ownership keys line up with them, the
+    router's fair queue letting a request wait as long as an interactive client's
+    patience (a patient client retries after the refusal), and the pool's latency
+    objectives declared: the sidecar sheds a request its queue held `SHED_AFTER_S` and
+    gates admission on `TARGET_TPOT_S`."""
     return PoolPolicy(
         pool=POOL,
         model=MODEL,
         kv=KVPolicy(),
-        scheduling=SchedulingPolicy(local_queue_max_wait_s=INTERACTIVE_PATIENCE_S),
+        scheduling=SchedulingPolicy(
+            local_queue_max_wait_s=SHED_AFTER_S, target_tpot_s=TARGET_TPOT_S
+        ),
         routing=RoutingPolicy(
             prefix_block_tokens=512,
             prefix_blocks_for_owner=1,

@@ -295,15 +295,28 @@ class Sidecar:
             self.usage(), self.watermark, not self.admission_paused, self.policy.kv
         )
 
-    def pool(self) -> PoolOutlook:
+    def pool(self, tpot_gate: bool = False) -> PoolOutlook:
+        """The pool as admission sees it; with `tpot_gate` (the pool declares a TPOT
+        objective), what the gate reads too, as the live ledger reads it (`Ledger._decide`)."""
         usage = self.usage()
+        pending = tpot_gate and self.prefill_pending()
         return PoolOutlook(
             usage.capacity_tokens,
             usage.used_tokens,
             usage.reserved_growth_tokens,
             self.watermark,
             admission_open=not self.admission_paused,
+            prefill_pending=pending,
+            predicted_tpot_s=self.ledger.latency.predicted_tpot_s(self.load()) if pending else 0.0,
         )
+
+    def prefill_pending(self) -> bool:
+        """Whether a request admitted here still waits for its first token (here: its
+        next, for a resumed one), as the live ledger's requests in a prefill state."""
+        for h in self.held.values():  # noqa: SIM110 (a loop, as in waiting_prefill)
+            if h.flight.generated == h.generated_at_admission:
+                return True
+        return False
 
     def waiting_prefill(self) -> int:
         """Prompt tokens not yet prefilled: queued here, or admitted and still waiting
@@ -871,9 +884,12 @@ class WeirPolicy:
     def _decision(
         self, sidecar: Sidecar, flight: SimFlight, prompt_tokens: int, *, held: bool = False
     ) -> AdmissionDecision:
+        policy = self._policy()
+        target_tpot_s = policy.scheduling.target_tpot_s
         return decide_admission(
-            sidecar.outlook(flight), prompt_tokens, sidecar.pool(), self._policy().kv, held=held
-        )
+            sidecar.outlook(flight), prompt_tokens, sidecar.pool(target_tpot_s > 0.0),
+            policy.kv, held=held, target_tpot_s=target_tpot_s,
+        )  # fmt: skip
 
     def _admit(self, sidecar: Sidecar, now: float) -> None:
         """The sidecar's queue, by the live ledger's discipline (`AdmissionQueue`)."""

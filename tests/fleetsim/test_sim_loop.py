@@ -142,12 +142,16 @@ def test_a_prompt_past_the_sidecars_margin_runs_alone_in_the_simulator() -> None
     """A 19,456-token prompt for a 100-token answer on a 20,000-token engine: past
     capacity minus the emergency band, within the whole KV. The simulated sidecar runs
     the live admission: the prompt waits while the chats ahead of it drain, then runs
-    alone and streams its whole answer (it used to be refused as too_large)."""
+    alone and streams its whole answer (it used to be refused as too_large). Its client
+    is patient (30 s): the simulated pool sheds an interactive one after `SHED_AFTER_S`
+    in the queue, sooner than the chats drain."""
     specs = [
         RequestSpec(f"s{i}", 0.1 * i, "t", 0, 1024, 200, 200, (10 * i, 10 * i + 1))
         for i in range(8)
     ]
-    big = RequestSpec("big", 0.5, "t", 0, 19_456, 100, 100, tuple(range(1000, 1038)))
+    big = RequestSpec(
+        "big", 0.5, "t", 0, 19_456, 100, 100, tuple(range(1000, 1038)), max_wait_s=30.0
+    )
     config = FleetConfig(engines=1, kv_tokens=20_000, drain_s=60.0)
     result = Simulation([*specs, big], policies()["weir"](), config).run()
     flights = {f.rid: f for f in result.flights}

@@ -20,7 +20,7 @@ from engine_sidecar.policy import (
     retry_after_s,
     total_growth_reserve,
 )
-from engine_sidecar.policy.admission import ALONE, alone_tokens
+from engine_sidecar.policy.admission import ALONE, TPOT_OBJECTIVE, alone_tokens
 
 POLICY = KVPolicy(emergency_watermark=0.95, growth_horizon_steps=100, headroom_tokens=10)
 EQUAL = VirtualCounters()  # no tenant served yet
@@ -102,6 +102,32 @@ def test_a_request_past_the_margin_that_fits_the_whole_kv_runs_alone() -> None:
     resumed = SequenceOutlook(40, 50, 60)
     assert decide_admission(resumed, 973, _pool(0), POLICY).verdict is AdmissionVerdict.ADMIT
     assert decide_admission(resumed, 974, _pool(0), POLICY).verdict is AdmissionVerdict.REFUSE
+
+
+def test_the_tpot_gate_holds_new_requests_while_a_prefill_is_pending() -> None:
+    """Over the objective with a prefill pending: wait. Under it, with nothing pending, or
+    with no objective declared: admission is the KV arithmetic's. Room held for the
+    request is taken whatever the gate says; one running alone waits for it too."""
+    cand = SequenceOutlook(0, 50, 20)
+    slow = _pool(0, prefill_pending=True, predicted_tpot_s=0.09)
+    gated = decide_admission(cand, 100, slow, POLICY, target_tpot_s=0.07)
+    assert (gated.verdict, gated.reason) == (AdmissionVerdict.WAIT, TPOT_OBJECTIVE)
+    assert (gated.needed_tokens, gated.available_tokens) == (120, 940)
+    for pool, target in (
+        (slow, 0.0),  # no objective
+        (slow, 0.09),  # at the objective, not above it
+        (_pool(0, prefill_pending=False, predicted_tpot_s=0.09), 0.07),  # nothing pending
+    ):
+        d = decide_admission(cand, 100, pool, POLICY, target_tpot_s=target)
+        assert (d.verdict, d.reason) == (AdmissionVerdict.ADMIT, "fits")
+    held = decide_admission(cand, 100, slow, POLICY, held=True, target_tpot_s=0.07)
+    assert held.verdict is AdmissionVerdict.ADMIT
+    alone = decide_admission(cand, 921, slow, POLICY, target_tpot_s=0.07)
+    assert (alone.verdict, alone.reason) == (AdmissionVerdict.WAIT, TPOT_OBJECTIVE)
+    # KV binds first: the reason names what would still stop it with the gate lifted.
+    full = decide_admission(cand, 100, _pool(900, 0, prefill_pending=True,
+                                             predicted_tpot_s=0.09), POLICY, target_tpot_s=0.07)  # fmt: skip
+    assert full.reason == "kv_reserve"
 
 
 def test_queue_orders_by_aged_priority_and_expires() -> None:
