@@ -63,6 +63,7 @@ from engine_sidecar.policy import (
     reservable_tokens,
     retry_after_s,
     steady_range,
+    tpot_gate_s,
 )
 
 _S = RequestState
@@ -442,7 +443,7 @@ class Ledger:
         if rec.generated_tokens == 0 or flight.predicted_total == 0:
             self.predict(flight)
         usage = self.usage()
-        target_tpot_s = self.policy.scheduling.target_tpot_s
+        target_tpot_s = tpot_gate_s(self.policy.scheduling, self.policy.role)
         # The TPOT gate's inputs, read only where the pool declares an objective and a
         # prefill admitted here is pending (`decide_admission`).
         pending = target_tpot_s > 0.0 and self.waiting_prefill > 0

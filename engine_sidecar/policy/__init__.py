@@ -15,6 +15,7 @@ from engine_sidecar.policy.admission import (
     growth_reserve,
     growth_tokens,
     total_growth_reserve,
+    tpot_gate_s,
 )
 from engine_sidecar.policy.host_prefixes import HostPrefixes
 from engine_sidecar.policy.latency import (
@@ -129,4 +130,5 @@ __all__ = [
     "score_victim",
     "steady_range",
     "total_growth_reserve",
+    "tpot_gate_s",
 ]

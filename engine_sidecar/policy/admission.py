@@ -33,7 +33,9 @@ request waits (`TPOT_OBJECTIVE`) while one admitted earlier still waits for its 
 token. The gate engages only then: the prefill in flight is what stretches the
 iterations, and a gate on the prediction alone costs a fifth of the capacity at SLO at
 three quarters load (measured in the simulator); one prefill at a time is always let in,
-so the gate slows admission and never stops it.
+so the gate slows admission and never stops it. Only an engine that both prefills and
+decodes has the gate (`tpot_gate_s`): a prefill engine streams one token per request, and
+a decode engine's "prefill" is the KV its prefill peer sends, which stretches nothing.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import enum
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from controlplane.contract import KVPolicy, WatermarkState
+from controlplane.contract import KVPolicy, Role, SchedulingPolicy, WatermarkState
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +120,11 @@ class PoolOutlook:
     def over_tpot(self, target_tpot_s: float) -> bool:
         """Whether the TPOT gate holds new requests back (`target_tpot_s` 0: no gate)."""
         return 0.0 < target_tpot_s < self.predicted_tpot_s and self.prefill_pending
+
+
+def tpot_gate_s(scheduling: SchedulingPolicy, role: Role) -> float:
+    """The TPOT objective an engine of `role` gates its admission on (0: none)."""
+    return scheduling.target_tpot_s if role is Role.MIXED else 0.0
 
 
 def alone_tokens(candidate: SequenceOutlook, prompt_tokens: int, policy: KVPolicy) -> int:

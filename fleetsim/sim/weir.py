@@ -127,6 +127,7 @@ from engine_sidecar.policy import (
     queue_wait_s,
     queued_request,
     reservable_tokens,
+    tpot_gate_s,
 )
 from fleetsim.engine import EngineConfig
 from fleetsim.sim.config import MODEL, FleetConfig, Staleness
@@ -885,7 +886,7 @@ class WeirPolicy:
         self, sidecar: Sidecar, flight: SimFlight, prompt_tokens: int, *, held: bool = False
     ) -> AdmissionDecision:
         policy = self._policy()
-        target_tpot_s = policy.scheduling.target_tpot_s
+        target_tpot_s = tpot_gate_s(policy.scheduling, sidecar.role)
         return decide_admission(
             sidecar.outlook(flight), prompt_tokens, sidecar.pool(target_tpot_s > 0.0),
             policy.kv, held=held, target_tpot_s=target_tpot_s,

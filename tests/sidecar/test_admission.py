@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from controlplane.contract import KVPolicy, WatermarkState
+from controlplane.contract import KVPolicy, Role, SchedulingPolicy, WatermarkState
 from controlplane.rules.fairness import Charge, VirtualCounters, kv_cost
 from engine_sidecar.policy import (
     AdmissionQueue,
@@ -20,7 +20,7 @@ from engine_sidecar.policy import (
     retry_after_s,
     total_growth_reserve,
 )
-from engine_sidecar.policy.admission import ALONE, TPOT_OBJECTIVE, alone_tokens
+from engine_sidecar.policy.admission import ALONE, TPOT_OBJECTIVE, alone_tokens, tpot_gate_s
 
 POLICY = KVPolicy(emergency_watermark=0.95, growth_horizon_steps=100, headroom_tokens=10)
 EQUAL = VirtualCounters()  # no tenant served yet
@@ -128,6 +128,11 @@ def test_the_tpot_gate_holds_new_requests_while_a_prefill_is_pending() -> None:
     full = decide_admission(cand, 100, _pool(900, 0, prefill_pending=True,
                                              predicted_tpot_s=0.09), POLICY, target_tpot_s=0.07)  # fmt: skip
     assert full.reason == "kv_reserve"
+    # Only an engine that prefills and decodes has the gate: a prefill engine streams one
+    # token per request, and a decode engine's pending "prefill" is KV arriving.
+    scheduling = SchedulingPolicy(target_tpot_s=0.07)
+    assert tpot_gate_s(scheduling, Role.MIXED) == 0.07
+    assert tpot_gate_s(scheduling, Role.PREFILL) == tpot_gate_s(scheduling, Role.DECODE) == 0.0
 
 
 def test_queue_orders_by_aged_priority_and_expires() -> None:
