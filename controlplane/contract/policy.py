@@ -43,7 +43,8 @@ class SchedulingPolicy(msgspec.Struct, frozen=True, kw_only=True):
     """How engines schedule and sidecars admit. `target_tpot_s` is the pool's TPOT
     objective: while a request the sidecar admitted still waits for its first token and
     its engine's predicted TPOT is above it, the sidecar admits nothing new (the request
-    waits in its queue, at most `local_queue_max_wait_s`). 0 turns the gate off."""
+    waits in its queue, at most `local_queue_max_wait_s`). 0 turns the gate off; a
+    prefill or decode pool's engines have no such gate."""
 
     chunked_prefill_size: int = 8192
     max_running_requests: int = 0

@@ -31,8 +31,8 @@ stream misses it. So when the pool declares a TPOT objective (`target_tpot_s`) a
 engine's predicted TPOT (its sidecar's latency model, on the load now) is above it, a new
 request waits (`TPOT_OBJECTIVE`) while one admitted earlier still waits for its first
 token. The gate engages only then: the prefill in flight is what stretches the
-iterations, and a gate on the prediction alone costs a fifth of the capacity at SLO at
-three quarters load (measured in the simulator); one prefill at a time is always let in,
+iterations, and a gate on the prediction alone cost a fifth of the goodput at three
+quarters of nominal load (measured in the simulator); one prefill at a time is always let in,
 so the gate slows admission and never stops it. Only an engine that both prefills and
 decodes has the gate (`tpot_gate_s`): a prefill engine streams one token per request, and
 a decode engine's "prefill" is the KV its prefill peer sends, which stretches nothing.
