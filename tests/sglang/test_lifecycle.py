@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +19,7 @@ import pytest
 
 from controlplane.contract import EngineAPI, KVPolicy, PoolPolicy, SchedulingPolicy
 from controlplane.router import RouterConfig, RunningRouter, serve_router
+from engine_sidecar.ledger import Flight, Preemption
 from engine_sidecar.server import RunningSidecar, SidecarConfig, serve_sidecar
 from tests.polling import until
 from tests.sglang.server import SGLangServer
@@ -86,6 +87,15 @@ async def _server_info(engine: SGLangServer) -> dict[str, Any]:
         return info
 
 
+async def post_json(
+    session: aiohttp.ClientSession, url: str, payload: dict[str, Any]
+) -> dict[str, Any]:
+    async with session.post(url, json=payload) as reply:
+        assert reply.status == 200, await reply.text()
+        result: dict[str, Any] = await reply.json()
+        return result
+
+
 def bodies(model: str, tokens: int) -> dict[str, tuple[str, dict[str, Any]]]:
     """One greedy request per API, each long enough to preempt mid-way."""
     return {
@@ -115,14 +125,61 @@ def streamed_text(lines: list[bytes]) -> str:
     return text
 
 
-async def preempt(session: aiohttp.ClientSession, sidecar_url: str, mode: str) -> None:
-    async with session.get(sidecar_url + "/weir/v1/state") as reply:
-        requests = (await reply.json())["requests"]
-    (rid,) = requests
-    async with session.post(
-        sidecar_url + "/weir/v1/preempt", json={"rid": rid, "mode": mode}
-    ) as reply:
-        assert reply.status == 200, (await reply.text(), requests)
+Order = Callable[[RunningSidecar, Flight], Coroutine[Any, Any, bool]]
+
+
+def _order_at(
+    sidecar: RunningSidecar, at_tokens: int, order: Order, ordered: list[asyncio.Task[bool]]
+) -> None:
+    """Have `sidecar` give `order` for the first request it relays `at_tokens` of, unless
+    one was given (`ordered` holds the order's task)."""
+    relayed = sidecar.service.ledger.add_tokens
+
+    def add_tokens(flight: Flight, generated_total: int) -> None:
+        relayed(flight, generated_total)
+        if not ordered and at_tokens <= generated_total < flight.record.max_new_tokens:
+            ordered.append(asyncio.get_running_loop().create_task(order(sidecar, flight)))
+
+    sidecar.service.ledger.add_tokens = add_tokens  # type: ignore[method-assign]
+
+
+async def stream_ordered(
+    session: aiohttp.ClientSession, url: str, body: dict[str, Any],
+    sidecars: list[RunningSidecar], at_tokens: int, order: Order,
+) -> tuple[list[bytes], bool]:  # fmt: skip
+    """The client's view of one stream, and whether `order` took effect on it mid-way.
+    The order is given from inside the sidecar's relay once it has relayed `at_tokens` of
+    the answer, where the request is certainly still running: a client counting its own
+    events lags the sidecar by whatever the sockets buffer, and on a starved test machine
+    the engine had finished before the client's N-th event came. It can still miss: a
+    relay reads what the engine has sent without yielding, so a stream the engine finished
+    while the sidecar was starved is read whole before the order runs."""
+    ordered: list[asyncio.Task[bool]] = []
+    for sidecar in sidecars:
+        _order_at(sidecar, at_tokens, order, ordered)
+    try:
+        lines = await stream(session, url, body)
+    finally:
+        for sidecar in sidecars:
+            del sidecar.service.ledger.add_tokens
+    return lines, bool(ordered) and await ordered[0]
+
+
+async def stream_preempted(
+    session: aiohttp.ClientSession, url: str, body: dict[str, Any],
+    sidecars: list[RunningSidecar], at_tokens: int, mode: Preemption, tries: int = 3,
+) -> list[bytes]:  # fmt: skip
+    """One stream that its sidecar preempts (`mode`) mid-way, sent again (up to `tries`
+    times) while the order misses."""
+
+    async def preempt(sidecar: RunningSidecar, flight: Flight) -> bool:
+        return await sidecar.service.preempt(flight.rid, mode, "ordered by the test")
+
+    for _ in range(tries):
+        lines, preempted = await stream_ordered(session, url, body, sidecars, at_tokens, preempt)
+        if preempted:
+            return lines
+    pytest.fail(f"no stream of {tries} was preempted mid-way")
 
 
 def exact_resumes(version: str, api: str) -> bool:
@@ -180,22 +237,11 @@ async def same_tokens(
     return False
 
 
-async def stream(
-    session: aiohttp.ClientSession, url: str, body: dict[str, Any], preempt_at: int = 0,
-    on_preempt: Any = None,
-) -> list[bytes]:  # fmt: skip
-    """The client's view of one stream; `on_preempt()` runs once `preempt_at` events came."""
-    lines: list[bytes] = []
-    events = 0
+async def stream(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> list[bytes]:
+    """The client's view of one stream."""
     async with session.post(url, json=body) as reply:
         assert reply.status == 200, await reply.text()
-        async for line in reply.content:
-            lines.append(line)
-            if line.startswith(b"data: {"):
-                events += 1
-                if events == preempt_at:
-                    await on_preempt()
-    return lines
+        return [line async for line in reply.content]
 
 
 @pytest.mark.parametrize("api", ["generate", "completions", "chat"])
@@ -207,10 +253,9 @@ async def test_a_request_preempted_by_recompute_resumes_with_the_same_tokens(
         direct = streamed_text(await stream(session, sglang.url + path, body))
         sidecar = pool.lanes["e0"].sidecar
         resumes = record_resumes(pool)
-        lines = await stream(
-            session, pool.router.url + path, body, preempt_at=8,
-            on_preempt=lambda: preempt(session, sidecar.url, "recompute"),
-        )  # fmt: skip
+        lines = await stream_preempted(
+            session, pool.router.url + path, body, [sidecar], 8, Preemption.RECOMPUTE
+        )
         assert b"data: [DONE]\n" in lines
         recomputed = sidecar.service.metrics.registry.get_sample_value(
             "weir_sidecar_preemptions_total",
@@ -241,14 +286,10 @@ async def test_a_migrated_request_resumes_on_another_server_with_the_same_tokens
             path, body = bodies(pool.model, 400)[api]
             direct = streamed_text(await stream(s, sglang.url + path, body))
             resumes.clear()
-
-            async def migrate() -> None:
-                (lane,) = [
-                    lane for lane in pool.lanes.values() if lane.sidecar.service.ledger.flights
-                ]
-                await preempt(s, lane.sidecar.url, "migrate")
-
-            lines = await stream(s, pool.router.url + path, body, preempt_at=6, on_preempt=migrate)
+            sidecars = [lane.sidecar for lane in pool.lanes.values()]
+            lines = await stream_preempted(
+                s, pool.router.url + path, body, sidecars, 6, Preemption.MIGRATE
+            )
             assert await same_tokens(s, streamed_text(lines), direct, resumes), api
             assert lines[-2:] == [b"data: [DONE]\n", b"\n"]
         resumed = pool.router.router.metrics.registry.get_sample_value(
@@ -324,29 +365,36 @@ async def test_admission_holds_back_what_the_engine_could_not_grow(
 async def test_drain_lets_the_stream_finish_and_refuses_new_work(
     sglang: SGLangServer, redis_url: str
 ) -> None:
-    async with fleet(redis_url, [sglang]) as pool, aiohttp.ClientSession() as session:
-        path, body = bodies(pool.model, 300)["completions"]
-        sidecar = pool.lanes["e0"].sidecar
+    async with aiohttp.ClientSession() as session:
+        model = str((await _server_info(sglang))["served_model_name"])
+        path, body = bodies(model, 300)["completions"]
         direct = streamed_text(await stream(session, sglang.url + path, body))
-        drained: list[dict[str, Any]] = []
 
-        async def drain() -> None:
-            async def order() -> None:
-                async with session.post(sidecar.url + "/weir/v1/drain",
-                                        json={"deadline_s": 60}) as reply:  # fmt: skip
-                    drained.append(await reply.json())
-
-            asyncio.get_running_loop().create_task(order())
+        async def drain(sidecar: RunningSidecar, flight: Flight) -> bool:
+            """Drain `sidecar` mid-stream: while it drains it refuses new work and reports
+            itself unready; the drain ends when the stream does, which finished."""
+            drain_url = sidecar.url + "/weir/v1/drain"
+            drained = asyncio.get_running_loop().create_task(
+                post_json(session, drain_url, {"deadline_s": 60})
+            )
             await until(lambda: sidecar.service.draining, "the sidecar to drain")
             async with session.post(sidecar.url + path, json=body) as refused:
                 assert refused.status == 429
             async with session.get(sidecar.url + "/health") as health:
                 assert health.status == 503
+            report = await drained
+            return bool(report["finished"] == 1)
 
-        lines = await stream(session, sidecar.url + path, body, preempt_at=3, on_preempt=drain)
-        assert streamed_text(lines) == direct
-        await until(lambda: bool(drained), "the drain to report")
-        assert drained[0]["finished"] == 1
+        for _ in range(3):  # a drained sidecar stays drained: each try has its own fleet
+            async with fleet(redis_url, [sglang]) as pool:
+                sidecar = pool.lanes["e0"].sidecar
+                lines, finished = await stream_ordered(
+                    session, sidecar.url + path, body, [sidecar], 3, drain
+                )
+            if finished:
+                assert streamed_text(lines) == direct
+                return
+        pytest.fail("the engine finished every stream before its sidecar drained")
 
 
 async def test_text_prompts_are_sized_by_the_engine_s_own_bytes_per_token(
