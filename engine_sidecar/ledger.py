@@ -400,6 +400,10 @@ class Ledger:
         now = self.clock()
         self.growth = self.growth.observe(self.used_tokens, now)
         self._reclassify(now)
+        # A smaller report frees room, and the engine's queue moves the predicted TPOT
+        # the gate reads: what waits is decided again at each poll, not only at the next
+        # release or first token.
+        self._pump()
 
     def observe_tpot(self, tpot_s: float) -> None:
         self.tpot_s = 0.9 * self.tpot_s + 0.1 * tpot_s

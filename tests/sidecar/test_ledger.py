@@ -161,6 +161,24 @@ async def test_queue_lets_short_pass_refuses_when_full_and_times_out() -> None:
     assert never.value.reason == "too_large"
 
 
+async def test_an_engine_report_that_frees_room_admits_what_waits() -> None:
+    """The engine's report of its KV wins while it is larger than the sidecar's own count;
+    when a later report is smaller (the engine freed KV the sidecar never counted), the
+    room it shows is used at that poll, not at the next release or first token, which
+    may be seconds away."""
+    ledger = Ledger(POLICY, 1000)
+    await admitted(ledger, flight("a", 100))
+    ledger.observe_engine(900, sampled_at=ledger.clock())
+    waiting = flight("b", 200)
+    ledger.add(waiting)
+    admission = asyncio.create_task(ledger.admit(waiting))
+    await asyncio.sleep(0)
+    assert waiting.record.state is S.WAITING_ADMISSION
+    ledger.observe_engine(100, sampled_at=ledger.clock())
+    await asyncio.wait_for(admission, 0.2)  # well inside its 0.3 s wait
+    assert waiting.record.state is S.PREFILL_READY
+
+
 async def test_a_continuation_joins_a_full_queue_and_goes_first() -> None:
     """A stream migrated here was accepted by the fleet already: a full queue does not
     refuse it, and it is admitted before the new requests that waited longer."""
