@@ -5,15 +5,18 @@ exactly this code on a virtual clock, and the live sidecar drives it on the real
 """
 
 from engine_sidecar.policy.admission import (
+    PREFILL_RATE,
     RESERVED,
     TPOT_OBJECTIVE,
     AdmissionDecision,
     AdmissionVerdict,
     PoolOutlook,
+    PrefillBudget,
     SequenceOutlook,
     decide_admission,
     growth_reserve,
     growth_tokens,
+    prefill_budget,
     total_growth_reserve,
     tpot_gate_s,
 )
@@ -76,6 +79,7 @@ from engine_sidecar.policy.watermark import (
 
 __all__ = [
     "H200_LLAMA_8B",
+    "PREFILL_RATE",
     "RESERVATION_TTL_S",
     "RESERVED",
     "TPOT_OBJECTIVE",
@@ -95,6 +99,7 @@ __all__ = [
     "OnlineLinear",
     "OutputLengthPredictor",
     "PoolOutlook",
+    "PrefillBudget",
     "PromptSizer",
     "QueuedRequest",
     "ReliefCosts",
@@ -121,6 +126,7 @@ __all__ = [
     "peer_rooms",
     "pick_target",
     "plan_relief",
+    "prefill_budget",
     "queue_order",
     "queue_wait_s",
     "queued_request",
