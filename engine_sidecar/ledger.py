@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import math
 import secrets
 import time
 from collections.abc import Callable
@@ -58,7 +57,6 @@ from engine_sidecar.policy import (
     classify_watermark,
     decide_admission,
     growth_reserve,
-    prefill_budget,
     queue_wait_s,
     queued_request,
     reconcile_used,
@@ -207,10 +205,8 @@ class Ledger:
         self._reservations_due: asyncio.TimerHandle | None = None
         sched = policy.scheduling
         self._queue: AdmissionQueue[asyncio.Future[None]] = AdmissionQueue(
-            sched.local_queue_size, sched.aging_per_second, tenant_weights(policy.tenants),
-            sched.newest_first,
-        )  # fmt: skip
-        self.prefill_budget = prefill_budget(sched, policy.role)
+            sched.local_queue_size, sched.aging_per_second, tenant_weights(policy.tenants)
+        )
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -455,7 +451,6 @@ class Ledger:
         # The TPOT gate's inputs, read only where the pool declares an objective and a
         # prefill admitted here is pending (`decide_admission`).
         pending = target_tpot_s > 0.0 and self.waiting_prefill > 0
-        new = _new_work(flight)
         pool = PoolOutlook(
             usage.capacity_tokens,
             usage.used_tokens,
@@ -464,7 +459,6 @@ class Ledger:
             self.admission_open,
             prefill_pending=pending,
             predicted_tpot_s=self.latency.predicted_tpot_s(self.load()) if pending else 0.0,
-            prefill_allowance=self.prefill_budget.allowance(self.clock()) if new else math.inf,
         )
         flight.admission = decide_admission(
             self._outlook(flight), rec.prompt_tokens + rec.generated_tokens, pool, self.policy.kv,
@@ -603,10 +597,7 @@ class Ledger:
         )
 
     def _commit(self, flight: Flight) -> None:
-        now = self.clock()
-        if _new_work(flight):
-            self.prefill_budget.take(flight.record.prompt_tokens, now)
-        flight.charge = self._queue.charge(self._charge_for(flight, now))
+        flight.charge = self._queue.charge(self._charge_for(flight, self.clock()))
         flight.charged_from = flight.record.generated_tokens
         if flight.record.state is _S.WAITING_ADMISSION:
             self.move(flight, _S.PREFILL_READY)
@@ -667,9 +658,3 @@ def _candidate(f: Flight) -> VictimCandidate:
         recomputable=f.record.recomputable,
         migratable=f.record.migratable,
     )
-
-
-def _new_work(flight: Flight) -> bool:
-    """Whether `flight` is a new request, not a resume (preempted here, or a continuation
-    from elsewhere): the prefill rate bounds new prompts only."""
-    return not flight.resumed and flight.record.generated_tokens == 0

@@ -44,15 +44,7 @@ class SchedulingPolicy(msgspec.Struct, frozen=True, kw_only=True):
     objective: while a request the sidecar admitted still waits for its first token and
     its engine's predicted TPOT is above it, the sidecar admits nothing new (the request
     waits in its queue, at most `local_queue_max_wait_s`). 0 turns the gate off; a
-    prefill or decode pool's engines have no such gate.
-
-    `prefill_rate_tokens_per_s` bounds the new prompt tokens a sidecar admits to its
-    engine per second (a token bucket holding one second of them; 0: no bound; engines
-    that prefill and decode only): past it new requests wait in the queue, so prefills
-    do not starve the engine's decodes past capacity. Set it to about nine tenths of the
-    engine's measured prefill throughput. `newest_first` serves each tenant's newest new
-    request first inside its class, so that under sustained overload what is served can
-    still make its TTFT objective while older ones wait out their time."""
+    prefill or decode pool's engines have no such gate."""
 
     chunked_prefill_size: int = 8192
     max_running_requests: int = 0
@@ -67,14 +59,12 @@ class SchedulingPolicy(msgspec.Struct, frozen=True, kw_only=True):
     local_queue_size: int = 256
     local_queue_max_wait_s: float = 30.0
     target_tpot_s: float = 0.0
-    prefill_rate_tokens_per_s: float = 0.0
-    newest_first: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("target_tpot_s", "prefill_rate_tokens_per_s"):
-            value = getattr(self, name)
-            if not 0.0 <= value < math.inf:
-                raise ValueError(f"scheduling.{name} must be a number >= 0, got {value}")
+        if not 0.0 <= self.target_tpot_s < math.inf:
+            raise ValueError(
+                f"scheduling.target_tpot_s must be a number >= 0, got {self.target_tpot_s}"
+            )
 
 
 class RoutingPolicy(msgspec.Struct, frozen=True, kw_only=True):

@@ -5,18 +5,15 @@ exactly this code on a virtual clock, and the live sidecar drives it on the real
 """
 
 from engine_sidecar.policy.admission import (
-    PREFILL_RATE,
     RESERVED,
     TPOT_OBJECTIVE,
     AdmissionDecision,
     AdmissionVerdict,
     PoolOutlook,
-    PrefillBudget,
     SequenceOutlook,
     decide_admission,
     growth_reserve,
     growth_tokens,
-    prefill_budget,
     total_growth_reserve,
     tpot_gate_s,
 )
@@ -79,7 +76,6 @@ from engine_sidecar.policy.watermark import (
 
 __all__ = [
     "H200_LLAMA_8B",
-    "PREFILL_RATE",
     "RESERVATION_TTL_S",
     "RESERVED",
     "TPOT_OBJECTIVE",
@@ -99,7 +95,6 @@ __all__ = [
     "OnlineLinear",
     "OutputLengthPredictor",
     "PoolOutlook",
-    "PrefillBudget",
     "PromptSizer",
     "QueuedRequest",
     "ReliefCosts",
@@ -126,7 +121,6 @@ __all__ = [
     "peer_rooms",
     "pick_target",
     "plan_relief",
-    "prefill_budget",
     "queue_order",
     "queue_wait_s",
     "queued_request",

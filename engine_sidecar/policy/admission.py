@@ -41,7 +41,6 @@ a decode engine's "prefill" is the KV its prefill peer sends, which stretches no
 from __future__ import annotations
 
 import enum
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -102,9 +101,6 @@ ALONE = "alone"
 # The reason of a request that waits for a pending prefill while its engine's predicted
 # TPOT is past the pool's objective.
 TPOT_OBJECTIVE = "tpot_objective"
-# The reason of a new request that waits because its engine took the prompt tokens the
-# pool's prefill rate allows for now.
-PREFILL_RATE = "prefill_rate"
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,71 +116,15 @@ class PoolOutlook:
     # TPOT on the load now: what the TPOT gate reads (0 where no objective is declared).
     prefill_pending: bool = False
     predicted_tpot_s: float = 0.0
-    # The prompt tokens the pool's prefill rate lets in now (`PrefillBudget.allowance`).
-    prefill_allowance: float = math.inf
 
     def over_tpot(self, target_tpot_s: float) -> bool:
         """Whether the TPOT gate holds new requests back (`target_tpot_s` 0: no gate)."""
         return 0.0 < target_tpot_s < self.predicted_tpot_s and self.prefill_pending
 
-    def held_back(self, target_tpot_s: float, prompt_tokens: int) -> str:
-        """Why a request that fits the KV must wait all the same ('' if it need not)."""
-        if self.over_tpot(target_tpot_s):
-            return TPOT_OBJECTIVE
-        if prompt_tokens > self.prefill_allowance:
-            return PREFILL_RATE
-        return ""
-
-
-class PrefillBudget:
-    """The pool's bound on new prompt tokens admitted per second to one engine
-    (`scheduling.prefill_rate_tokens_per_s`): a token bucket that fills at that rate up to
-    one second of it. A prompt larger than the whole bucket goes in when the bucket is
-    full. Clock-free: every call is given `now`."""
-
-    def __init__(self, tokens_per_s: float) -> None:
-        self.tokens_per_s = tokens_per_s
-        self.level = tokens_per_s
-        self.at = -math.inf
-
-    def allowance(self, now: float) -> float:
-        """The prompt tokens that may go in at `now` (infinite: no bound, or full)."""
-        rate = self.tokens_per_s
-        if rate <= 0.0:
-            return math.inf
-        if now > self.at:
-            self.level = min(rate, self.level + rate * (now - self.at))
-            self.at = now
-        return math.inf if self.level >= rate else self.level
-
-    def ready_at(self, prompt_tokens: int) -> float:
-        """When a prompt of `prompt_tokens` may go in, as of the last `allowance` (the
-        bucket fills at its rate; -inf: now, inf: no bound to wait for)."""
-        rate = self.tokens_per_s
-        if rate <= 0.0:
-            return -math.inf
-        need = min(float(prompt_tokens), rate)
-        if self.level >= need:
-            return -math.inf
-        return self.at + (need - self.level) / rate
-
-    def take(self, prompt_tokens: int, now: float) -> None:
-        """A new request of `prompt_tokens` was admitted at `now`."""
-        if self.tokens_per_s > 0.0:
-            self.allowance(now)
-            self.level -= prompt_tokens
-
 
 def tpot_gate_s(scheduling: SchedulingPolicy, role: Role) -> float:
     """The TPOT objective an engine of `role` gates its admission on (0: none)."""
     return scheduling.target_tpot_s if role is Role.MIXED else 0.0
-
-
-def prefill_budget(scheduling: SchedulingPolicy, role: Role) -> PrefillBudget:
-    """The prefill rate an engine of `role` admits new prompts under (unbounded but on an
-    engine that prefills and decodes: a prefill engine only prefills, and a decode
-    engine's prompts arrive as KV)."""
-    return PrefillBudget(scheduling.prefill_rate_tokens_per_s if role is Role.MIXED else 0.0)
 
 
 def alone_tokens(candidate: SequenceOutlook, prompt_tokens: int, policy: KVPolicy) -> int:
@@ -206,8 +146,7 @@ def decide_admission(
     """Whether a request with `prompt_tokens` and growth prospects `candidate` fits now.
     `held`: this endpoint held room for it until now (a reservation just consumed, no
     longer counted in `pool`): only the arithmetic decides, not the watermark, a pause or
-    the TPOT gate or the prefill rate. `target_tpot_s`: the pool's TPOT objective (0:
-    none)."""
+    the TPOT gate. `target_tpot_s`: the pool's TPOT objective (0: none)."""
     needed = prompt_tokens + growth_reserve(candidate, policy.growth_horizon_steps)
     capacity = pool.capacity_tokens
     safety = policy.safety_tokens(capacity)
@@ -222,8 +161,8 @@ def decide_admission(
             return AdmissionDecision(AdmissionVerdict.REFUSE, "too_large", alone, room)
         if alone >= room or not pool.admission_open:
             return AdmissionDecision(AdmissionVerdict.WAIT, ALONE, alone, room)
-        if why := pool.held_back(target_tpot_s, prompt_tokens):
-            return AdmissionDecision(AdmissionVerdict.WAIT, why, alone, room)
+        if pool.over_tpot(target_tpot_s):
+            return AdmissionDecision(AdmissionVerdict.WAIT, TPOT_OBJECTIVE, alone, room)
         return AdmissionDecision(AdmissionVerdict.ADMIT, ALONE, alone, room)
     if held and needed <= available:
         return AdmissionDecision(AdmissionVerdict.ADMIT, RESERVED, needed, available)
@@ -235,6 +174,6 @@ def decide_admission(
         )
     if needed > available:
         return AdmissionDecision(AdmissionVerdict.WAIT, "kv_reserve", needed, available)
-    if why := pool.held_back(target_tpot_s, prompt_tokens):
-        return AdmissionDecision(AdmissionVerdict.WAIT, why, needed, available)
+    if pool.over_tpot(target_tpot_s):
+        return AdmissionDecision(AdmissionVerdict.WAIT, TPOT_OBJECTIVE, needed, available)
     return AdmissionDecision(AdmissionVerdict.ADMIT, "fits", needed, available)

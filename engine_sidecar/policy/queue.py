@@ -115,7 +115,6 @@ def queue_order(
     now: float,
     aging_per_second: float,
     counters: VirtualCounters,
-    newest_first: bool = False,
 ) -> tuple[QueuedRequest, ...]:
     """Class by class by aged priority; inside a class, tenant by tenant by KV cost.
 
@@ -128,35 +127,30 @@ def queue_order(
     the head of the class whose head has the highest effective priority (ties: the
     higher class): a head that waited long goes ahead of younger work of a higher
     class, so a class is delayed, never starved, while aging never reorders tenants
-    inside one. With `newest_first` each tenant's new requests go newest first (its
-    resumes still first, oldest first)."""
-    lines = class_lines(queue, counters, newest_first)
-    return tuple(merge_classes(lines, now, aging_per_second))
+    inside one."""
+    return tuple(merge_classes(class_lines(queue, counters), now, aging_per_second))
 
 
 def class_lines(
-    queue: tuple[QueuedRequest, ...], counters: VirtualCounters, newest_first: bool = False
+    queue: tuple[QueuedRequest, ...], counters: VirtualCounters
 ) -> dict[float, tuple[QueuedRequest, ...]]:
     """Each class's requests in `queue_order`'s order inside a class: a function of the
     requests and the tenants' counters only (not of the clock)."""
-    classes: dict[float, list[tuple[tuple[int, float], int, QueuedRequest]]] = {}
+    classes: dict[float, list[tuple[float, int, QueuedRequest]]] = {}
     for i, q in enumerate(queue):
         lead = RESUME_LEAD if q.resumed else 0.0
-        # The place among its tenant's: arrival order; with `newest_first`, new work after
-        # the resumes and newest first.
-        place = (1, -q.enqueued_at) if newest_first and not q.resumed else (0, q.enqueued_at)
-        classes.setdefault(q.priority + lead, []).append((place, i, q))
+        classes.setdefault(q.priority + lead, []).append((q.enqueued_at, i, q))
     lines: dict[float, tuple[QueuedRequest, ...]] = {}
     for klass, members in classes.items():
         members.sort()
         ahead: dict[str, float] = {}
         ranked = []
-        for place, i, q in members:
+        for enqueued_at, i, q in members:
             start = ahead.get(q.tenant)
             if start is None:
                 start = counters.counter(q.tenant)
             ahead[q.tenant] = start + counters.share(q.tenant, q.cost)
-            ranked.append((start, place, i, q))
+            ranked.append((start, enqueued_at, i, q))
         ranked.sort()
         lines[klass] = tuple(r[-1] for r in ranked)
     return lines
@@ -210,19 +204,13 @@ class AdmissionQueue(Generic[T]):
     Then nothing passes it until it fits, so it cannot starve. Clock-free: every call is
     given `now`. Each entry carries the caller's payload (a waiter's future live, a
     flight in the simulator). `weights` are the tenants' fair-share weights
-    (`tenant_weights` of the pool policy's tenants; 1 for any other); `newest_first`, the
-    pool's `scheduling.newest_first`."""
+    (`tenant_weights` of the pool policy's tenants; 1 for any other)."""
 
     def __init__(
-        self,
-        size: int,
-        aging_per_second: float,
-        weights: Mapping[str, float] | None = None,
-        newest_first: bool = False,
+        self, size: int, aging_per_second: float, weights: Mapping[str, float] | None = None
     ) -> None:
         self.size = size
         self.aging_per_second = aging_per_second
-        self.newest_first = newest_first
         self.counters = VirtualCounters(weights)
         self._entries: dict[str, tuple[QueuedRequest, T]] = {}
         self._waiting: Counter[str] = Counter()  # entries per tenant
@@ -319,18 +307,11 @@ class AdmissionQueue(Generic[T]):
             return -math.inf
         return min(q.expires_at for q, _ in self._entries.values())
 
-    def smallest_new_prompt(self) -> int | None:
-        """The smallest prompt among the new requests waiting (None: only resumes wait)."""
-        return min(
-            (q.prompt_tokens for q, _ in self._entries.values() if not q.resumed), default=None
-        )
-
     def _class_lines(self) -> dict[float, tuple[QueuedRequest, ...]]:
         state = (self._changes, self.counters, self.counters.changes)  # counters replaced too
         if state != self._lines_for:
             entries = tuple(q for q, _ in self._entries.values())
-            lines = class_lines(entries, self.counters, self.newest_first)
-            self._lines, self._lines_for = lines, state
+            self._lines, self._lines_for = class_lines(entries, self.counters), state
         return self._lines
 
     def _take(self, item: QueuedRequest) -> None:

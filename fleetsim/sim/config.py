@@ -81,15 +81,6 @@ that can still meet theirs. Measured on few_long_many_short at 125 % of nominal 
 with the TPOT gate: 6.0 requests/s within SLO shed at 2 s, 5.1 at 3 s, 1.4 at 5 s, 0.3
 at 10 s (docs/fleet-simulation.md)."""
 
-PREFILL_RATE_TOKENS_PER_S: Final = 3780.0
-"""The new prompt tokens a simulated Weir sidecar admits per second
-(`scheduling.prefill_rate_tokens_per_s`), nine tenths of the simulated H200's 4,200
-prefill tokens/s, with its queue newest first inside a tenant (`scheduling.newest_first`):
-past capacity prefills no longer starve the decodes, and what is served is what can still
-make its TTFT, while the 2 s wait keeps a backlog for tenant weights to act on. At three
-quarters of the prefill rate short_short lost 12 points of capacity at SLO
-(docs/fleet-simulation.md)."""
-
 TARGET_TPOT_S: Final = 0.07
 """The pool's declared TPOT objective (`scheduling.target_tpot_s`): the SLO's 80 ms less
 an eighth for the latency model's error (an objective at the SLO itself met 28 % fewer
@@ -101,18 +92,14 @@ def default_pool_policy() -> PoolPolicy:
     workloads' blocks so the router's index and ownership keys line up with them, the
     router's fair queue letting a request wait as long as an interactive client's
     patience (a patient client retries after the refusal), and the pool's latency
-    objectives declared: the sidecar sheds a request its queue held `SHED_AFTER_S`, gates
-    admission on `TARGET_TPOT_S` and bounds new prompts at `PREFILL_RATE_TOKENS_PER_S`,
-    newest first."""
+    objectives declared: the sidecar sheds a request its queue held `SHED_AFTER_S` and
+    gates admission on `TARGET_TPOT_S`."""
     return PoolPolicy(
         pool=POOL,
         model=MODEL,
         kv=KVPolicy(),
         scheduling=SchedulingPolicy(
-            local_queue_max_wait_s=SHED_AFTER_S,
-            target_tpot_s=TARGET_TPOT_S,
-            prefill_rate_tokens_per_s=PREFILL_RATE_TOKENS_PER_S,
-            newest_first=True,
+            local_queue_max_wait_s=SHED_AFTER_S, target_tpot_s=TARGET_TPOT_S
         ),
         routing=RoutingPolicy(
             prefix_block_tokens=512,

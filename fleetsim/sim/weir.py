@@ -108,7 +108,6 @@ from engine_sidecar.policy import (
     LengthKey,
     OutputLengthPredictor,
     PoolOutlook,
-    PrefillBudget,
     QueuedRequest,
     ReliefCosts,
     Reservations,
@@ -125,7 +124,6 @@ from engine_sidecar.policy import (
     growth_tokens,
     peer_rooms,
     plan_relief,
-    prefill_budget,
     queue_wait_s,
     queued_request,
     reservable_tokens,
@@ -188,7 +186,6 @@ class Sidecar:
     # keeps its own KV account below, on the virtual clock.
     ledger: Ledger = field(init=False)
     queue: AdmissionQueue[SimFlight] = field(init=False)
-    prefill_budget: PrefillBudget = field(init=False)
     held: dict[str, _Held] = field(default_factory=dict)
     watermark: WatermarkState = WatermarkState.NORMAL
     admission_paused: bool = False
@@ -214,10 +211,8 @@ class Sidecar:
         self.ledger = Ledger(self.policy, self.capacity_tokens, self.clock)
         sched = self.policy.scheduling
         self.queue = AdmissionQueue(
-            sched.local_queue_size, sched.aging_per_second, tenant_weights(self.policy.tenants),
-            sched.newest_first,
-        )  # fmt: skip
-        self.prefill_budget = prefill_budget(sched, self.role)
+            sched.local_queue_size, sched.aging_per_second, tenant_weights(self.policy.tenants)
+        )
         self.reservations = Reservations(self.endpoint_id)
         self._usage = KVUsage(self.capacity_tokens, 0, 0)
 
@@ -301,10 +296,9 @@ class Sidecar:
             self.usage(), self.watermark, not self.admission_paused, self.policy.kv
         )
 
-    def pool(self, tpot_gate: bool = False, new: bool = False) -> PoolOutlook:
+    def pool(self, tpot_gate: bool = False) -> PoolOutlook:
         """The pool as admission sees it; with `tpot_gate` (the pool declares a TPOT
-        objective), what the gate reads too, and for `new` work what the prefill rate
-        allows, as the live ledger reads them (`Ledger._decide`)."""
+        objective), what the gate reads too, as the live ledger reads it (`Ledger._decide`)."""
         usage = self.usage()
         pending = tpot_gate and self.prefill_pending()
         return PoolOutlook(
@@ -315,7 +309,6 @@ class Sidecar:
             admission_open=not self.admission_paused,
             prefill_pending=pending,
             predicted_tpot_s=self.ledger.latency.predicted_tpot_s(self.load()) if pending else 0.0,
-            prefill_allowance=self.prefill_budget.allowance(self.clock()) if new else math.inf,
         )
 
     def prefill_pending(self) -> bool:
@@ -894,10 +887,9 @@ class WeirPolicy:
     ) -> AdmissionDecision:
         policy = self._policy()
         target_tpot_s = tpot_gate_s(policy.scheduling, sidecar.role)
-        pool = sidecar.pool(target_tpot_s > 0.0, new=not flight.generated)
         return decide_admission(
-            sidecar.outlook(flight), prompt_tokens, pool, policy.kv, held=held,
-            target_tpot_s=target_tpot_s,
+            sidecar.outlook(flight), prompt_tokens, sidecar.pool(target_tpot_s > 0.0),
+            policy.kv, held=held, target_tpot_s=target_tpot_s,
         )  # fmt: skip
 
     def _admit(self, sidecar: Sidecar, now: float) -> None:
@@ -963,8 +955,6 @@ class WeirPolicy:
         if self.sim.submit(flight, sidecar.index, now, engine_prio):
             self._where[flight.rid] = sidecar.index
             charge = sidecar.queue.charge(sidecar.charge_for(flight, prompt_tokens, now))
-            if not flight.generated:
-                sidecar.prefill_budget.take(prompt_tokens, now)
             sidecar.held[flight.rid] = _Held(flight, prompt_tokens, flight.generated, charge)
             sidecar.used_tokens += prompt_tokens
             sidecar.reserved_tokens += decision.needed_tokens - prompt_tokens
@@ -1033,20 +1023,15 @@ class WeirPolicy:
         interrupt the engine), and its admission has nobody to admit — nothing queued,
         or a queue its pump just let nothing out of, until the queue's rule says that
         may change (`AdmissionQueue.settled_until`: with what the decisions read
-        unchanged, which the same interruptions guarantee) or the prefill rate lets its
-        smallest new prompt in (the one decision the clock alone changes)."""
+        unchanged, which the same interruptions guarantee)."""
         sidecar = self.sidecars[engine]
         if sidecar.watermark.rank >= WatermarkState.PRESSURE.rank:
             return now
         until = sidecar.accounted_at + self._engine_poll_s - ACCOUNT_MARGIN_S
-        queue = sidecar.queue
-        if len(queue):
+        if len(sidecar.queue):
             if sidecar.stalled_at != now:
                 return now
-            until = min(until, queue.settled_until() - ACCOUNT_MARGIN_S)
-            smallest = queue.smallest_new_prompt()
-            if smallest is not None:
-                until = min(until, sidecar.prefill_budget.ready_at(smallest) - ACCOUNT_MARGIN_S)
+            until = min(until, sidecar.queue.settled_until() - ACCOUNT_MARGIN_S)
         return until
 
     def after_step(self, engine: int, now: float) -> None:

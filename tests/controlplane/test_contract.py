@@ -111,8 +111,7 @@ def test_pool_policy_validates_watermark_order_and_prefill_pools() -> None:
     policy = decode_json(b'{"pool":"p","model":"m"}', PoolPolicy)
     assert policy.kv.high_watermark == 0.85
     assert policy.scheduling.target_tpot_s == 0.0  # no TPOT gate unless declared
-    for field in (b"target_tpot_s", b"prefill_rate_tokens_per_s"):
-        for bad in (b"-0.01", b"1e999"):
-            raw = b'{"pool":"p","model":"m","scheduling":{"' + field + b'":' + bad + b"}}"
-            with pytest.raises(SchemaError, match=field.decode()):
-                decode_json(raw, PoolPolicy)
+    for bad in (b"-0.01", b"1e999"):
+        raw = b'{"pool":"p","model":"m","scheduling":{"target_tpot_s":' + bad + b"}}"
+        with pytest.raises(SchemaError, match="target_tpot_s"):
+            decode_json(raw, PoolPolicy)

@@ -5,13 +5,10 @@ from __future__ import annotations
 import functools
 from collections.abc import AsyncIterator
 
-import msgspec
 import pytest
 
-from controlplane.contract import PoolPolicy
 from fleetsim.engine import EngineConfig, EngineModel, EngineRequest, encode
 from fleetsim.server import RunningEngine, serve_engine
-from fleetsim.sim.config import default_pool_policy
 from tests import polling
 
 # Fast simulated GPU: an 8B decode step of ~7 ms takes ~0.1 ms of wall time.
@@ -52,12 +49,3 @@ async def engine() -> AsyncIterator[RunningEngine]:
 
 # The engine lives in this event loop and steps every few milliseconds: poll at its pace.
 until = functools.partial(polling.until, timeout_s=30.0, every_s=0.002)
-
-
-def without_prefill_rate() -> PoolPolicy:
-    """The simulated Weir's pool policy with no bound on new prompt tokens per second:
-    for tests that build their pressure from a burst of prompts at one instant, which the
-    rate would spread over seconds or refuse."""
-    policy = default_pool_policy()
-    scheduling = msgspec.structs.replace(policy.scheduling, prefill_rate_tokens_per_s=0.0)
-    return msgspec.structs.replace(policy, scheduling=scheduling)

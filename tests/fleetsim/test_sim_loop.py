@@ -14,7 +14,6 @@ from fleetsim.report.matrix import CellSpec, fleet_config, workload
 from fleetsim.sim import FleetConfig, Simulation, WeirPolicy, engine_config_for, policies
 from fleetsim.workloads import BLOCK_TOKENS, RequestSpec, prompt_token_bytes, read_trace, scenario
 from fleetsim.workloads.scenarios import EngineFailure
-from tests.fleetsim.conftest import without_prefill_rate
 
 
 def _outcome(result_flights: list) -> list[tuple[str, str, float, float, int]]:  # type: ignore[type-arg]
@@ -71,7 +70,7 @@ def test_one_engine_light_load_every_policy_gives_the_same_latencies() -> None:
 
 def test_with_unbounded_kv_weir_admission_never_refuses() -> None:
     specs = scenario("short_in_long_out").with_duration(5.0).generate(20.0, seed=2)
-    config = FleetConfig(engines=2, kv_tokens=4_000_000, policy=without_prefill_rate())
+    config = FleetConfig(engines=2, kv_tokens=4_000_000)
     result = Simulation(specs, policies()["weir"](), config).run()
     assert {f.reason for f in result.flights} <= {FinishReason.STOP, FinishReason.LENGTH}
     assert all(not f.preemptions for f in result.flights)
@@ -126,9 +125,8 @@ def test_an_engine_failure_loses_baseline_requests_but_not_weirs() -> None:
     lost = {}
     for name in ("least_outstanding", "weir"):
         result = Simulation(
-            specs, policies()[name](), FleetConfig(engines=3, policy=without_prefill_rate()),
-            failures=failure,
-        ).run()  # fmt: skip
+            specs, policies()[name](), FleetConfig(engines=3), failures=failure
+        ).run()
         lost[name] = sum(f.reason is FinishReason.ERROR for f in result.flights)
         if name == "weir":
             moved = [f for f in result.flights if "failover" in f.preemptions]

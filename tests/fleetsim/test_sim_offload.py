@@ -13,15 +13,12 @@ from fleetsim.report.relief_modes import workload
 from fleetsim.sim import FleetConfig, SimFlight, SimResult, Simulation, engine_config_for
 from fleetsim.sim.weir import WeirPolicy
 from fleetsim.workloads import prompt_token_bytes
-from tests.fleetsim.conftest import without_prefill_rate
 
 M = PreemptionMode
 
 
 def run(kv_tokens: int, host_tier: bool, modes: tuple[PreemptionMode, ...]) -> SimResult:
-    fleet = FleetConfig(
-        engines=1, kv_tokens=kv_tokens, drain_s=600.0, policy=without_prefill_rate()
-    )
+    fleet = FleetConfig(engines=1, kv_tokens=kv_tokens, drain_s=600.0)
     scheduling = msgspec.structs.replace(fleet.policy.scheduling, preemption_modes=modes)
     policy = msgspec.structs.replace(fleet.policy, scheduling=scheduling)
     engines = engine_config_for(fleet).replace(enable_hierarchical_cache=host_tier)

@@ -20,15 +20,7 @@ from engine_sidecar.policy import (
     retry_after_s,
     total_growth_reserve,
 )
-from engine_sidecar.policy.admission import (
-    ALONE,
-    PREFILL_RATE,
-    TPOT_OBJECTIVE,
-    PrefillBudget,
-    alone_tokens,
-    prefill_budget,
-    tpot_gate_s,
-)
+from engine_sidecar.policy.admission import ALONE, TPOT_OBJECTIVE, alone_tokens, tpot_gate_s
 
 POLICY = KVPolicy(emergency_watermark=0.95, growth_horizon_steps=100, headroom_tokens=10)
 EQUAL = VirtualCounters()  # no tenant served yet
@@ -141,80 +133,6 @@ def test_the_tpot_gate_holds_new_requests_while_a_prefill_is_pending() -> None:
     scheduling = SchedulingPolicy(target_tpot_s=0.07)
     assert tpot_gate_s(scheduling, Role.MIXED) == 0.07
     assert tpot_gate_s(scheduling, Role.PREFILL) == tpot_gate_s(scheduling, Role.DECODE) == 0.0
-
-
-def test_the_prefill_rate_lets_in_a_second_of_prompt_tokens_and_refills() -> None:
-    """A bucket of one second of the rate, full at first: prompts go in while it holds
-    them, the next waits until the bucket has refilled to its size (`ready_at`), and one
-    larger than the whole bucket goes in when the bucket is full."""
-    budget = PrefillBudget(1000.0)
-    assert budget.allowance(0.0) == math.inf  # full
-    budget.take(600, 0.0)
-    assert budget.allowance(0.0) == 400
-    budget.take(400, 0.0)
-    assert budget.allowance(0.0) == 0
-    assert budget.ready_at(300) == 0.3
-    assert budget.allowance(0.3) == 300
-    assert budget.ready_at(300) == -math.inf
-    assert budget.ready_at(5000) == 1.0  # larger than the bucket: when it is full
-    assert budget.allowance(1.0) == math.inf
-    budget.take(5000, 1.0)  # in debt: the next prompt waits out what it took
-    assert budget.ready_at(100) == 5.1
-    unbounded = PrefillBudget(0.0)
-    unbounded.take(10**6, 0.0)
-    assert unbounded.allowance(0.0) == math.inf
-    assert unbounded.ready_at(10**6) == -math.inf
-    # Only an engine that prefills and decodes is bounded.
-    scheduling = SchedulingPolicy(prefill_rate_tokens_per_s=1000.0)
-    assert prefill_budget(scheduling, Role.MIXED).tokens_per_s == 1000.0
-    assert prefill_budget(scheduling, Role.PREFILL).tokens_per_s == 0.0
-    assert prefill_budget(scheduling, Role.DECODE).tokens_per_s == 0.0
-
-
-def test_a_request_that_fits_the_kv_waits_for_the_prefill_rate() -> None:
-    cand = SequenceOutlook(0, 50, 20)
-    over = decide_admission(cand, 100, _pool(0, prefill_allowance=99.0), POLICY)
-    assert (over.verdict, over.reason) == (AdmissionVerdict.WAIT, PREFILL_RATE)
-    within = decide_admission(cand, 100, _pool(0, prefill_allowance=100.0), POLICY)
-    assert (within.verdict, within.reason) == (AdmissionVerdict.ADMIT, "fits")
-    alone = decide_admission(cand, 921, _pool(0, prefill_allowance=99.0), POLICY)
-    assert (alone.verdict, alone.reason) == (AdmissionVerdict.WAIT, PREFILL_RATE)
-    # Room held for it is taken regardless; the KV binds first when it is short.
-    held = decide_admission(cand, 100, _pool(0, prefill_allowance=0.0), POLICY, held=True)
-    assert held.verdict is AdmissionVerdict.ADMIT
-    full = decide_admission(cand, 100, _pool(900, 0, prefill_allowance=0.0), POLICY)
-    assert full.reason == "kv_reserve"
-
-
-def test_newest_first_serves_each_tenants_newest_new_request_first() -> None:
-    """Under sustained overload the oldest requests have missed their TTFT: each tenant's
-    newest new request goes first, its resumes still ahead of its new work (a class up),
-    and tenants still take turns by their counters."""
-    a_old, a_new = (
-        QueuedRequest("a1", 0, 1.0, 9.0, 1, tenant="a", cost=10.0),
-        QueuedRequest("a2", 0, 2.0, 9.0, 1, tenant="a", cost=10.0),
-    )
-    b_old, b_new = (
-        QueuedRequest("b1", 0, 1.5, 9.0, 1, tenant="b", cost=10.0),
-        QueuedRequest("b2", 0, 2.5, 9.0, 1, tenant="b", cost=10.0),
-    )
-    resume = QueuedRequest("r", 0, 0.5, 9.0, 1, resumed=True, tenant="a", cost=10.0)
-    queue = (a_old, a_new, b_old, b_new, resume)
-    fifo = [q.rid for q in queue_order(queue, 3.0, 0.0, EQUAL)]
-    assert fifo == ["r", "a1", "b1", "a2", "b2"]
-    newest = [q.rid for q in queue_order(queue, 3.0, 0.0, EQUAL, newest_first=True)]
-    assert newest == ["r", "b2", "a2", "b1", "a1"]  # even turns: the newer first
-    fair = VirtualCounters()
-    fair.charge("a", 100.0)  # a was served more: b's turns come first
-    assert [q.rid for q in queue_order(queue, 3.0, 0.0, fair, newest_first=True)] == [
-        "r", "b2", "b1", "a2", "a1",
-    ]  # fmt: skip
-    live: AdmissionQueue[str] = AdmissionQueue(8, 0.0, newest_first=True)
-    for q in queue:
-        live.offer(q, q.rid)
-    assert live.smallest_new_prompt() == 1
-    out = [q.rid for q, _, _ in live.pump(3.0, lambda q, _: AdmissionVerdict.ADMIT)]
-    assert out == newest
 
 
 def test_queue_orders_by_aged_priority_and_expires() -> None:

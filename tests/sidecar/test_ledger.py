@@ -179,31 +179,6 @@ async def test_an_engine_report_that_frees_room_admits_what_waits() -> None:
     assert waiting.record.state is S.PREFILL_READY
 
 
-async def test_the_prefill_rate_holds_a_new_prompt_until_its_bucket_has_room() -> None:
-    """A pool bounding new prompts at 200 tokens/s: the first prompt takes 150 of the
-    full bucket's 200, the next (100 tokens) waits in the queue though the KV has room,
-    and the engine poll that finds the bucket refilled admits it."""
-    now = [0.0]
-    scheduling = SchedulingPolicy(
-        local_queue_size=4, local_queue_max_wait_s=0.3, prefill_rate_tokens_per_s=200.0
-    )
-    policy = PoolPolicy(pool="p", model="m", kv=KVPolicy(growth_horizon_steps=16),
-                        scheduling=scheduling)  # fmt: skip
-    ledger = Ledger(policy, 10_000, clock=lambda: now[0])
-    await admitted(ledger, flight("a", 150))
-    waiting = flight("b", 100)
-    ledger.add(waiting)
-    admission = asyncio.create_task(ledger.admit(waiting))
-    await asyncio.sleep(0)
-    assert waiting.record.state is S.WAITING_ADMISSION
-    assert waiting.admission is not None
-    assert waiting.admission.reason == "prefill_rate"
-    now[0] = 0.25  # 50 left + 0.25 s x 200 tokens/s: room for its 100
-    ledger.observe_engine(150, sampled_at=now[0])
-    await asyncio.wait_for(admission, 0.2)  # well inside its 0.3 s wait
-    assert waiting.record.state is S.PREFILL_READY
-
-
 async def test_a_continuation_joins_a_full_queue_and_goes_first() -> None:
     """A stream migrated here was accepted by the fleet already: a full queue does not
     refuse it, and it is admitted before the new requests that waited longer."""
