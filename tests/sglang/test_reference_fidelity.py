@@ -543,10 +543,14 @@ async def test_an_overfilled_pool_retracts_the_latest_and_every_request_finishes
     with the fewest tokens — the latest admitted — and each one resumes and finishes
     with all its tokens. How many are admitted before one waits, and how many times
     which request is retracted, depend on when each arrived relative to the engine's
-    steps (CPU timing on the real server): those counts are reported, not compared."""
+    steps (CPU timing on the real server): those counts are reported, not compared. On a
+    starved machine the real server can admit too few to overfill the pool at all (it
+    did once, with a fleet simulation on both cores beside the tests): the burst is sent
+    again, up to three times, until it overfills."""
     count, max_new = 20, 300
-    report = {}
-    for name, base in zip(("real", "reference"), both.urls, strict=True):
+
+    async def burst(base: str, attempt: int) -> list[int]:
+        """Each request's retractions, in arrival order; every one finished whole."""
         streams = []
         for i in range(count):
             body = {
@@ -554,7 +558,7 @@ async def test_an_overfilled_pool_retracts_the_latest_and_every_request_finishes
                 "sampling_params": {"max_new_tokens": max_new, "min_new_tokens": max_new,
                                     "temperature": 0},
                 "stream": True,
-                "rid": f"weir-fidelity-pool-{i:03d}",
+                "rid": f"weir-fidelity-pool-{attempt}-{i:03d}",
             }  # fmt: skip
             response = await both.http.post(base + "/generate", json=body)
             streams.append(response)
@@ -565,9 +569,16 @@ async def test_an_overfilled_pool_retracts_the_latest_and_every_request_finishes
             events: list[dict[str, Any]] = []
             assert await read_rest(response, events) == "data: [DONE]"
             finals.append(events[-1]["meta_info"])
-        key = "num_retractions" if both.new else "total_retractions"
-        retractions = [meta[key] for meta in finals]
         assert all(m["finish_reason"] == {"type": "length", "length": max_new} for m in finals)
+        key = "num_retractions" if both.new else "total_retractions"
+        return [meta[key] for meta in finals]
+
+    report = {}
+    for name, base in zip(("real", "reference"), both.urls, strict=True):
+        for attempt in range(3 if name == "real" else 1):
+            retractions = await burst(base, attempt)
+            if sum(retractions):
+                break
         assert sum(retractions) > 0, name
         retracted = [i for i, n in enumerate(retractions) if n]
         report[name] = retractions
